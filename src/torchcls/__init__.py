@@ -1,0 +1,28 @@
+"""torchcls: PyTorch-native image classification, from an eager prototype to verified production artifacts.
+
+The public API is one function per command. They are imported lazily so that
+`import torchcls` (and `torchcls --help`) does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_API = {
+    "train": "torchcls.train",
+    "evaluate": "torchcls.evaluate",
+    "predict": "torchcls.predict",
+    "demo": "torchcls.demo",
+    "Config": "torchcls.config",
+}
+
+__all__ = [*_API, "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'torchcls' has no attribute {name!r}")

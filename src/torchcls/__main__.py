@@ -1,0 +1,5 @@
+import sys
+
+from torchcls.cli import main
+
+sys.exit(main())

@@ -1,0 +1,114 @@
+"""Evaluate a checkpoint: top-1/top-5, per-class precision/recall/F1, confusion matrix and
+calibration error (torchmetrics), written to eval.json plus a confusion-matrix PNG.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchcls.config import Config, DataConfig
+from torchcls.data import eval_dataset, make_loader
+from torchcls.devices import resolve_device
+from torchcls.errors import UserError
+from torchcls.train.checkpoint import load_model, resolve_checkpoint, run_dir_of
+
+SPLITS = ("val", "test", "train", "all")
+
+
+@torch.no_grad()
+def predict_logits(model: torch.nn.Module, loader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    model.to(device).eval()
+    logits, targets = [], []
+    for x, y in loader:
+        logits.append(model(x.to(device)).float().cpu())
+        targets.append(y)
+    return torch.cat(logits), torch.cat(targets)
+
+
+def classification_metrics(logits: torch.Tensor, targets: torch.Tensor, classes: list[str]) -> dict[str, Any]:
+    from torchmetrics.classification import (MulticlassAccuracy, MulticlassCalibrationError,
+                                             MulticlassConfusionMatrix, MulticlassF1Score,
+                                             MulticlassPrecision, MulticlassRecall)
+
+    k = len(classes)
+    probs = logits.softmax(dim=1)
+    top1 = MulticlassAccuracy(k, top_k=1, average="micro")(probs, targets).item()
+    top5 = MulticlassAccuracy(k, top_k=min(5, k), average="micro")(probs, targets).item()
+    per_class = {name: MetricCls(k, average="none")(probs, targets) for name, MetricCls in
+                 (("precision", MulticlassPrecision), ("recall", MulticlassRecall), ("f1", MulticlassF1Score))}
+    support = torch.bincount(targets, minlength=k)
+    return {
+        "top1": top1,
+        "top5": top5,
+        "n": len(targets),
+        "loss": torch.nn.functional.cross_entropy(logits, targets).item(),
+        "ece": MulticlassCalibrationError(k, n_bins=15, norm="l1")(probs, targets).item(),
+        "macro_f1": per_class["f1"].mean().item(),
+        "per_class": {c: {"precision": per_class["precision"][i].item(), "recall": per_class["recall"][i].item(),
+                          "f1": per_class["f1"][i].item(), "support": int(support[i])} for i, c in enumerate(classes)},
+        "classes": classes,
+        "confusion_matrix": MulticlassConfusionMatrix(k)(probs, targets).tolist(),
+    }
+
+
+def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None = None, split: str | None = None,
+             out_dir: str | Path | None = None, batch_size: int = 256, workers: int = 2,
+             device: str = "auto", on_bad_file: str = "error") -> dict[str, Any]:
+    """Evaluate `checkpoint` (a .safetensors file or a run dir) and write eval.json + confusion.png.
+
+    By default it evaluates on the data it was trained with: the official test split
+    where the set has one, else the seeded held-out (val) split. Results go to the run
+    dir of the checkpoint, or `out_dir`.
+    """
+    path = resolve_checkpoint(checkpoint)
+    model, meta = load_model(path)
+    train_cfg = Config.from_dict(meta.config, origin=f"{path} metadata")
+    data_cfg: DataConfig = replace(train_cfg.data, on_bad_file=on_bad_file)
+    if data is not None:
+        data_cfg = replace(data_cfg, source=data, root=root)
+    elif root is not None:
+        data_cfg = replace(data_cfg, root=root)
+    split = split or ("test" if data_cfg.source == "fashion-mnist" else "val")
+    if split not in SPLITS:
+        raise UserError(f"--split {split}: choose one of {', '.join(SPLITS)}")
+    if data is not None and split == "val":
+        split = "all"  # other data than the training data: use all of it
+    dataset, images = eval_dataset(data_cfg, meta.preprocess, split, train_cfg.train.seed)
+    dataset = _align_classes(dataset, images, meta.classes, data_cfg.source)
+
+    logits, targets = predict_logits(model, make_loader(dataset, batch_size, workers, shuffle=False),
+                                     resolve_device(device))
+    result = {"checkpoint": str(path), "data": data_cfg.source, "split": split,
+              **classification_metrics(logits, targets, meta.classes)}
+    if images.skipped:
+        result["skipped_files"] = [{"file": f, "reason": r} for f, r in images.skipped]
+
+    out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    from torchcls.report import plots, write_report
+
+    plots.confusion_matrix(result["confusion_matrix"], meta.classes, out / "confusion_matrix.png")
+    if (out / "config.toml").is_file():
+        write_report(out)
+    result["out_dir"] = str(out)
+    return result
+
+
+def _align_classes(dataset, images, model_classes: list[str], source: str):
+    """Map the data's class names onto the model's class indices; unknown labels are an error."""
+    if images.classes == model_classes:
+        return dataset
+    unknown = sorted(set(images.classes) - set(model_classes))
+    if unknown:
+        raise UserError(f"{source}: label(s) {', '.join(unknown)} are not classes of this model "
+                        f"(it knows: {', '.join(model_classes)})")
+    index = {c: model_classes.index(c) for c in images.classes}
+    images.targets = torch.tensor([index[images.classes[t]] for t in images.targets.tolist()])
+    images.classes = list(model_classes)
+    return dataset

@@ -1,0 +1,80 @@
+"""One name string → a model: 'smallnet', any timm name, or 'tv/<torchvision name>'.
+
+Weights always start from random init: nothing is downloaded. `num_classes` and input
+channels are adapted to the data.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+from torch import nn
+
+from torchcls.errors import UserError
+from torchcls.models.smallnet import SmallNet
+
+TORCHVISION_PREFIX = "tv/"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything needed to rebuild the architecture; saved in every checkpoint."""
+
+    name: str
+    num_classes: int
+    in_chans: int
+    img_size: int
+    drop_rate: float = 0.0
+
+
+def create_model(spec: ModelSpec) -> nn.Module:
+    if spec.name == "smallnet":
+        return SmallNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
+    if spec.name.startswith(TORCHVISION_PREFIX):
+        return _torchvision_model(spec)
+    return _timm_model(spec)
+
+
+def _timm_model(spec: ModelSpec) -> nn.Module:
+    import timm
+
+    if not timm.is_model(spec.name):
+        raise UserError(_unknown(spec.name, timm.list_models()))
+    kwargs = dict(pretrained=False, num_classes=spec.num_classes, in_chans=spec.in_chans, drop_rate=spec.drop_rate)
+    try:  # transformers need their input size; CNNs do not take the argument
+        return timm.create_model(spec.name, img_size=spec.img_size, **kwargs)
+    except TypeError:
+        return timm.create_model(spec.name, **kwargs)
+
+
+def _torchvision_model(spec: ModelSpec) -> nn.Module:
+    import torchvision
+
+    name = spec.name.removeprefix(TORCHVISION_PREFIX)
+    available = torchvision.models.list_models(module=torchvision.models)
+    if name not in available:
+        raise UserError(_unknown(spec.name, [TORCHVISION_PREFIX + n for n in available]))
+    model = torchvision.models.get_model(name, weights=None, num_classes=spec.num_classes)
+    if spec.in_chans != 3:
+        _adapt_first_conv(model, spec.in_chans)
+    return model
+
+
+def _adapt_first_conv(model: nn.Module, in_chans: int) -> None:
+    """Replace the first 3-channel convolution with one taking `in_chans` channels."""
+    for parent in model.modules():
+        for child_name, child in parent.named_children():
+            if isinstance(child, nn.Conv2d) and child.in_channels == 3:
+                setattr(parent, child_name, nn.Conv2d(
+                    in_chans, child.out_channels, child.kernel_size, child.stride, child.padding,
+                    child.dilation, child.groups, child.bias is not None, child.padding_mode))
+                return
+    raise UserError(f"cannot adapt this torchvision model to {in_chans} input channels; use --channels 3")
+
+
+def _unknown(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known + ["smallnet"], n=5, cutoff=0.6)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return (f"unknown model '{name}'.{hint} Use 'smallnet', a timm name (timm.list_models()), "
+            f"or '{TORCHVISION_PREFIX}<name>' for torchvision (e.g. {TORCHVISION_PREFIX}resnet18).")

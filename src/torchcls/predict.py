@@ -1,0 +1,65 @@
+"""Predict: image files or folders → top-k labels with probabilities."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchcls.data import build_transform
+from torchcls.data.images import BadImage, load_image
+from torchcls.devices import resolve_device
+from torchcls.errors import UserError
+from torchcls.train.checkpoint import load_model
+
+
+@dataclass
+class Predictions:
+    items: list[dict[str, Any]]  # {"file", "top": [{"label", "prob"}, ...]}
+    skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
+
+
+def expand_inputs(inputs: list[str | Path]) -> list[Path]:
+    files: list[Path] = []
+    for item in map(Path, inputs):
+        if item.is_dir():
+            found = sorted(f for f in item.rglob("*") if f.is_file() and not f.name.startswith("."))
+            if not found:
+                raise UserError(f"folder {item} holds no files")
+            files += found
+        elif item.is_file():
+            files.append(item)
+        else:
+            raise UserError(f"{item} does not exist")
+    if not files:
+        raise UserError("no input images given")
+    return files
+
+
+@torch.no_grad()
+def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = 5, device: str = "auto",
+            on_bad_file: str = "error", batch_size: int = 64) -> Predictions:
+    model, meta = load_model(checkpoint)
+    dev = resolve_device(device)
+    model.to(dev)
+    transform = build_transform(meta.preprocess, train=False)
+    result = Predictions([])
+    good: list[tuple[Path, torch.Tensor]] = []
+    for f in expand_inputs(inputs):
+        try:
+            good.append((f, transform(load_image(f, meta.preprocess.channels))))
+        except BadImage as e:
+            if on_bad_file == "error":
+                raise UserError(f"{f}: {e} (pass --on-bad-file skip to leave it out)") from None
+            result.skipped.append({"file": str(f), "reason": str(e)})
+    k = min(topk, len(meta.classes))
+    for start in range(0, len(good), batch_size):
+        chunk = good[start:start + batch_size]
+        probs = model(torch.stack([t for _, t in chunk]).to(dev)).float().softmax(dim=1).cpu()
+        values, indices = probs.topk(k, dim=1)
+        for (f, _), vals, idx in zip(chunk, values, indices):
+            result.items.append({"file": str(f), "top": [{"label": meta.classes[i], "prob": round(v, 6)}
+                                                         for v, i in zip(vals.tolist(), idx.tolist())]})
+    return result

@@ -1,0 +1,58 @@
+"""Matplotlib figures for the run report (Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def training_curves(records: list[dict[str, Any]], path: Path) -> bool:
+    """Loss and accuracy per epoch (and per-step loss); False when there is nothing to plot."""
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    steps = [r for r in records if r.get("kind") == "step"]
+    if not epochs and not steps:
+        return False
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    if steps:
+        spe = max(1, epochs[0]["step"]) if epochs else 1  # steps per epoch, to put steps on the epoch axis
+        ax_loss.plot([s["step"] / spe for s in steps], [s["loss"] for s in steps], alpha=0.35, label="step loss")
+    for key, label in (("train_loss", "train loss"), ("val_loss", "val loss")):
+        if epochs and key in epochs[0]:
+            ax_loss.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], marker="o", label=label)
+    for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5")):
+        if epochs and key in epochs[0]:
+            ax_acc.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], marker="o", label=label)
+    ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")
+    ax_acc.set(xlabel="epoch", ylabel="accuracy", title="Accuracy")
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def confusion_matrix(matrix: list[list[int]], classes: list[str], path: Path) -> None:
+    n = len(classes)
+    size = min(14, 2.5 + 0.45 * n)
+    fig, ax = plt.subplots(figsize=(size, size))
+    im = ax.imshow(matrix, cmap="Blues")
+    ax.set(xticks=range(n), yticks=range(n), xlabel="predicted", ylabel="true", title="Confusion matrix")
+    ax.set_xticklabels(classes, rotation=45, ha="right")
+    ax.set_yticklabels(classes)
+    if n <= 30:
+        top = max(max(row) for row in matrix) or 1
+        for i in range(n):
+            for j in range(n):
+                ax.text(j, i, matrix[i][j], ha="center", va="center", fontsize=7,
+                        color="white" if matrix[i][j] > top / 2 else "black")
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,148 @@
+"""Checkpoints: weights as safetensors (with the model spec, classes and preprocessing in its
+metadata), training state beside them as a tensors-only torch file loaded with
+weights_only=True. Every write is atomic: temp file, fsync, rename.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, safe_open, save_file
+from torch import nn
+
+from torchcls.data.loaders import Preprocess
+from torchcls.errors import UserError
+from torchcls.models.registry import ModelSpec, create_model
+
+META_KEY = "torchcls"
+
+
+@dataclass
+class CheckpointMeta:
+    spec: ModelSpec
+    classes: list[str]
+    preprocess: Preprocess
+    config: dict[str, Any]  # the resolved training config (data source, split seed, ...)
+    epoch: int
+    step: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> CheckpointMeta:
+        raw = json.loads(text)
+        pre = raw["preprocess"]
+        return cls(ModelSpec(**raw["spec"]), raw["classes"],
+                   Preprocess(pre["img_size"], pre["channels"], tuple(pre["mean"]), tuple(pre["std"])),
+                   raw["config"], raw["epoch"], raw["step"])
+
+
+def atomic_write(path: Path, write: callable) -> None:
+    """Call write(tmp_path), fsync, then rename over `path`: readers never see half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain, contiguous, de-aliased CPU state dict (what safetensors can store)."""
+    model = getattr(model, "_orig_mod", model)  # unwrap torch.compile
+    return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
+
+
+def save_weights(path: Path, model: nn.Module, meta: CheckpointMeta) -> None:
+    state = model_state(model)
+    atomic_write(path, lambda tmp: save_file(state, tmp, metadata={META_KEY: meta.to_json()}))
+
+
+def save_training_state(path: Path, state: dict[str, Any]) -> None:
+    atomic_write(path, lambda tmp: torch.save(state, tmp))
+
+
+def load_training_state(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise UserError(f"training state {path} is missing: cannot resume (the weights alone are not enough)")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def read_meta(path: str | Path) -> CheckpointMeta:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path} is not a safetensors checkpoint ({e}); torchcls reads only .safetensors "
+                        "weights written by `torchcls train`") from None
+    if META_KEY not in metadata:
+        raise UserError(f"{path} has no torchcls metadata: it was not written by `torchcls train`")
+    return CheckpointMeta.from_json(metadata[META_KEY])
+
+
+def load_model(path: str | Path) -> tuple[nn.Module, CheckpointMeta]:
+    """Rebuild the model a checkpoint describes and load its weights (eval mode, CPU)."""
+    path = resolve_checkpoint(path)
+    meta = read_meta(path)
+    model = create_model(meta.spec)
+    load_weights_into(model, path)
+    return model.eval(), meta
+
+
+def load_weights_into(model: nn.Module, path: Path) -> None:
+    state = load_file(str(path))
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    mismatched = [k for k in expected if k in state and expected[k].shape != state[k].shape]
+    if missing or unexpected or mismatched:
+        detail = "; ".join(part for part in (
+            f"missing {len(missing)} (e.g. {missing[0]})" if missing else "",
+            f"unexpected {len(unexpected)} (e.g. {unexpected[0]})" if unexpected else "",
+            f"shape mismatch in {mismatched[0]}: {tuple(state[mismatched[0]].shape)} vs "
+            f"{tuple(expected[mismatched[0]].shape)}" if mismatched else "") if part)
+        raise UserError(f"checkpoint {path} does not fit the model ({detail}); was it trained with another "
+                        "--model, number of classes or --channels?")
+    model.load_state_dict(state)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a .safetensors file or a run dir (→ its best, else last, checkpoint)."""
+    path = Path(path)
+    if path.is_dir():
+        for name in ("best.safetensors", "last.safetensors"):
+            if (path / "checkpoints" / name).is_file():
+                return path / "checkpoints" / name
+        raise UserError(f"{path} holds no checkpoints/best.safetensors or last.safetensors: is it a run dir?")
+    if not path.is_file():
+        raise UserError(f"checkpoint {path} does not exist")
+    return path
+
+
+def run_dir_of(checkpoint: Path) -> Path | None:
+    """runs/<name>/checkpoints/x.safetensors → runs/<name> (when it looks like a run dir)."""
+    parent = checkpoint.resolve().parent
+    if parent.name == "checkpoints" and (parent.parent / "config.toml").is_file():
+        return parent.parent
+    return None

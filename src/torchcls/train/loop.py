@@ -1,0 +1,225 @@
+"""The training loop: one public function, `train(cfg)`.
+
+Reproducibility: the data order, worker seeds and main-process RNG are re-seeded from
+(seed, epoch) at each epoch start, and a mid-epoch checkpoint stores the step within
+the epoch plus the RNG state; resuming replays the epoch's loader up to that step, so a
+resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchcls.config import Config
+from torchcls.console import console, progress_bar
+from torchcls.data import build_data, make_loader
+from torchcls.data.loaders import reseed
+from torchcls.devices import resolve_device
+from torchcls.errors import UserError
+from torchcls.models import ModelSpec, create_model
+from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
+from torchcls.train.optim import build_optimizer, warmup_cosine
+from torchcls.train.parallel import parallelize
+from torchcls.train.precision import PrecisionPlan, apply_precision
+from torchcls.train.rundir import RunDir
+
+StepCallback = Callable[[int], None]  # called with the global step after each optimizer step
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    best_checkpoint: Path
+    last_checkpoint: Path
+    val_top1: float | None
+    steps: int
+    interrupted: bool = False
+
+
+@dataclass
+class Progress:
+    epoch: int = 0
+    step: int = 0  # optimizer steps since the start of the run
+    step_in_epoch: int = 0
+    best_top1: float = -1.0
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader, device: torch.device, precision: PrecisionPlan,
+             memory_format: torch.memory_format) -> dict[str, float]:
+    model.eval()
+    loss_sum, top1, top5, n = 0.0, 0, 0, 0
+    for x, y in loader:
+        x, y = x.to(device, memory_format=memory_format), y.to(device)
+        with precision.autocast():
+            logits = model(x).float()
+        loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
+        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        top1 += (topk[:, 0] == y).sum().item()
+        top5 += (topk == y[:, None]).any(dim=1).sum().item()
+        n += len(y)
+    model.train()
+    return {"val_loss": loss_sum / n, "val_top1": top1 / n, "val_top5": top5 / n}
+
+
+def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
+    """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues."""
+    run = RunDir.prepare(cfg)
+    cfg.save_toml(run.path / "config.toml")
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+
+    data = build_data(cfg.data, cfg.train.seed)
+    if data.images.skipped:
+        skipped = [{"file": f, "reason": r} for f, r in data.images.skipped]
+        (run.path / "skipped_files.json").write_text(json.dumps({"skipped_files": skipped}, indent=2))
+        console.print(f"[yellow]skipped {len(skipped)} unreadable file(s); listed in the report[/]")
+    pre = data.preprocess
+    spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate)
+    memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    model = create_model(spec).to(device, memory_format=memory_format)
+    model = parallelize(model, cfg.train)
+    precision = apply_precision(cfg.train.precision, device)
+    optimizer = build_optimizer(model, cfg.optim)
+
+    seed = cfg.train.seed
+    train_loader = make_loader(data.train, cfg.data.batch_size, cfg.data.workers, shuffle=True, seed=seed)
+    val_loader = make_loader(data.val, cfg.data.batch_size * 2, cfg.data.workers, shuffle=False)
+    steps_per_epoch = len(train_loader)
+    total_steps = steps_per_epoch * cfg.train.epochs
+    scheduler = warmup_cosine(optimizer, int(cfg.optim.warmup_epochs * steps_per_epoch), total_steps)
+    criterion = nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+
+    def meta(p: Progress) -> CheckpointMeta:
+        return CheckpointMeta(spec, data.classes, pre, cfg.to_dict(), p.epoch, p.step)
+
+    def checkpoint(p: Progress) -> None:
+        save_weights(run.checkpoints / "last.safetensors", model, meta(p))
+        save_training_state(run.checkpoints / "last.state.pt", {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "epoch": p.epoch, "step": p.step, "step_in_epoch": p.step_in_epoch, "best_top1": p.best_top1,
+            "rng": torch.get_rng_state(),
+        })
+
+    p = Progress()
+    resume_rng = None
+    if cfg.run.resume:
+        state = load_training_state(run.checkpoints / "last.state.pt")
+        load_weights_into(model, run.checkpoints / "last.safetensors")
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        p = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"])
+        resume_rng = state["rng"] if p.step_in_epoch else None
+        run.truncate_metrics(p.step)
+        console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step}")
+
+    forward = torch.compile(model) if cfg.train.compile else model
+    writer = _tensorboard(run.path) if cfg.train.tensorboard else None
+    log_every = max(1, steps_per_epoch // 10)
+    model.train()
+    try:
+        with progress_bar(cfg.train.progress) as bar:
+            while p.epoch < cfg.train.epochs:
+                task = bar.add_task(f"epoch {p.epoch + 1}/{cfg.train.epochs}", total=steps_per_epoch,
+                                    completed=p.step_in_epoch)
+                reseed(train_loader, seed, p.epoch)
+                batches = iter(train_loader)
+                for _ in range(p.step_in_epoch):  # replay to the checkpointed position
+                    next(batches)
+                if resume_rng is not None:
+                    torch.set_rng_state(resume_rng)
+                    resume_rng = None
+                t0, seen, loss_sum, correct = time.perf_counter(), 0, 0.0, 0
+                for x, y in batches:
+                    x, y = x.to(device, memory_format=memory_format, non_blocking=True), y.to(device)
+                    with precision.autocast():
+                        logits = forward(x)
+                    loss = criterion(logits.float(), y)
+                    optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    if cfg.optim.grad_clip > 0:
+                        nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+                    optimizer.step()
+                    scheduler.step()
+                    p.step += 1
+                    p.step_in_epoch += 1
+                    seen += len(y)
+                    loss_sum += loss.item() * len(y)
+                    correct += (logits.argmax(1) == y).sum().item()
+                    bar.update(task, advance=1)
+                    if p.step % log_every == 0:
+                        record = {"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": loss.item(),
+                                  "lr": scheduler.get_last_lr()[0]}
+                        run.log(record)
+                        _tb(writer, record)
+                    if cfg.train.save_every and p.step % cfg.train.save_every == 0:
+                        checkpoint(p)
+                    for cb in callbacks:
+                        cb(p.step)
+                elapsed = time.perf_counter() - t0
+                record = {"kind": "epoch", "epoch": p.epoch + 1, "step": p.step,
+                          "train_loss": loss_sum / max(1, seen), "train_top1": correct / max(1, seen),
+                          "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
+                if len(data.val):
+                    record |= validate(forward, val_loader, device, precision, memory_format)
+                p.epoch, p.step_in_epoch = p.epoch + 1, 0
+                run.log(record)
+                _tb(writer, record)
+                _print_epoch(record, cfg.train.epochs)
+                checkpoint(p)
+                top1 = record.get("val_top1", record["train_top1"])
+                if top1 > p.best_top1:
+                    p.best_top1 = top1
+                    save_weights(run.checkpoints / "best.safetensors", model, meta(p))
+    except KeyboardInterrupt:
+        checkpoint(p)
+        console.print(f"[yellow]interrupted at step {p.step}; checkpoint saved. Continue with: "
+                      f"torchcls train --config {run.path / 'config.toml'} --resume[/]")
+        return _result(run, p, interrupted=True)
+    finally:
+        if writer is not None:
+            writer.close()
+
+    from torchcls.report import write_report
+
+    write_report(run.path)
+    return _result(run, p)
+
+
+def _result(run: RunDir, p: Progress, interrupted: bool = False) -> TrainResult:
+    best = run.checkpoints / "best.safetensors"
+    return TrainResult(run.path, best if best.exists() else run.checkpoints / "last.safetensors",
+                       run.checkpoints / "last.safetensors", p.best_top1 if p.best_top1 >= 0 else None,
+                       p.step, interrupted)
+
+
+def _print_epoch(r: dict[str, Any], epochs: int) -> None:
+    val = f"  val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:.2%}" if "val_top1" in r else ""
+    console.print(f"epoch {r['epoch']}/{epochs}  train loss {r['train_loss']:.4f}  "
+                  f"train top1 {r['train_top1']:.2%}{val}  {r['img_per_s']:.0f} img/s")
+
+
+def _tensorboard(run_path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the 'tensorboard' package: pip install tensorboard") from None
+    return SummaryWriter(str(run_path / "tensorboard"))
+
+
+def _tb(writer, record: dict[str, Any]) -> None:
+    if writer is None:
+        return
+    for key, value in record.items():
+        if key not in ("kind", "epoch", "step") and isinstance(value, (int, float)):
+            writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])

@@ -1,0 +1,61 @@
+"""The run directory: runs/<name>/ with config.toml, metrics.jsonl, checkpoints/, plots, report."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchcls.config import Config
+from torchcls.errors import UserError
+
+
+@dataclass
+class RunDir:
+    path: Path
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def metrics_file(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @classmethod
+    def prepare(cls, cfg: Config) -> RunDir:
+        name = cfg.run.name or f"{cfg.model.name.replace('/', '-')}-{Path(cfg.data.source).stem}-" \
+                                f"{time.strftime('%Y%m%d-%H%M%S')}"
+        cfg.run.name = name
+        path = Path(cfg.run.out_dir) / name
+        has_state = (path / "checkpoints" / "last.state.pt").is_file()
+        if cfg.run.resume and not has_state:
+            raise UserError(f"--resume: {path} has no checkpoints/last.state.pt to continue from; "
+                            "check --name and --out-dir")
+        if not cfg.run.resume and path.exists() and any(path.iterdir()):
+            raise UserError(f"run dir {path} already exists: pass --resume to continue it, "
+                            "or choose another --name")
+        path.mkdir(parents=True, exist_ok=True)
+        run = cls(path)
+        run.checkpoints.mkdir(exist_ok=True)
+        if not cfg.run.resume:
+            run.metrics_file.write_text("")
+        return run
+
+    def log(self, record: dict[str, Any]) -> None:
+        with self.metrics_file.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def truncate_metrics(self, after_step: int) -> None:
+        """On resume, drop records logged after the checkpoint so the log reads like one run."""
+        kept = [line for line in read_metrics(self.path) if line.get("step", 0) <= after_step]
+        self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
