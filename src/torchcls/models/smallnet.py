@@ -1,7 +1,7 @@
 """SmallNet: a compact ResNet for 28x28 inputs (MNIST, Fashion-MNIST), the demo's model.
 
 Three stages of pre-activation-free basic blocks (16→32→64 channels, 28→14→7 px),
-~0.18 M parameters, 19 MFLOP per 28x28 image. `stages` and `stage_channels` are public so that wrappers (early
+78k parameters, 19 MFLOP per 28x28 image. `stages` and `stage_channels` are public so that wrappers (early
 exits, FSDP per-block sharding) can address the blocks without knowing the class.
 """
 

@@ -1,0 +1,35 @@
+# Two entry points: `make demo` and `make test`. Each creates .venv when missing and
+# (re)installs when pyproject.toml changed.
+VENV   ?= .venv
+PYTHON ?= python3.11
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+FASHION_MNIST := /usr/share/datasets/fashion-mnist
+
+.PHONY: demo test fashion-mnist clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
+
+$(VENV)/.installed-demo: pyproject.toml | $(PY)
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml | $(PY)
+	$(PIP) install -e '.[test]'
+	touch $@ $(VENV)/.installed-demo
+
+demo: $(VENV)/.installed-demo
+	$(VENV)/bin/torchcls demo
+
+test: $(VENV)/.installed-test fashion-mnist
+	$(PY) -m pytest
+
+# The real Fashion-MNIST files from Debian, used by tests and benchmarks: installed
+# when we are root and apt exists; otherwise the tests that need them say so.
+fashion-mnist:
+	@if [ ! -d $(FASHION_MNIST) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; fi
+
+clean:
+	rm -rf runs .pytest_cache build src/*.egg-info

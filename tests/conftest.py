@@ -1,0 +1,74 @@
+"""Shared fixtures: small real image trees, and one tiny trained run reused by many tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+# Keep Inductor's cache and temp files inside one folder that the session removes.
+_SCRATCH = Path(tempfile.mkdtemp(prefix="torchcls-tests-"))
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
+
+FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_SCRATCH, ignore_errors=True)
+
+
+def draw_shape(kind: str, size: int, seed: int) -> Image.Image:
+    """A real RGB picture of a circle or a square at a random place and colour."""
+    rng = np.random.default_rng(seed)
+    im = Image.new("RGB", (size, size), tuple(int(v) for v in rng.integers(0, 80, 3)))
+    d = ImageDraw.Draw(im)
+    r = int(rng.integers(size // 5, size // 3))
+    cx, cy = (int(v) for v in rng.integers(r, size - r, 2))
+    color = tuple(int(v) for v in rng.integers(150, 256, 3))
+    box = (cx - r, cy - r, cx + r, cy + r)
+    (d.ellipse if kind == "circle" else d.rectangle)(box, fill=color)
+    return im
+
+
+def make_image_folder(root: Path, per_class: int = 16, size: int = 32, classes=("circle", "square")) -> Path:
+    for c in classes:
+        (root / c).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            draw_shape(c, size, seed=hash((c, i)) % 10_000).save(root / c / f"{c}_{i:03d}.png")
+    return root
+
+
+@pytest.fixture
+def shapes_dir(tmp_path: Path) -> Path:
+    return make_image_folder(tmp_path / "shapes")
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory) -> Path:
+    """A SmallNet trained briefly on the shapes images (3 channels, 32 px): a real run dir."""
+    from torchcls.config import Config
+    from torchcls.train import train
+
+    base = tmp_path_factory.mktemp("trained")
+    data = make_image_folder(base / "shapes", per_class=40)
+    cfg = Config()
+    cfg.data.source, cfg.data.workers, cfg.data.batch_size, cfg.data.val_fraction = str(data), 0, 16, 0.25
+    cfg.data.img_size = 32
+    cfg.train.epochs, cfg.train.progress = 8, False
+    cfg.run.out_dir, cfg.run.name = str(base / "runs"), "shapes"
+    return train(cfg).run_dir
+
+
+def tiny_config(data: Path, out: Path, name: str = "run", epochs: int = 2):
+    from torchcls.config import Config
+
+    cfg = Config()
+    cfg.data.source, cfg.data.workers, cfg.data.batch_size, cfg.data.img_size = str(data), 0, 8, 32
+    cfg.train.epochs, cfg.train.progress = epochs, False
+    cfg.run.out_dir, cfg.run.name = str(out), name
+    return cfg

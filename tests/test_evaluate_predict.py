@@ -1,0 +1,59 @@
+import json
+
+import pytest
+import torch
+
+from conftest import draw_shape
+from torchcls.errors import UserError
+from torchcls.evaluate import evaluate
+from torchcls.predict import predict
+from torchcls.train.checkpoint import load_model
+
+
+def test_eval_json_and_plots(trained_run):
+    r = evaluate(trained_run, workers=0)
+    ev = json.loads((trained_run / "eval.json").read_text())
+    assert ev["split"] == "val" and ev["n"] == 20  # 25% of 80 images, stratified
+    assert 0.0 <= ev["top1"] <= ev["top5"] == 1.0  # two classes: top-5 is always right
+    assert sum(map(sum, ev["confusion_matrix"])) == ev["n"]
+    correct = sum(ev["confusion_matrix"][i][i] for i in range(2))
+    assert ev["top1"] == pytest.approx(correct / ev["n"])
+    assert set(ev["per_class"]) == {"circle", "square"} and 0 <= ev["ece"] <= 1
+    assert (trained_run / "confusion_matrix.png").stat().st_size > 1000
+    assert "Evaluation" in (trained_run / "report.html").read_text()
+    assert r["top1"] == ev["top1"]
+
+
+def test_eval_top1_matches_a_manual_forward(trained_run):
+    from torchcls.config import Config
+    from torchcls.data import eval_dataset
+
+    model, meta = load_model(trained_run)
+    cfg = Config.from_dict(meta.config)
+    ds, _ = eval_dataset(cfg.data, meta.preprocess, "val", cfg.train.seed)
+    with torch.no_grad():
+        preds = [model(ds[i][0][None]).argmax().item() for i in range(len(ds))]
+    manual = sum(p == ds[i][1] for i, p in enumerate(preds)) / len(ds)
+    assert evaluate(trained_run, workers=0, out_dir=trained_run / "again")["top1"] == pytest.approx(manual)
+
+
+def test_eval_on_other_data_with_unknown_label(tmp_path, trained_run):
+    (tmp_path / "circle").mkdir()
+    (tmp_path / "triangle").mkdir()
+    draw_shape("circle", 32, 1).save(tmp_path / "circle" / "a.png")
+    draw_shape("circle", 32, 2).save(tmp_path / "triangle" / "b.png")
+    with pytest.raises(UserError, match="label\\(s\\) triangle are not classes of this model"):
+        evaluate(trained_run, data=str(tmp_path), workers=0, out_dir=tmp_path / "out")
+
+
+def test_predict_files_and_folders(tmp_path, trained_run):
+    draw_shape("square", 32, 5).save(tmp_path / "s.png")
+    draw_shape("circle", 40, 6).convert("L").save(tmp_path / "c.png")  # grey, other size: converted
+    (tmp_path / "bad.jpg").write_bytes(b"\xff\xd8\xff garbage")
+    with pytest.raises(UserError, match="bad.jpg"):
+        predict(trained_run, [tmp_path])
+    preds = predict(trained_run, [tmp_path], topk=2, on_bad_file="skip")
+    assert [p["file"].rsplit("/", 1)[1] for p in preds.items] == ["c.png", "s.png"]
+    for p in preds.items:
+        assert len(p["top"]) == 2 and abs(sum(t["prob"] for t in p["top"]) - 1) < 1e-4
+    assert preds.skipped[0]["file"].endswith("bad.jpg")

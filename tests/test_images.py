@@ -1,0 +1,91 @@
+"""Every odd image file has a defined outcome: converted correctly, or a BadImage with the reason."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from torchcls.data.images import MAX_PIXELS, BadImage, load_image
+
+
+def _save(tmp_path: Path, name: str, im: Image.Image, **kw) -> Path:
+    p = tmp_path / name
+    im.save(p, **kw)
+    return p
+
+
+def test_rgb_and_grey_conversion(tmp_path):
+    p = _save(tmp_path, "a.png", Image.new("RGB", (5, 4), (255, 0, 0)))
+    rgb = load_image(p, 3)
+    assert rgb.shape == (3, 4, 5) and rgb.dtype == torch.uint8 and rgb[0].max() == 255 and rgb[1].max() == 0
+    grey = load_image(p, 1)
+    assert grey.shape == (1, 4, 5) and int(grey[0, 0, 0]) == 76  # ITU-R 601 luma of pure red
+    g = _save(tmp_path, "g.png", Image.new("L", (3, 3), 200))
+    assert load_image(g, 3).shape == (3, 3, 3) and load_image(g, 3).unique().tolist() == [200]
+
+
+def test_cmyk_jpeg(tmp_path):
+    p = _save(tmp_path, "c.jpg", Image.new("CMYK", (8, 8), (0, 255, 255, 0)))  # red in CMYK
+    t = load_image(p, 3)
+    assert t.shape == (3, 8, 8) and t[0].float().mean() > 200 and t[1].float().mean() < 60
+
+
+def test_16bit_greyscale_is_scaled_not_clipped(tmp_path):
+    arr = np.full((4, 4), 32768, dtype=np.uint16)
+    p = _save(tmp_path, "d.png", Image.fromarray(arr))
+    t = load_image(p, 1)
+    assert int(t[0, 0, 0]) == 128
+
+
+def test_palette_with_transparency_and_rgba_on_white(tmp_path):
+    rgba = Image.new("RGBA", (4, 4), (0, 0, 0, 0))  # fully transparent black → white
+    assert load_image(_save(tmp_path, "t.png", rgba), 3).unique().tolist() == [255]
+    pal = Image.new("P", (4, 4), 0)
+    pal.putpalette([10, 20, 30] + [0] * 765)
+    assert load_image(_save(tmp_path, "p.png", pal), 3)[:, 0, 0].tolist() == [10, 20, 30]
+    pal.info["transparency"] = 0
+    assert load_image(_save(tmp_path, "pt.png", pal, transparency=0), 3).unique().tolist() == [255]
+
+
+def test_exif_rotation_applied(tmp_path):
+    im = Image.new("RGB", (6, 2), (0, 0, 255))
+    exif = im.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to display
+    p = tmp_path / "r.jpg"
+    im.save(p, exif=exif)
+    assert load_image(p, 3).shape == (3, 6, 2)
+
+
+@pytest.mark.parametrize("name, content, reason", [
+    ("empty.png", b"", "empty file"),
+    ("notes.png", b"this is not an image at all", "not an image"),
+])
+def test_unreadable_bytes(tmp_path, name, content, reason):
+    p = tmp_path / name
+    p.write_bytes(content)
+    with pytest.raises(BadImage, match=reason):
+        load_image(p, 3)
+
+
+def test_truncated_and_corrupted(tmp_path):
+    good = _save(tmp_path, "ok.jpg", Image.effect_noise((64, 64), 50).convert("RGB"))
+    data = good.read_bytes()
+    (tmp_path / "trunc.jpg").write_bytes(data[: len(data) // 2])
+    with pytest.raises(BadImage, match="truncated or corrupted"):
+        load_image(tmp_path / "trunc.jpg", 3)
+    png = _save(tmp_path, "ok.png", Image.effect_noise((64, 64), 50))
+    raw = bytearray(png.read_bytes())
+    raw[60:90] = b"\x00" * 30  # smash the compressed stream
+    (tmp_path / "bad.png").write_bytes(bytes(raw))
+    with pytest.raises(BadImage):
+        load_image(tmp_path / "bad.png", 3)
+
+
+def test_decompression_bomb_rejected_without_decoding(tmp_path):
+    side = int(MAX_PIXELS ** 0.5) + 10
+    p = _save(tmp_path, "bomb.png", Image.new("1", (side, side)))
+    assert p.stat().st_size < 200_000  # tiny file, huge image
+    with pytest.raises(BadImage, match="decompression bomb"):
+        load_image(p, 3)
