@@ -60,3 +60,12 @@ def test_bad_files_cli(tmp_path, shapes_dir):
                 "--out-dir", tmp_path, "--name", "s", "--no-progress", "--on-bad-file", "skip")
     assert r.returncode == 0, r.stderr
     assert "broken.png" in (tmp_path / "s" / "report.html").read_text()
+
+
+def test_demo_command_trains_evaluates_and_reports(tmp_path):
+    r = run_cli("demo", "--epochs", 1, "--out-dir", tmp_path, "--name", "d")
+    assert r.returncode == 0, r.stderr
+    ev = json.loads((tmp_path / "d" / "eval.json").read_text())
+    assert ev["data"] == "mnist-5k" and ev["split"] == "val" and ev["n"] == 1000
+    assert ev["top1"] > 0.5  # one epoch of real digits already beats chance by far
+    assert "held-out top-1" in r.stdout and (tmp_path / "d" / "report.html").is_file()

@@ -37,7 +37,9 @@ class DataConfig:
     img_size: int | None = opt(None, "input size in pixels (default: 28 for built-in sets, 224 for image files)")
     channels: int | None = opt(None, "input channels, 1 or 3 (default: 1 for built-in sets, 3 for image files); "
                                "images are converted to match")
-    augment: str = opt("light", "training augmentation", choices=("none", "light", "standard"))
+    augment: str = opt("light", "training augmentation: none; light = small shifts (digits, text); flip = shifts "
+                       "and horizontal flips; standard = random resized crops and flips (photos)",
+                       choices=("none", "light", "flip", "standard"))
     batch_size: int = opt(128, "images per training step")
     workers: int = opt(2, "DataLoader worker processes (0 = load in the main process)")
     on_bad_file: str = opt("error", "what to do with unreadable images: stop with an error, or skip them "

@@ -27,25 +27,32 @@ def preprocess_for(cfg: DataConfig, images: ImageSet) -> Preprocess:
     channels = cfg.channels or images.channels
     if channels not in (1, 3):
         raise UserError(f"--channels must be 1 or 3, got {channels}")
-    builtin = images.images is not None
-    size = cfg.img_size or (images.images.shape[-1] if builtin else 224)
+    size = cfg.img_size or images.side or 224
     mean, std = STATS.get(images.name, IMAGENET_STATS if channels == 3 else ((0.5,), (0.5,)))
     if len(mean) != channels:  # grey set shown as RGB or photos as grey: one value per channel
         mean, std = (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
     return Preprocess(size, channels, tuple(mean), tuple(std))
 
 
-def build_transform(pre: Preprocess, train: bool, augment: str = "none") -> v2.Transform:
-    """uint8 CxHxW tensor → normalised float tensor of shape (channels, img_size, img_size)."""
+def build_transform(pre: Preprocess, train: bool, augment: str = "none", source_size: int | None = None) -> v2.Transform:
+    """uint8 CxHxW tensor → normalised float tensor of shape (channels, img_size, img_size).
+
+    `source_size`: the side of every input when known to be square and fixed (built-in
+    sets); resizing is then skipped when it would be a no-op (it costs more than the
+    rest of the pipeline on 28x28 digits).
+    """
     size = pre.img_size
     steps: list[v2.Transform] = []
     if train and augment == "standard":
         steps += [v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()]
     else:
-        steps += [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
-        if train and augment == "light":
+        if source_size != size:
+            steps += [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        if train and augment in ("light", "flip"):
             # Small translations: safe for digits and text, where flips and big crops are not.
             steps.append(v2.RandomCrop(size, padding=max(1, size // 8)))
+        if train and augment == "flip":  # for left-right symmetric classes (clothes, objects)
+            steps.append(v2.RandomHorizontalFlip())
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(pre.mean, pre.std)]
     return v2.Compose(steps)
 
@@ -96,8 +103,9 @@ def build_data(cfg: DataConfig, seed: int) -> DataBundle:
     _check_classes(images)
     pre = preprocess_for(cfg, images)
     train_idx, val_idx = stratified_split(images.targets, cfg.val_fraction, seed)
-    return DataBundle(images, pre, Transformed(images, train_idx, build_transform(pre, True, cfg.augment)),
-                      Transformed(images, val_idx, build_transform(pre, False)))
+    size = images.side
+    return DataBundle(images, pre, Transformed(images, train_idx, build_transform(pre, True, cfg.augment, size)),
+                      Transformed(images, val_idx, build_transform(pre, False, source_size=size)))
 
 
 def eval_dataset(cfg: DataConfig, pre: Preprocess, split: str, seed: int) -> tuple[Transformed, ImageSet]:
@@ -111,7 +119,7 @@ def eval_dataset(cfg: DataConfig, pre: Preprocess, split: str, seed: int) -> tup
         idx = {"val": val_idx, "train": train_idx, "all": torch.arange(len(images))}[split]
     if len(idx) == 0:
         raise UserError(f"the '{split}' split of {cfg.source} is empty (val fraction {cfg.val_fraction})")
-    return Transformed(images, idx, build_transform(pre, False)), images
+    return Transformed(images, idx, build_transform(pre, False, source_size=images.side)), images
 
 
 def _check_classes(images: ImageSet) -> None:

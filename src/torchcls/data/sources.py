@@ -45,6 +45,11 @@ class ImageSet:
     def __len__(self) -> int:
         return len(self.targets)
 
+    @property
+    def side(self) -> int | None:
+        """The fixed square size of an in-memory set's images; None for files of any size."""
+        return self.images.shape[-1] if self.images is not None else None
+
     def load(self, i: int) -> torch.Tensor:
         if self.images is not None:
             img = self.images[i].unsqueeze(0)

@@ -1,0 +1,99 @@
+"""Training throughput of `torchcls.train` vs a plain hand-written eager PyTorch loop.
+
+Same model (SmallNet), data (mnist-5k train split, same transforms), batch size,
+optimizer and threads. Rounds are interleaved (torchcls, plain, torchcls, plain, ...)
+because this machine's speed drifts; the figure is the median images/s of the
+training epochs (validation excluded on both sides). Prints JSON, then a Markdown table.
+
+    python benchmarks/train_throughput.py --rounds 3 --epochs 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from torchcls.config import Config
+from torchcls.data import build_data, make_loader
+from torchcls.models import ModelSpec, create_model
+from torchcls.train import train
+from torchcls.train.rundir import read_metrics
+
+
+def bench_config(args: argparse.Namespace, out: Path, name: str) -> Config:
+    cfg = Config()
+    cfg.data.source, cfg.data.batch_size, cfg.data.workers = args.data, args.batch_size, args.workers
+    cfg.model.name, cfg.train.epochs, cfg.train.progress = "smallnet", args.epochs, False
+    cfg.train.channels_last, cfg.train.threads = args.channels_last, args.threads
+    cfg.run.out_dir, cfg.run.name = str(out), name
+    return cfg
+
+
+def torchcls_round(args, out: Path, i: int) -> float:
+    result = train(bench_config(args, out, f"torchcls-{i}"))
+    return statistics.median(r["img_per_s"] for r in read_metrics(result.run_dir) if r["kind"] == "epoch")
+
+
+def plain_round(args, out: Path, i: int) -> float:
+    """What a person writes by hand: model, AdamW, cross-entropy, a DataLoader, a for loop."""
+    cfg = bench_config(args, out, f"plain-{i}")
+    torch.manual_seed(cfg.train.seed)
+    data = build_data(cfg.data, cfg.train.seed)
+    model = create_model(ModelSpec("smallnet", len(data.classes), 1, 28))
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    model = model.to(memory_format=fmt).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.05)
+    loader = make_loader(data.train, args.batch_size, args.workers, shuffle=True)
+    rates = []
+    for _ in range(args.epochs):
+        t0, seen = time.perf_counter(), 0
+        for x, y in loader:
+            loss = nn.functional.cross_entropy(model(x.to(memory_format=fmt)), y, label_smoothing=0.1)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            seen += len(y)
+        rates.append(seen / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", default="mnist-5k")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--batch-size", type=int, default=128)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    rates: dict[str, list[float]] = {"torchcls": [], "plain": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(args.rounds):
+            rates["torchcls"].append(torchcls_round(args, Path(tmp), i))
+            rates["plain"].append(plain_round(args, Path(tmp), i))
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    result = {"benchmark": "train_throughput", "model": "smallnet", "data": args.data,
+              "batch_size": args.batch_size, "threads": args.threads, "workers": args.workers,
+              "channels_last": args.channels_last, "rounds": args.rounds,
+              "img_per_s": {k: [round(r, 1) for r in v] for k, v in rates.items()},
+              "median_img_per_s": {k: round(v, 1) for k, v in med.items()},
+              "ratio_torchcls_over_plain": round(med["torchcls"] / med["plain"], 3)}
+    print(json.dumps(result, indent=2))
+    print("\n| loop | median images/s | rounds |\n|---|---|---|")
+    for k in rates:
+        print(f"| {k} | {med[k]:.0f} | {', '.join(f'{r:.0f}' for r in rates[k])} |")
+    print(f"\ntorchcls / plain = {result['ratio_torchcls_over_plain']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
