@@ -45,8 +45,12 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     if not Path(artifact_path).exists():  # answer at once, before paying for importing torch
         raise UserError(f"artifact {artifact_path} does not exist; pass a .pt2, .onnx or .safetensors file "
                         "or a run dir (`torchcls train` writes run dirs under runs/)")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'torchcls[serve]'") from None
     import torch
-    import uvicorn
 
     from torchcls.export.artifact import load_artifact
     from torchcls.serve.app import create_app
