@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
+from torchcls.errors import UserError
 from torchcls.export.artifact import LoadedArtifact
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
@@ -56,6 +57,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     pre = info.preprocess
     transform = build_transform(pre, train=False)
     shape = (pre.channels, pre.img_size, pre.img_size)
+    max_body = int(cfg.max_body_mb * 2**20)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,7 +70,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
 
     app = FastAPI(title="torchcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher, app.state.metrics = batcher, metrics
-    app.add_middleware(BodyLimitMiddleware, max_bytes=int(cfg.max_body_mb * 2**20))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body)
     if token:
         app.add_middleware(AuthMiddleware, token=token, public=PUBLIC_PATHS, compare=secrets.compare_digest)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: sees 401/413 too
@@ -85,6 +87,15 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     async def _validation_error(request: Request, e: RequestValidationError) -> Response:
         problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
         return error_response(400, f"bad request: {problems}")
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, e: UserError) -> Response:
+        return error_response(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> Response:
+        log.exception("request %s failed", request.url.path)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
     def check_model(model_name: str) -> None:
         if model_name != name:
@@ -139,7 +150,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     async def predict(request: Request, topk: int = 5) -> Response:
         if topk < 1:
             raise HTTPError(400, f"topk must be at least 1, got {topk}")
-        uploads = await read_uploads(request)
+        uploads = await read_uploads(request, max_files=info.max_batch, max_part_bytes=max_body)
         if len(uploads) > info.max_batch:
             raise HTTPError(400, f"{len(uploads)} images are above this model's max batch {info.max_batch}")
         x = await run_in_threadpool(decode_all, uploads, request.app.state.upload_dir)
@@ -173,10 +184,11 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     return app
 
 
-async def read_uploads(request: Request) -> list[tuple[str, bytes]]:
+async def read_uploads(request: Request, max_files: int, max_part_bytes: int) -> list[tuple[str, bytes]]:
     """(file name, bytes) of every uploaded file: multipart form files, or the raw body as one image."""
     if request.headers.get("content-type", "").startswith("multipart/form-data"):
-        form = await request.form()
+        # Starlette's default part limit (1 MiB) would refuse ordinary photos: the body limit governs.
+        form = await request.form(max_files=max_files + 1, max_part_size=max_part_bytes)
         uploads = [(v.filename or k, await v.read()) for k, v in form.multi_items() if isinstance(v, UploadFile)]
         if not uploads:
             raise HTTPError(400, "the multipart form holds no file; send the image as a file field")
