@@ -98,6 +98,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from torchcls.serve import ServeConfig, serve
+
+    options = {k.removeprefix("serve."): v for k, v in vars(args).items() if k.startswith("serve.")}
+    serve(args.artifact, ServeConfig(**options))
+    return 0
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    from torchcls.serve.config import ServeConfig, field_types
+
+    types_ = field_types()
+    for f in dataclasses.fields(ServeConfig):
+        p.add_argument(_flag(f), dest=f"serve.{f.name}", type=types_[f.name], default=f.default,
+                       metavar=f.name.upper(), help=f.metadata["help"] + ("" if f.default is None else
+                                                                           f" (default: {f.default})"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
@@ -135,6 +153,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="demo", help="run name (default: demo; an old demo run is replaced)")
     p.add_argument("--epochs", type=int, default=None, help="override the demo's epoch count")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("serve", help="serve an artifact over HTTP (Open Inference Protocol v2 and /predict)",
+                       description="An HTTP inference server with dynamic batching, a bounded queue and "
+                       "Prometheus /metrics. Ctrl-C / SIGTERM answers the accepted requests, then exits.")
+    p.add_argument("artifact", help="a .pt2 / .onnx artifact from `torchcls export`, a .safetensors checkpoint "
+                   "or a run dir")
+    add_serve_flags(p)
+    p.set_defaults(func=_cmd_serve)
     return parser
 
 

@@ -1,0 +1,191 @@
+"""Load test of `torchcls serve` on loopback: server throughput vs the raw artifact, and latency by concurrency.
+
+    python benchmarks/serve_load.py runs/demo                     # a run dir, .safetensors, .pt2 or .onnx
+    python benchmarks/serve_load.py --model resnet18 --img-size 64  # an untrained checkpoint made here
+
+The raw baseline calls the artifact in this process with the server's max batch. Each
+concurrency level keeps C clients sending one-image OIP infer requests over keep-alive
+connections (a minimal asyncio HTTP/1.1 client, so the load generator costs little CPU);
+every level stops after --requests requests or --seconds seconds, whichever is first.
+Raw and load runs are interleaved for --rounds rounds; medians are reported. Prints JSON,
+then a Markdown table. Load generator and server share this machine's cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+
+def make_checkpoint(model: str, img_size: int, classes: int, folder: Path) -> Path:
+    """An untrained checkpoint: throughput does not depend on the weights."""
+    from torchcls.data import Preprocess
+    from torchcls.models.registry import ModelSpec, create_model
+    from torchcls.train.checkpoint import CheckpointMeta, save_weights
+
+    spec = ModelSpec(model, classes, 3, img_size)
+    meta = CheckpointMeta(spec, [f"class{i}" for i in range(classes)],
+                          Preprocess(img_size, 3, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)), {}, 0, 0)
+    path = folder / f"{model.replace('/', '_')}-{img_size}.safetensors"
+    save_weights(path, create_model(spec).eval(), meta)
+    return path
+
+
+def raw_throughput(artifact, batch: int, seconds: float) -> float:
+    """Images/s of the artifact called directly on batches of `batch` (median of 5 timed slices)."""
+    pre = artifact.info.preprocess
+    x = torch.randn(batch, pre.channels, pre.img_size, pre.img_size)
+    artifact(x)
+    rates, end = [], time.monotonic() + seconds
+    while time.monotonic() < end or len(rates) < 5:
+        t0 = time.perf_counter()
+        artifact(x)
+        rates.append(batch / (time.perf_counter() - t0))
+    return statistics.median(rates)
+
+
+def infer_request(port: int, name: str, shape: list[int]) -> bytes:
+    body = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": shape,
+                                   "data": torch.randn(shape).flatten().tolist()}],
+                       "outputs": [{"name": "probabilities"}, {"name": "labels"}]}).encode()
+    head = (f"POST /v2/models/{name}/infer HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    return head + body
+
+
+async def client(port: int, request: bytes, state: dict) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        while state["sent"] < state["limit"] and time.monotonic() < state["deadline"]:
+            state["sent"] += 1
+            t0 = time.perf_counter()
+            writer.write(request)
+            head = await reader.readuntil(b"\r\n\r\n")
+            lines = head.decode().split("\r\n")
+            status = int(lines[0].split()[1])
+            headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+            headers = {k.lower(): v for k, v in headers.items()}
+            await reader.readexactly(int(headers["content-length"]))
+            state["latencies" if status == 200 else "errors"].append(time.perf_counter() - t0)
+            if status == 200:
+                state["batch_sizes"].append(int(headers.get("x-batch-size", 0)))
+    finally:
+        writer.close()
+
+
+async def load_level(port: int, request: bytes, concurrency: int, limit: int, seconds: float) -> dict:
+    state = {"sent": 0, "limit": limit, "deadline": time.monotonic() + seconds, "latencies": [],
+             "errors": [], "batch_sizes": []}
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(port, request, state) for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    lat = sorted(state["latencies"])
+    pick = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1e3 if lat else float("nan")  # noqa: E731
+    return {"images_per_s": len(lat) / elapsed, "p50_ms": pick(0.50), "p99_ms": pick(0.99), "ok": len(lat),
+            "errors": len(state["errors"]),
+            "mean_batch": statistics.fmean(state["batch_sizes"]) if state["batch_sizes"] else 0.0}
+
+
+def start_server(artifact: str, port: int, max_batch: int, max_wait_ms: float, threads: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torchcls", "serve", artifact, "--port", str(port), "--max-batch", str(max_batch),
+           "--max-wait-ms", str(max_wait_ms), "--max-queue", "4096", "--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.25)
+    proc.kill()
+    raise SystemExit(f"the server did not become ready: {proc.stderr.read()[-2000:]}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def markdown(result: dict) -> str:
+    raw = result["raw_images_per_s"]
+    rows = ["| clients | images/s | vs raw | p50 ms | p99 ms | mean batch | errors |", "|---|---|---|---|---|---|---|"]
+    for lv in result["levels"]:
+        rows.append(f"| {lv['concurrency']} | {lv['images_per_s']:.0f} | {lv['images_per_s'] / raw:.0%} | "
+                    f"{lv['p50_ms']:.1f} | {lv['p99_ms']:.1f} | {lv['mean_batch']:.1f} | {lv['errors']} |")
+    return (f"{result['model']} ({result['target']}, {result['input_shape']}): raw artifact at batch "
+            f"{result['max_batch']}: {raw:.0f} images/s\n\n" + "\n".join(rows))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", nargs="?", help="artifact to serve (default: an untrained --model checkpoint)")
+    p.add_argument("--model", default="smallnet")
+    p.add_argument("--img-size", type=int, default=28)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--concurrency", default="1,4,16,32", help="comma-separated client counts")
+    p.add_argument("--requests", type=int, default=3000, help="most requests per level and round")
+    p.add_argument("--seconds", type=float, default=8.0, help="most seconds per level and round")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--max-batch", type=int, default=16, help="the server's batch bound = the raw baseline's batch")
+    p.add_argument("--max-wait-ms", type=float, default=2.0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads for raw and server (0 = default)")
+    p.add_argument("--json-out", help="also write the JSON result here")
+    args = p.parse_args()
+
+    from torchcls.export.artifact import load_artifact
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="serve-load-") as tmp:
+        path = args.artifact or str(make_checkpoint(args.model, args.img_size, args.classes, Path(tmp)))
+        artifact = load_artifact(path)
+        info = artifact.info
+        pre = info.preprocess
+        port = free_port()
+        server = start_server(path, port, args.max_batch, args.max_wait_ms, args.threads)
+        try:
+            request = infer_request(port, info.name, [1, pre.channels, pre.img_size, pre.img_size])
+            levels = [int(c) for c in args.concurrency.split(",")]
+            raws, runs = [], {c: [] for c in levels}
+            for _ in range(args.rounds):  # interleaved: raw, then each level, per round
+                raws.append(raw_throughput(artifact, args.max_batch, min(args.seconds, 3.0)))
+                for c in levels:
+                    runs[c].append(asyncio.run(load_level(port, request, c, args.requests, args.seconds)))
+        finally:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=60)
+    med = lambda rs, k: statistics.median(r[k] for r in rs)  # noqa: E731
+    result = {
+        "model": args.model if not args.artifact else info.name, "target": info.target,
+        "input_shape": [1, pre.channels, pre.img_size, pre.img_size], "max_batch": args.max_batch,
+        "max_wait_ms": args.max_wait_ms, "rounds": args.rounds, "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(), "raw_images_per_s": statistics.median(raws),
+        "levels": [{"concurrency": c, **{k: med(runs[c], k) for k in runs[c][0]}} for c in levels],
+    }
+    best = max(lv["images_per_s"] for lv in result["levels"])
+    result["best_fraction_of_raw"] = best / result["raw_images_per_s"]
+    print(json.dumps(result, indent=2))
+    print()
+    print(markdown(result))
+    print(f"\nbest server throughput = {result['best_fraction_of_raw']:.0%} of the raw artifact (goal: >= 85%)")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Export: inference artifacts (AOTInductor, ONNX, eager) behind one loader."""

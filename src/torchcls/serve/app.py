@@ -1,0 +1,199 @@
+"""The HTTP app: Open Inference Protocol v2 endpoints, /predict for image uploads, /metrics.
+
+Requests are parsed and validated on the event loop (cheap, and every fault is a 4xx
+naming what was wrong); the model runs only in the batcher's worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from torchcls.data import build_transform
+from torchcls.data.images import BadImage, load_image
+from torchcls.errors import UserError
+from torchcls.export.artifact import LoadedArtifact
+from torchcls.serve import oip
+from torchcls.serve.batcher import DynamicBatcher, QueueFull
+from torchcls.serve.config import ServeConfig
+from torchcls.serve.errors import HTTPError
+from torchcls.serve.limits import AuthMiddleware, BodyLimitMiddleware
+from torchcls.serve.metrics import MetricsMiddleware, ServeMetrics
+
+log = logging.getLogger("torchcls.serve")
+PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # probes carry no token
+
+
+def json_response(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    body = payload if isinstance(payload, bytes) else orjson.dumps(payload)
+    return Response(body, status_code=status, media_type="application/json", headers=headers)
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None) -> Response:
+    return json_response({"error": message}, status, headers)
+
+
+def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = None,
+               on_ready: Callable[[BaseException | None], None] = lambda e: None) -> FastAPI:
+    info = artifact.info
+    name = cfg.name or info.name
+    metrics = ServeMetrics()
+    batcher = DynamicBatcher(artifact, max_batch=cfg.max_batch or info.max_batch, max_wait_s=cfg.max_wait_ms / 1e3,
+                             max_queue=cfg.max_queue, on_batch=metrics.observe_batch,
+                             on_depth=metrics.queue_depth.set)
+    pre = info.preprocess
+    transform = build_transform(pre, train=False)
+    shape = (pre.channels, pre.img_size, pre.img_size)
+    max_body = int(cfg.max_body_mb * 2**20)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        with tempfile.TemporaryDirectory(prefix="torchcls-serve-") as tmp:
+            app.state.upload_dir = Path(tmp)
+            # Warm up with the smallest and largest batch: compiled artifacts specialise on first calls.
+            batcher.start([torch.zeros(1, *shape), torch.zeros(batcher.max_batch, *shape)], on_ready)
+            yield
+            batcher.close(timeout=cfg.graceful_timeout)  # uvicorn has already let in-flight requests finish
+
+    app = FastAPI(title="torchcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.batcher, app.state.metrics = batcher, metrics
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body)
+    if token:
+        app.add_middleware(AuthMiddleware, token=token, public=PUBLIC_PATHS, compare=secrets.compare_digest)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: sees 401/413 too
+
+    @app.exception_handler(HTTPError)
+    async def _http_error(request: Request, e: HTTPError) -> Response:
+        return error_response(e.status, e.message, e.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _starlette_error(request: Request, e: StarletteHTTPException) -> Response:
+        return error_response(e.status_code, str(e.detail), getattr(e, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError) -> Response:
+        problems = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors())
+        return error_response(400, f"bad request: {problems}")
+
+    @app.exception_handler(UserError)
+    async def _user_error(request: Request, e: UserError) -> Response:
+        return error_response(400, str(e))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception) -> Response:
+        log.exception("request %s failed", request.url.path)
+        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+
+    def check_model(model_name: str) -> None:
+        if model_name != name:
+            raise HTTPError(404, f"unknown model {model_name!r}; this server serves {name!r}")
+
+    def check_ready() -> None:
+        if not batcher.ready.is_set():
+            raise HTTPError(503, "the model is still warming up; poll /v2/health/ready", {"Retry-After": "1"})
+
+    async def run(x: torch.Tensor):
+        check_ready()
+        try:
+            return await batcher.submit(x)
+        except QueueFull as e:
+            raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
+
+    @app.get("/v2")
+    async def server_metadata() -> Response:
+        from torchcls import __version__
+
+        return json_response({"name": "torchcls", "version": __version__, "extensions": ["binary_tensor_data"]})
+
+    @app.get("/v2/health/live")
+    async def live() -> Response:
+        return json_response({"live": True})
+
+    # The protocol answers health questions with the status: 200 = true, 4xx = false.
+    @app.get("/v2/health/ready")
+    async def ready() -> Response:
+        return json_response({"ready": batcher.ready.is_set()}, 200 if batcher.ready.is_set() else 400)
+
+    @app.get("/v2/models/{model_name}")
+    async def model_metadata(model_name: str) -> Response:
+        check_model(model_name)
+        return json_response(oip.model_metadata(name, info))
+
+    @app.get("/v2/models/{model_name}/ready")
+    async def model_ready(model_name: str) -> Response:
+        check_model(model_name)
+        return json_response({"name": name, "ready": batcher.ready.is_set()}, 200 if batcher.ready.is_set() else 400)
+
+    @app.post("/v2/models/{model_name}/infer")
+    async def infer(model_name: str, request: Request) -> Response:
+        check_model(model_name)
+        x, req = oip.parse_infer(await request.body(), request.headers.get(oip.BINARY_HEADER), info)
+        outputs = oip.requested_outputs(req)
+        result = await run(x)
+        body = oip.infer_response(name, req, outputs, result.logits, result.probs, info.classes)
+        return json_response(body, headers={"X-Batch-Size": str(result.batch_size)})
+
+    @app.post("/predict")
+    async def predict(request: Request, topk: int = 5) -> Response:
+        if topk < 1:
+            raise HTTPError(400, f"topk must be at least 1, got {topk}")
+        uploads = await read_uploads(request, max_files=info.max_batch, max_part_bytes=max_body)
+        if len(uploads) > info.max_batch:
+            raise HTTPError(400, f"{len(uploads)} images are above this model's max batch {info.max_batch}")
+        x = await run_in_threadpool(decode_all, uploads, request.app.state.upload_dir)
+        result = await run(x)
+        k = min(topk, len(info.classes))
+        values, indices = result.probs.topk(k, dim=1)
+        predictions = [{"file": fname, "top": [{"label": info.classes[i], "prob": round(v, 6)}
+                                               for v, i in zip(vals.tolist(), idx.tolist())]}
+                       for (fname, _), vals, idx in zip(uploads, values, indices)]
+        return json_response({"model_name": name, "predictions": predictions},
+                             headers={"X-Batch-Size": str(result.batch_size)})
+
+    def decode_all(uploads: list[tuple[str, bytes]], folder: Path) -> torch.Tensor:
+        tensors = []
+        for fname, data in uploads:
+            # load_image reads files (and handles every odd format): hand it the bytes as one.
+            with tempfile.NamedTemporaryFile(dir=folder, suffix=Path(fname).suffix) as f:
+                f.write(data)
+                f.flush()
+                try:
+                    tensors.append(transform(load_image(f.name, pre.channels)))
+                except BadImage as e:
+                    raise HTTPError(400, f"{fname}: {e}") from None
+        return torch.stack(tensors)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+async def read_uploads(request: Request, max_files: int, max_part_bytes: int) -> list[tuple[str, bytes]]:
+    """(file name, bytes) of every uploaded file: multipart form files, or the raw body as one image."""
+    if request.headers.get("content-type", "").startswith("multipart/form-data"):
+        # Starlette's default part limit (1 MiB) would refuse ordinary photos: the body limit governs.
+        form = await request.form(max_files=max_files + 1, max_part_size=max_part_bytes)
+        uploads = [(v.filename or k, await v.read()) for k, v in form.multi_items() if isinstance(v, UploadFile)]
+        if not uploads:
+            raise HTTPError(400, "the multipart form holds no file; send the image as a file field")
+        return uploads
+    body = await request.body()
+    if not body:
+        raise HTTPError(400, "the request body is empty; send image bytes (raw body or multipart file)")
+    return [("body", body)]

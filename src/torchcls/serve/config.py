@@ -1,0 +1,39 @@
+"""Options of `torchcls serve`, declared once: the CLI builds its flags from these fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+from torchcls.config import opt
+
+TOKEN_ENV = "TORCHCLS_SERVE_TOKEN"
+
+
+@dataclass
+class ServeConfig:
+    host: str = opt("127.0.0.1", "address to listen on (localhost by default; 0.0.0.0 exposes the server)")
+    port: int = opt(8080, "TCP port")
+    token: str | None = opt(None, "require 'Authorization: Bearer TOKEN' on every endpoint except the health "
+                            f"probes (default: the {TOKEN_ENV} environment variable; unset = no auth)")
+    name: str | None = opt(None, "model name in /v2/models/NAME (default: the artifact's name)")
+    max_batch: int = opt(0, "largest batch the dynamic batcher forms (0 = the artifact's max batch)")
+    max_wait_ms: float = opt(5.0, "how long the batcher waits for more requests after the first one")
+    max_queue: int = opt(256, "images accepted but not yet running; requests beyond it get 503")
+    max_body_mb: float = opt(32.0, "largest request body in MiB; bigger ones get 413")
+    graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
+    threads: int = opt(0, "intra-op CPU threads for the model (0 = torch default)")
+
+
+def field_types() -> dict[str, type]:
+    """Each field's concrete type (X | None -> X), for building CLI flags."""
+    hints = typing.get_type_hints(ServeConfig)
+    out = {}
+    for f in dataclasses.fields(ServeConfig):
+        t = hints[f.name]
+        if typing.get_origin(t) in (typing.Union, types.UnionType):
+            t = next(a for a in typing.get_args(t) if a is not type(None))
+        out[f.name] = t
+    return out

@@ -1,0 +1,58 @@
+"""Prometheus metrics of one server (own registry, so several apps in one process do not collide)."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServeMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("torchcls_requests", "HTTP requests by endpoint and status code",
+                                ("endpoint", "status"), registry=self.registry)
+        self.latency = Histogram("torchcls_request_duration_seconds", "HTTP request latency by endpoint",
+                                 ("endpoint",), registry=self.registry,
+                                 buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10))
+        self.batch_size = Histogram("torchcls_batch_size", "images per model call of the dynamic batcher",
+                                    registry=self.registry, buckets=BATCH_BUCKETS)
+        self.inference = Histogram("torchcls_inference_duration_seconds", "model call time per batch",
+                                   registry=self.registry)
+        self.queue_depth = Gauge("torchcls_queue_depth", "images accepted and waiting for the model",
+                                 registry=self.registry)
+
+    def observe_batch(self, n: int, seconds: float) -> None:
+        self.batch_size.observe(n)
+        self.inference.observe(seconds)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Counts every request by route template and status, and times it (pure ASGI: cheap)."""
+
+    def __init__(self, app, metrics: ServeMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def send_and_record(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_record)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")  # the template: no per-name label explosion
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)

@@ -1,0 +1,142 @@
+"""Open Inference Protocol v2 (KServe / Triton REST): model metadata, and infer request parsing and answers.
+
+Inputs: one FP32 tensor named `input` of shape [N, C, H, W], as JSON `data` (flat or nested,
+row-major) or, with the binary tensor extension, as raw little-endian bytes after the JSON
+header (`Inference-Header-Content-Length` + `parameters.binary_data_size`). Outputs (JSON):
+`logits` and `probabilities` (FP32 [N, K]) and `labels` (BYTES [N], the top-1 class names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import orjson
+import torch
+
+from torchcls.export.artifact import ArtifactInfo
+from torchcls.serve.errors import HTTPError
+
+INPUT_NAME = "input"
+OUTPUTS = ("logits", "probabilities", "labels")
+BINARY_HEADER = "inference-header-content-length"
+
+
+def model_metadata(name: str, info: ArtifactInfo) -> dict[str, Any]:
+    pre, k = info.preprocess, len(info.classes)
+    return {
+        "name": name, "versions": ["1"], "platform": f"torchcls_{info.target}",
+        "inputs": [{"name": INPUT_NAME, "datatype": "FP32", "shape": [-1, pre.channels, pre.img_size, pre.img_size]}],
+        "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, k]},
+                    {"name": "probabilities", "datatype": "FP32", "shape": [-1, k]},
+                    {"name": "labels", "datatype": "BYTES", "shape": [-1]}],
+        "parameters": {"classes": info.classes, "max_batch": info.max_batch, "precision": info.precision,
+                       "preprocess": {"img_size": pre.img_size, "channels": pre.channels,
+                                      "mean": list(pre.mean), "std": list(pre.std)}},
+    }
+
+
+def _split_binary(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+    if header_length is None:
+        return body, b""
+    try:
+        n = int(header_length)
+    except ValueError:
+        raise HTTPError(400, f"Inference-Header-Content-Length {header_length!r} is not an integer") from None
+    if not 0 < n <= len(body):
+        raise HTTPError(400, f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes")
+    return body[:n], body[n:]
+
+
+def _load_json(text: bytes) -> dict[str, Any]:
+    try:
+        request = orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(request, dict):
+        raise HTTPError(400, "the request body must be a JSON object with an 'inputs' list")
+    return request
+
+
+def _check_shape(spec: dict[str, Any], info: ArtifactInfo) -> list[int]:
+    pre = info.preprocess
+    expected = [pre.channels, pre.img_size, pre.img_size]
+    shape = spec.get("shape")
+    if (not isinstance(shape, list) or len(shape) != 4
+            or not all(isinstance(d, int) and not isinstance(d, bool) for d in shape)):
+        raise HTTPError(400, f"input 'shape' must be [N, {', '.join(map(str, expected))}], got {shape!r}")
+    if shape[1:] != expected:
+        raise HTTPError(400, f"input shape {shape} does not match this model's [N, "
+                             f"{', '.join(map(str, expected))}]")
+    if shape[0] < 1:
+        raise HTTPError(400, f"input batch {shape[0]} must be at least 1")
+    if shape[0] > info.max_batch:
+        raise HTTPError(400, f"input batch {shape[0]} is above this model's max batch {info.max_batch}; "
+                             "split the request")
+    return shape
+
+
+def _tensor_data(spec: dict[str, Any], binary: bytes, count: int) -> np.ndarray:
+    size = (spec.get("parameters") or {}).get("binary_data_size")
+    if size is not None:
+        if size != count * 4 or len(binary) != size:
+            raise HTTPError(400, f"binary_data_size {size} and the {len(binary)} bytes after the JSON header "
+                                 f"must both equal {count} FP32 values = {count * 4} bytes")
+        return np.frombuffer(binary, dtype="<f4")
+    if "data" not in spec:
+        raise HTTPError(400, "input has no 'data' (nor parameters.binary_data_size with a binary body)")
+    try:
+        arr = np.array(spec["data"], dtype=np.float32)  # straight to float32: the cheapest path from JSON
+    except (ValueError, TypeError) as e:  # strings, objects, ragged nesting
+        raise HTTPError(400, f"input 'data' must be a regular array of numbers: {e}") from None
+    if arr.size != count:
+        raise HTTPError(400, f"input 'data' has {arr.size} values; shape requires {count}")
+    return arr.reshape(-1)
+
+
+def parse_infer(body: bytes, header_length: str | None, info: ArtifactInfo) -> tuple[torch.Tensor, dict]:
+    """An infer request -> (float32 NCHW tensor, the request JSON); any fault -> HTTPError 400."""
+    text, binary = _split_binary(body, header_length)
+    request = _load_json(text)
+    inputs = request.get("inputs")
+    if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
+        raise HTTPError(400, f"'inputs' must be a list with one tensor named '{INPUT_NAME}'")
+    spec = inputs[0]
+    if spec.get("name", INPUT_NAME) != INPUT_NAME:
+        raise HTTPError(400, f"unknown input {spec.get('name')!r}; this model has one input '{INPUT_NAME}'")
+    if spec.get("datatype") != "FP32":
+        raise HTTPError(400, f"input datatype {spec.get('datatype')!r} is not supported; send FP32")
+    shape = _check_shape(spec, info)
+    data = _tensor_data(spec, binary, int(np.prod(shape)))
+    if not np.isfinite(data).all():
+        raise HTTPError(400, "input 'data' holds NaN or infinite values")
+    return torch.from_numpy(data.reshape(shape).copy()), request
+
+
+def requested_outputs(request: dict[str, Any]) -> list[str]:
+    wanted = request.get("outputs")
+    if wanted is None:
+        return list(OUTPUTS)
+    if not isinstance(wanted, list) or not all(isinstance(o, dict) for o in wanted):
+        raise HTTPError(400, "'outputs' must be a list of objects with a 'name'")
+    names = [o.get("name") for o in wanted]
+    unknown = [n for n in names if n not in OUTPUTS]
+    if unknown:
+        raise HTTPError(400, f"unknown output(s) {unknown}; this model has {list(OUTPUTS)}")
+    return names
+
+
+def infer_response(name: str, request: dict[str, Any], outputs: list[str], logits: torch.Tensor,
+                   probs: torch.Tensor, classes: list[str]) -> bytes:
+    n, k = logits.shape
+    tensors = {
+        "logits": lambda: {"datatype": "FP32", "shape": [n, k], "data": logits.numpy().reshape(-1)},
+        "probabilities": lambda: {"datatype": "FP32", "shape": [n, k], "data": probs.numpy().reshape(-1)},
+        "labels": lambda: {"datatype": "BYTES", "shape": [n],
+                           "data": [classes[i] for i in logits.argmax(dim=1).tolist()]},
+    }
+    answer: dict[str, Any] = {"model_name": name, "model_version": "1",
+                              "outputs": [{"name": o, **tensors[o]()} for o in outputs]}
+    if "id" in request:
+        answer["id"] = request["id"]
+    return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)

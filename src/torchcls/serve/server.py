@@ -1,0 +1,92 @@
+"""`torchcls serve`: load the artifact (errors end here, before any socket), then run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+from pathlib import Path
+
+from torchcls.errors import UserError
+from torchcls.serve.config import TOKEN_ENV, ServeConfig
+
+log = logging.getLogger("torchcls.serve")
+
+
+def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
+    if not 0 <= cfg.port <= 65535:
+        raise UserError(f"--port {cfg.port} is not a TCP port (0-65535)")
+    if not 0 <= cfg.max_batch <= artifact_max_batch:
+        raise UserError(f"--max-batch {cfg.max_batch} must be between 1 and the artifact's max batch "
+                        f"{artifact_max_batch} (0 = use the artifact's)")
+    for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb)):
+        if value <= 0:
+            raise UserError(f"{flag} must be positive, got {value}")
+    if cfg.max_wait_ms < 0:
+        raise UserError(f"--max-wait-ms must be >= 0, got {cfg.max_wait_ms}")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind here so that a busy port is a clear message, not a uvicorn traceback."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
+    if not Path(artifact_path).exists():  # answer at once, before paying for importing torch
+        raise UserError(f"artifact {artifact_path} does not exist; pass a .pt2, .onnx or .safetensors file "
+                        "or a run dir (`torchcls train` writes run dirs under runs/)")
+    try:
+        import fastapi  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'torchcls[serve]'") from None
+    import torch
+
+    from torchcls.export.artifact import load_artifact
+    from torchcls.serve.app import create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
+    artifact = load_artifact(artifact_path)
+    _check(cfg, artifact.info.max_batch)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    token = cfg.token or os.environ.get(TOKEN_ENV) or None
+    sock = _bind(cfg.host, cfg.port)
+    server: uvicorn.Server | None = None
+    failure: list[BaseException] = []
+    name = cfg.name or artifact.info.name
+    url = f"http://{cfg.host}:{sock.getsockname()[1]}"
+
+    def on_ready(error: BaseException | None) -> None:
+        if error is None:
+            log.info("model %r (%s, max batch %d) ready on %s/v2/models/%s", name, artifact.info.target,
+                     artifact.info.max_batch, url, name)
+            return
+        failure.append(error)
+        server.should_exit = True  # warm-up failed: the artifact cannot serve
+
+    app = create_app(artifact, cfg, token=token, on_ready=on_ready)
+    config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=int(cfg.graceful_timeout) or None, loop="auto", http="auto")
+    server = uvicorn.Server(config)
+    log.info("warming up %s; listening on %s (auth %s)", artifact_path, url, "on" if token else "off")
+    # uvicorn re-raises the stopping signal after its graceful shutdown; with these handlers in
+    # place that lands here, and a drained server exits 0 instead of dying by the signal.
+    stopped_by: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _frame: stopped_by.append(s))
+    server.run(sockets=[sock])
+    if stopped_by:
+        log.info("stopped by %s after answering every accepted request", signal.Signals(stopped_by[0]).name)
+    if failure:
+        raise UserError(f"{artifact_path}: warm-up inference failed ({failure[0]}); the artifact cannot be served")
