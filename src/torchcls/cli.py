@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="demo", help="run name (default: demo; an old demo run is replaced)")
     p.add_argument("--epochs", type=int, default=None, help="override the demo's epoch count")
     p.set_defaults(func=_cmd_demo)
+
+    from torchcls.governance.cli import add_governance_commands
+
+    add_governance_commands(sub)  # data manifest, verify, lineage
     return parser
 
 
