@@ -15,6 +15,8 @@ from torchcls.governance.outputs import redact_skipped, sample_grid
 
 
 def finish_run(gov, result) -> dict[str, Any]:
+    if gov.manifest is None:  # governance fully off for this run
+        return {}
     run, cfg, g = gov.run_path, gov.cfg, gov.cfg.governance
     summary: dict[str, Any] = {
         "lineage_id": gov.run_id, "region": g.region, "hooks": [h.name for h in gov.hooks],

@@ -97,8 +97,9 @@ def records_root(records: list[dict[str, Any]]) -> str:
 
 
 def manifest_hash(manifest: dict[str, Any]) -> str:
-    """Hash of the whole manifest (data and metadata), the key it is stored under."""
-    return sha256_json(manifest)
+    """Hash of the manifest (data and metadata; not its creation time, so re-hashing the same data
+    with the same metadata gives the same key in the manifest store)."""
+    return sha256_json({k: v for k, v in manifest.items() if k != "dateCreated"})
 
 
 def save_manifest(manifest: dict[str, Any], path: str | Path) -> Path:

@@ -84,6 +84,8 @@ class Governance:
             problems = check_data(manifest)
             if problems:
                 self._refuse(problems, f"the data no longer matches manifest {g.data_manifest}")
+        if manifest is None and not (g.lineage or self.hooks or g.sample_grid):
+            return  # governance off: nothing to hash, hook or record
         self.manifest = manifest or build_manifest(source, self.cfg.data.root)
         if self.audit is not None:
             store = manifest_store(self.audit.path)
