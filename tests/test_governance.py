@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import csv
-import datetime as dt
 import io
 import json
 import re

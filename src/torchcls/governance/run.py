@@ -17,9 +17,6 @@ from typing import Any
 
 from torchcls.config import Config, DataConfig
 from torchcls.errors import UserError
-from torchcls.governance import environment
-from torchcls.governance.artifacts import stamp_checkpoint
-from torchcls.governance.digest import sha256_file
 from torchcls.governance.hooks import Hook, SampleInfo, by_stage, resolve_hooks
 from torchcls.governance.integrity import check_data, describes, record_path
 from torchcls.governance.lineage import AuditLog, default_audit_log, manifest_store
@@ -103,8 +100,6 @@ class Governance:
                                           "data": self.cfg.data.source, "region": self.cfg.governance.region,
                                           "policy_sha256": self.policy.digest if self.policy else None,
                                           "reasons": reasons})
-        if not self.cfg.run.resume:  # the dir was created empty for this run: leave nothing behind
-            shutil.rmtree(self.run_path, ignore_errors=True)
         raise UserError(f"training refused: {headline}; no data was loaded:\n"
                         + "\n".join(f"  - {r}" for r in reasons))
 
@@ -170,8 +165,13 @@ class Governance:
 def begin(cfg: Config, run_path: Path) -> Governance:
     """Check the policy and the data's integrity; raises UserError (and logs a 'refused' record) on any
     violation, before the data set is opened."""
-    gov = Governance(cfg, run_path)
-    gov.check()
+    try:
+        gov = Governance(cfg, run_path)
+        gov.check()
+    except UserError:
+        if not cfg.run.resume:  # a bad policy, hook or manifest: leave no half-made run dir behind
+            shutil.rmtree(run_path, ignore_errors=True)
+        raise
     return gov
 
 
