@@ -4,6 +4,7 @@ lineage id and hashed, and one `run` record appended to the audit log."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from torchcls.governance.outputs import redact_skipped, sample_grid
 
 def finish_run(gov, result) -> dict[str, Any]:
     if gov.manifest is None:  # governance fully off for this run
+        return {}
+    if int(os.environ.get("RANK", "0")) != 0:  # torchrun: one record and one stamp per run, from rank 0
         return {}
     run, cfg, g = gov.run_path, gov.cfg, gov.cfg.governance
     summary: dict[str, Any] = {
