@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
                    "or a run dir")
     add_serve_flags(p)
     p.set_defaults(func=_cmd_serve)
+
+    from torchcls.governance.cli import add_governance_commands
+
+    add_governance_commands(sub)  # data manifest, verify, lineage
     return parser
 
 

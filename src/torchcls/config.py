@@ -89,12 +89,30 @@ class RunConfig:
 
 
 @dataclass
+class GovernanceConfig:
+    policy: str | None = opt(None, "data-governance policy TOML: training refuses to start, before any data is "
+                             "read, when the data, host region or installed hooks break it")
+    data_manifest: str | None = opt(None, "manifest of the data (from `torchcls data manifest`); its files are "
+                                    "re-hashed before training (default: computed at the start of the run)")
+    region: str | None = opt(None, "region of this processing host as configured (e.g. eu-west-1), "
+                             "checked against the policy and recorded in the audit log")
+    hooks: str = opt("", "comma-separated processing hooks: strip-exif, redact-samples, or module:function "
+                     "for your own (see torchcls.governance.hooks)")
+    sample_grid: int = opt(0, "show N training samples in report.html and TensorBoard (restricted samples "
+                           "are redacted or withheld per policy)")
+    lineage: bool = opt(True, "append this run to the hash-chained audit log and stamp its checkpoints "
+                        "with the lineage id")
+    audit_log: str | None = opt(None, "audit log file (default: OUT_DIR/_governance/audit.jsonl)")
+
+
+@dataclass
 class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    governance: GovernanceConfig = field(default_factory=GovernanceConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -117,7 +135,8 @@ class Config:
         path.write_text(tomli_w.dumps(clean))
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "run": RunConfig}
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "run": RunConfig,
+                             "governance": GovernanceConfig}
 
 
 def load_toml(path: str | Path) -> Config:

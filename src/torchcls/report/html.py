@@ -58,6 +58,11 @@ def write_report(run_dir: str | Path) -> Path:
         parts.append(_eval_section(ev))
         if (run_dir / "confusion_matrix.png").is_file():
             parts.append(_img(run_dir / "confusion_matrix.png"))
+    if (run_dir / "samples.png").is_file():
+        parts.append("<h2>Training samples</h2>" + _img(run_dir / "samples.png"))
+    from torchcls.governance.report import governance_html
+
+    parts.append(governance_html(run_dir))
     for name, title in (("skipped_files.json", "Skipped training files"), ("eval.json", "Skipped evaluation files")):
         skipped = _skipped(run_dir / name)
         if skipped:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchcls import governance
 from torchcls.config import Config
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data, make_loader
@@ -79,7 +80,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
 
-    data = build_data(cfg.data, cfg.train.seed)
+    gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
+    data = build_data(gov.data_config, cfg.train.seed)
     if data.images.skipped:
         skipped = [{"file": f, "reason": r} for f, r in data.images.skipped]
         (run.path / "skipped_files.json").write_text(json.dumps({"skipped_files": skipped}, indent=2))
@@ -88,6 +90,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate)
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     model = create_model(spec).to(device, memory_format=memory_format)
+    model = gov.install(data, model)  # data/model hooks of the governed processing path
     model = parallelize(model, cfg.train)
     precision = apply_precision(cfg.train.precision, device)
     optimizer = build_optimizer(model, cfg.optim)
@@ -193,6 +196,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     from torchcls.report import write_report
 
     write_report(run.path)
+    gov.finish(_result(run, p))  # redacted sample outputs, stamped checkpoints, audit record
     return _result(run, p)
 
 

@@ -1,0 +1,31 @@
+"""The "Data governance" section of report.html, from the run's governance.json."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+
+
+def governance_html(run_dir: Path) -> str:
+    f = run_dir / "governance.json"
+    if not f.is_file():
+        return ""
+    s = json.loads(f.read_text())
+    m = s.get("manifest") or {}
+    pol = s.get("policy")
+    rows = [("lineage id", s.get("lineage_id")),
+            ("policy", f"{pol['name']} (sha256 {pol['sha256'][:16]}…)" if pol else "none"),
+            ("host region", s.get("region") or "not configured"),
+            ("hooks", ", ".join(s.get("hooks") or []) or "none"),
+            ("isolated processing path", "yes" if s.get("isolated_processing") else "no"),
+            ("data", f"{m.get('name')} — {m.get('records')} records, Merkle root {str(m.get('merkle_root'))[:16]}…"),
+            ("license / jurisdiction", f"{m.get('license')} / {m.get('jurisdiction')}"),
+            ("sensitivity tags", ", ".join(m.get("tags") or []) or "none"),
+            ("sample images", json.dumps(s.get("samples"))),
+            ("file names redacted", s.get("redacted_file_names", 0))]
+    if s.get("audit_record"):
+        a = s["audit_record"]
+        rows.append(("audit record", f"seq {a['seq']}, hash {a['hash'][:16]}…"))
+    body = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
+    return f"<h2>Data governance</h2><table>{body}</table>"

@@ -1,0 +1,162 @@
+"""`torchcls verify ARTIFACT`: re-hash the artifact, check the audit log's chain, walk back to the
+run and its data manifests, re-hash the data files when present, and check the policy."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchcls.errors import UserError
+from torchcls.governance.artifacts import read_lineage
+from torchcls.governance.digest import sha256_file
+from torchcls.governance.integrity import check_data
+from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
+from torchcls.governance.manifest import manifest_hash, records_root
+from torchcls.governance.policy import facts_of, load_policy, policy_from_dict, violations
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # pass, fail, skip
+    detail: str
+
+
+@dataclass
+class VerifyResult:
+    artifact: str
+    checks: list[Check] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(c.status != "fail" for c in self.checks)
+
+    def add(self, name: str, ok: bool | None, detail: str) -> None:
+        self.checks.append(Check(name, "skip" if ok is None else "pass" if ok else "fail", detail))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"artifact": self.artifact, "ok": self.ok, "checks": [c.__dict__ for c in self.checks]}
+
+
+def find_audit_log(artifact: Path, lineage: dict[str, Any] | None, given: str | None) -> Path:
+    if given:
+        return Path(given)
+    if lineage and Path(lineage.get("audit_log", "")).is_file():
+        return Path(lineage["audit_log"])
+    for parent in artifact.resolve().parents:  # runs/<name>/checkpoints/x -> runs/_governance/audit.jsonl
+        if (parent / STORE_DIR / "audit.jsonl").is_file():
+            return parent / STORE_DIR / "audit.jsonl"
+    raise UserError(f"no audit log found for {artifact}: pass --audit-log FILE")
+
+
+def verify(artifact: str | Path, policy: str | None = None, audit_log: str | None = None) -> VerifyResult:
+    artifact = Path(artifact)
+    if not artifact.is_file():
+        raise UserError(f"artifact {artifact} does not exist")
+    res = VerifyResult(str(artifact))
+    digest = sha256_file(artifact)
+    lineage = read_lineage(artifact)
+    log = AuditLog(find_audit_log(artifact, lineage, audit_log))
+    problems = log.check_chain()
+    res.add("audit log chain", not problems, f"{log.path}: intact" if not problems else
+            "; ".join(str(p) for p in problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+    run = _artifact_and_run(res, log, artifact, digest, lineage)
+    if run is None:
+        return res
+    _check_manifests(res, log, run)
+    _check_policy(res, run, policy)
+    return res
+
+
+def _artifact_and_run(res: VerifyResult, log: AuditLog, artifact: Path, digest: str,
+                      lineage: dict[str, Any] | None) -> dict[str, Any] | None:
+    records = [r for _, r, _ in log.records() if r]
+    produced = [(r, a) for r in records for a in _artifacts_of(r) if a["sha256"] == digest]
+    if lineage is None and not produced:
+        res.add("artifact hash", False, f"{artifact} (sha256 {digest[:16]}…) carries no readable lineage id and its "
+                                        "hash matches no artifact in the audit log: modified, or not produced by a "
+                                        "recorded run")
+        return None
+    if lineage is not None:
+        run_id = lineage.get("run_id")
+        claimed = [(r, a) for r in records for a in _artifacts_of(r)
+                   if r.get("run_id") == run_id or r.get("parent_run_id") == run_id]
+        mine = [(r, a) for r, a in claimed if Path(a["path"]).name == artifact.name and
+                (lineage.get("artifact_id") is None or r.get("artifact_id") == lineage.get("artifact_id"))]
+        if not claimed:
+            res.add("lineage id", False, f"{artifact} names run {run_id}, which has no record in {log.path}")
+            return None
+        if not any(a["sha256"] == digest for _, a in mine):
+            recorded = mine[-1][1]["sha256"][:16] + "…" if mine else "nothing"
+            res.add("artifact hash", False, f"{artifact}: sha256 {digest[:16]}… differs from what run {run_id} "
+                                            f"recorded ({recorded}): the file was modified after it was produced")
+            return None
+        produced = [(r, a) for r, a in mine if a["sha256"] == digest]
+    rec, art = produced[-1]
+    res.add("artifact hash", True, f"sha256 {digest[:16]}… recorded in audit record seq {rec['seq']}")
+    run_id = rec.get("run_id") or rec.get("parent_run_id")
+    runs = [r for r in records if r.get("kind") == "run" and r.get("run_id") == run_id]
+    if not runs:
+        res.add("run record", False, f"run {run_id} has no 'run' record in {log.path}")
+        return None
+    res.add("run record", True, f"run {run_id} (seq {runs[-1]['seq']}, {runs[-1].get('run_dir')}, "
+                                f"code {runs[-1].get('code_version')})")
+    return runs[-1]
+
+
+def _artifacts_of(rec: dict[str, Any]) -> list[dict[str, Any]]:
+    if rec.get("kind") == "run":
+        return rec.get("artifacts", [])
+    if rec.get("kind") == "artifact":
+        return [{"path": rec["path"], "sha256": rec["sha256"]}]
+    return []
+
+
+def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any]) -> None:
+    for m in run.get("manifests", []):
+        path = manifest_store(log.path) / f"{m['manifest_sha256']}.json"
+        if not path.is_file():
+            res.add(f"manifest {m['name']}", False, f"{path} is missing from the manifest store")
+            continue
+        manifest = json.loads(path.read_text())
+        if manifest_hash(manifest) != m["manifest_sha256"] or records_root(manifest["tc:records"]) != m["merkle_root"]:
+            res.add(f"manifest {m['name']}", False, f"{path} was modified: it no longer hashes to the recorded "
+                                                    f"{m['manifest_sha256'][:16]}… / Merkle root {m['merkle_root'][:16]}…")
+            continue
+        res.add(f"manifest {m['name']}", True, f"{m['records']} records, Merkle root {m['merkle_root'][:16]}…")
+        if not Path(manifest["tc:root"]).exists():
+            res.add(f"data {m['name']}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
+            continue
+        problems = check_data(manifest)
+        res.add(f"data {m['name']}", not problems, "all files match the manifest" if not problems else
+                "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+        run["_facts"] = facts_of(manifest)
+
+
+def _check_policy(res: VerifyResult, run: dict[str, Any], policy_file: str | None) -> None:
+    if policy_file:
+        policy, origin = load_policy(policy_file), policy_file
+    elif run.get("policy"):
+        policy, origin = policy_from_dict(_as_toml_dict(run["policy"]), "recorded"), "the run's recorded policy"
+    else:
+        res.add("policy", None, "the run had no policy and none was given (--policy FILE)")
+        return
+    facts = run.get("_facts")
+    if facts is None:
+        res.add("policy", False, "the data's manifest could not be read, so the policy cannot be checked")
+        return
+    reasons = violations(policy, facts, run.get("region"), set(run.get("hooks", [])))
+    res.add(f"policy ({origin})", not reasons, "; ".join(reasons) if reasons else
+            f"'{policy.name}': region, license, jurisdictions, retention and hooks all allowed")
+
+
+def _as_toml_dict(p: dict[str, Any]) -> dict[str, Any]:
+    """A recorded Policy (flat dataclass dict) back into the TOML layout policy_from_dict reads."""
+    sections = {"policy": ["name", "description"], "processing": ["allowed_regions"],
+                "data": ["allowed_licenses", "allowed_jurisdictions", "mix_jurisdictions", "require_legal_basis",
+                         "require_retention", "max_retention_days"],
+                "outputs": ["sample_images", "embeddings", "predictions", "restricted_tags"]}
+    out = {s: {k: p[k] for k in keys if p.get(k) is not None} for s, keys in sections.items()}
+    return {**out, "hooks": p.get("hooks", {}), "residency": p.get("residency", {})}
