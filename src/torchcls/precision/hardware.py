@@ -41,3 +41,11 @@ def require_fp16(device: torch.device) -> None:
     if device.type != "cuda":
         raise UserError("--precision fp16 needs a CUDA GPU (fp16 autocast on CPU is slow and needs loss "
                         "scaling); use --precision bf16 on CPU")
+
+
+def require_torchao(what: str) -> None:
+    """torchao is an optional extra; say how to get it instead of an ImportError traceback."""
+    try:
+        import torchao  # noqa: F401
+    except ImportError:
+        raise UserError(f"{what} needs torchao: pip install 'torchcls[precision]' (torchao==0.18.0)") from None

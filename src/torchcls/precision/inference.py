@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from torchcls.errors import UserError
-from torchcls.precision.hardware import describe_device, require_bf16, require_fp8_hardware
+from torchcls.precision.hardware import describe_device, require_bf16, require_fp8_hardware, require_torchao
 
 INFERENCE_PRECISIONS = ("fp32", "bf16", "int8", "fp8")
 # Default parity bounds: (max |Δlogit| relative to max |logit| of the fp32 model, min top-1 agreement).
@@ -67,6 +67,7 @@ def apply_inference_precision(model: nn.Module, precision: str, device: str | to
         inner = m.to(torch.bfloat16)
         return InferencePrecision(CastIO(inner, torch.bfloat16), precision, str(device), _layers(inner, precision),
                                   "bf16 weights and activations")
+    require_torchao(f"{precision} inference")
     from torchao.quantization import quantize_
 
     if precision == "int8":
@@ -160,3 +161,22 @@ def quantize_for_inference(model: nn.Module, precision: str, example_batches: It
                         f"top-1 agreement {parity['top1_agreement']:.3f} (bound {parity['bound_top1_agreement']}); "
                         "use a higher precision for this model")
     return result.model, report
+
+
+def heldout_batches(checkpoint: str, n: int = 64, batch_size: int = 32) -> list[torch.Tensor]:
+    """Up to `n` real held-out images of a checkpoint's training data (its seeded val split),
+    preprocessed as at training: the inputs parity should be measured on."""
+    from torchcls.config import Config
+    from torchcls.data import eval_dataset, make_loader
+    from torchcls.train.checkpoint import read_meta, resolve_checkpoint
+
+    meta = read_meta(resolve_checkpoint(checkpoint))
+    cfg = Config.from_dict(meta.config, origin=f"{checkpoint} metadata")
+    dataset, _ = eval_dataset(cfg.data, meta.preprocess, "val", cfg.train.seed)
+    batches, seen = [], 0
+    for x, _ in make_loader(dataset, batch_size, 0, shuffle=False):
+        batches.append(x[: n - seen])
+        seen += len(batches[-1])
+        if seen >= n:
+            break
+    return batches

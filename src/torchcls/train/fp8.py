@@ -19,7 +19,7 @@ from torch import nn
 from torchcls.config import TrainConfig
 from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import LayerDecision, eligibility
-from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware
+from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware, require_torchao
 
 TE_INSTALL = ("pip install 'transformer-engine[pytorch]' on a machine with a CUDA toolkit and an FP8 GPU "
               "(see https://docs.nvidia.com/deeplearning/transformer-engine/), or use --fp8-backend torchao")
@@ -68,6 +68,7 @@ def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8
 
 
 def _convert_torchao(model: nn.Module, cfg: TrainConfig, chosen: set[str], layers: list[LayerDecision]):
+    require_torchao("--precision fp8 --fp8-backend torchao")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe)
