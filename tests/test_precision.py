@@ -202,3 +202,21 @@ def test_int8_inference_parity_within_its_bound(shapes_dir):
         quantize_for_inference(model, "int8", x, bounds=(1e-9, 1.0))
     with pytest.raises(UserError, match="compute capability >= 8.9"):
         apply_inference_precision(model, "fp8", "cpu")
+
+
+def test_grad_scaler_path_steps_and_its_state_is_checkpointed():
+    """The fp16 path (scale, unscale before clipping, step, update) on CPU's GradScaler; on a GPU it is 'cuda'."""
+    from torchcls.train.precision import PrecisionPlan
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    plan = PrecisionPlan("fp16", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=1024.0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = model.weight.detach().clone()
+    loss = nn.functional.cross_entropy(model(torch.randn(8, 4)), torch.randint(0, 2, (8,)))
+    assert plan.backward_step(loss, opt, model, grad_clip=1e-3, step=1)
+    assert (model.weight - before).abs().max().item() <= 0.1 * 1e-3 + 1e-7  # clipped after unscaling
+    assert plan.state_dict()["scaler"]["scale"] == 1024.0
+    other = PrecisionPlan("fp16", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
+    other.load_state_dict(plan.state_dict())
+    assert other.scaler.get_scale() == 1024.0
