@@ -69,8 +69,22 @@ class OptimConfig:
 class TrainConfig:
     epochs: int = opt(5, "training epochs")
     seed: int = opt(0, "seed for init, data split, data order and augmentation")
-    precision: str = opt("fp32", "training precision: fp32, or bf16 autocast (CPU and GPU)",
-                         choices=("fp32", "bf16"))
+    precision: str = opt("fp32", "training precision: fp32; bf16 autocast (CPU and GPU); fp16 autocast with a "
+                         "gradient scaler (CUDA); fp8 linears via torchao/TransformerEngine (GPU with compute "
+                         "capability >= 8.9, or --fp8-emulate); master weights stay fp32",
+                         choices=("fp32", "bf16", "fp16", "fp8"))
+    fp8_recipe: str = opt("tensorwise", "FP8 scaling recipe: one scale per tensor (fastest) or per row (more "
+                          "accurate)", choices=("tensorwise", "rowwise"))
+    fp8_backend: str = opt("torchao", "FP8 implementation: torchao float8, or NVIDIA TransformerEngine (te; "
+                           "optional, not installed by torchcls)", choices=("torchao", "te"))
+    fp8_emulate: bool = opt(False, "run FP8 through torchao's emulation (CPU or any GPU): checks numerics, no "
+                            "speed-up")
+    fp8_min_dim: int = opt(0, "convert a Linear to FP8 only when max(in, out) >= this (0 = torchao's "
+                           "H100-measured size thresholds for the recipe); dims must also divide by 16")
+    fp8_compile: bool = opt(True, "torch.compile the model when training in (non-emulated) torchao FP8, as "
+                            "torchao recommends")
+    nonfinite: str = opt("stop", "on a NaN/Inf loss or gradient norm: stop with a checkpoint and a message, or "
+                         "skip the step (logged; stops after 10 in a row)", choices=("stop", "skip"))
     channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")
     compile: bool = opt(False, "torch.compile the model for training (reports graph breaks)")
     parallel: str = opt("none", "parallelism across processes", choices=("none",))

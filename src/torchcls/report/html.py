@@ -68,6 +68,11 @@ def write_report(run_dir: str | Path) -> Path:
         if skipped:
             parts.append(f"<h2>{title} ({len(skipped)})</h2>"
                          + _table(["file", "reason"], [[s["file"], s["reason"]] for s in skipped]))
+    precision_file = run_dir / "precision.json"
+    if precision_file.is_file():
+        from torchcls.precision.report import html_section
+
+        parts.append(html_section(json.loads(precision_file.read_text())))
     config_file = run_dir / "config.toml"
     if config_file.is_file():
         parts.append(f"<h2>Configuration</h2><pre>{html.escape(config_file.read_text())}</pre>")

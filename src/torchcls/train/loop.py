@@ -29,7 +29,7 @@ from torchcls.models import ModelSpec, create_model
 from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
 from torchcls.train.optim import build_optimizer, warmup_cosine
 from torchcls.train.parallel import parallelize
-from torchcls.train.precision import PrecisionPlan, apply_precision
+from torchcls.train.precision import NonFiniteLoss, PrecisionPlan, apply_precision
 from torchcls.train.rundir import RunDir
 
 StepCallback = Callable[[int], None]  # called with the global step after each optimizer step
@@ -91,8 +91,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     model = create_model(spec).to(device, memory_format=memory_format)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
+    precision = apply_precision(model, cfg.train, device, run)  # before parallelize: FP8 swaps Linear layers
     model = parallelize(model, cfg.train)
-    precision = apply_precision(cfg.train.precision, device)
     optimizer = build_optimizer(model, cfg.optim)
 
     seed = cfg.train.seed
@@ -111,7 +111,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         save_training_state(run.checkpoints / "last.state.pt", {
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "epoch": p.epoch, "step": p.step, "step_in_epoch": p.step_in_epoch, "best_top1": p.best_top1,
-            "rng": torch.get_rng_state(),
+            "rng": torch.get_rng_state(), "precision": precision.state_dict(),
         })
 
     p = Progress()
@@ -121,12 +121,13 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         load_weights_into(model, run.checkpoints / "last.safetensors")
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        precision.load_state_dict(state.get("precision", {}))
         p = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"])
         resume_rng = state["rng"] if p.step_in_epoch else None
         run.truncate_metrics(p.step)
         console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step}")
 
-    forward = torch.compile(model) if cfg.train.compile else model
+    forward = torch.compile(model) if precision.compile else model
     writer = _tensorboard(run.path) if cfg.train.tensorboard else None
     log_every = max(1, steps_per_epoch // 10)
     model.train()
@@ -149,16 +150,14 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
                         logits = forward(x)
                     loss = criterion(logits.float(), y)
                     optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
-                    if cfg.optim.grad_clip > 0:
-                        nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
-                    optimizer.step()
+                    stepped = precision.backward_step(loss, optimizer, model, cfg.optim.grad_clip, p.step + 1)
                     scheduler.step()
                     p.step += 1
                     p.step_in_epoch += 1
-                    seen += len(y)
-                    loss_sum += loss.item() * len(y)
-                    correct += (logits.argmax(1) == y).sum().item()
+                    if stepped:  # a skipped NaN/Inf step is logged by the plan, not averaged in
+                        seen += len(y)
+                        loss_sum += loss.item() * len(y)
+                        correct += (logits.argmax(1) == y).sum().item()
                     bar.update(task, advance=1)
                     if p.step % log_every == 0:
                         record = {"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": loss.item(),
@@ -189,6 +188,9 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         console.print(f"[yellow]interrupted at step {p.step}; checkpoint saved. Continue with: "
                       f"torchcls train --config {run.path / 'config.toml'} --resume[/]")
         return _result(run, p, interrupted=True)
+    except NonFiniteLoss:  # --nonfinite stop: the failed step was not applied; keep the last good state
+        checkpoint(p)
+        raise
     finally:
         if writer is not None:
             writer.close()

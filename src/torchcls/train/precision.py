@@ -1,34 +1,154 @@
-"""Precision is applied from outside the model: one function turns the config into an autocast
-context (and a gradient scaler where one is needed). Master weights stay fp32.
+"""Precision is applied from outside the model: one function turns the config into a plan with
+an autocast context, a gradient scaler where one is needed (fp16), FP8 layers where they pay,
+and a guard against NaN/Inf losses. Master weights stay fp32 in every mode.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
+from torch import nn
 
+from torchcls.config import TrainConfig
+from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.precision.fp8_layers import summary
+from torchcls.precision.hardware import describe_device, require_bf16, require_fp16
+from torchcls.train.fp8 import Fp8Conversion, convert_fp8, fp8_hardware_note
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# fp8 runs the layers it does not convert (attention, norms, small linears) under bf16 autocast.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+PRECISIONS = ("fp32", *DTYPES)
+MAX_SKIPPED_IN_A_ROW = 10  # past this, skipping cannot recover the run: stop instead of looping on NaN
+
+
+class NonFiniteLoss(UserError):
+    """The loss (or gradient norm) became NaN/Inf; the loop saves a checkpoint and re-raises."""
 
 
 @dataclass
 class PrecisionPlan:
     name: str
     device_type: str
+    nonfinite: str = "stop"
+    scaler: torch.amp.GradScaler | None = None
+    fp8: Fp8Conversion | None = None
+    compile: bool = False
+    report: dict[str, Any] = field(default_factory=dict)
+    log: Callable[[dict[str, Any]], None] = lambda record: None
+    run_path: Path | None = None
+    skipped_in_a_row: int = 0
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
             return contextlib.nullcontext()
-        return torch.autocast(self.device_type, dtype=DTYPES[self.name])
+        amp = torch.autocast(self.device_type, dtype=DTYPES[self.name])
+        if self.fp8 is None or self.fp8.context is contextlib.nullcontext:
+            return amp
+        stack = contextlib.ExitStack()  # TransformerEngine: its FP8 context inside bf16 autocast
+        stack.enter_context(amp)
+        stack.enter_context(self.fp8.context())
+        return stack
+
+    def backward_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, model: nn.Module,
+                      grad_clip: float, step: int) -> bool:
+        """Backward, clip, optimizer step. Returns False when a NaN/Inf step was skipped (--nonfinite skip);
+        raises NonFiniteLoss under --nonfinite stop. Never applies a non-finite update."""
+        value = loss.item()
+        if not math.isfinite(value):
+            return self._nonfinite("loss", value, step)
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+        if grad_clip > 0:
+            if self.scaler:
+                self.scaler.unscale_(optimizer)
+            norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+            if self.scaler is None and not math.isfinite(norm):  # with a scaler, inf grads are its business
+                optimizer.zero_grad(set_to_none=True)
+                return self._nonfinite("gradient norm", norm, step)
+        if self.scaler:
+            self.scaler.step(optimizer)  # skips the update itself when the scaled grads overflowed
+            self.scaler.update()
+        else:
+            optimizer.step()
+        self.skipped_in_a_row = 0
+        return True
+
+    def _nonfinite(self, what: str, value: float, step: int) -> bool:
+        where = f"non-finite {what} ({value}) at step {step} under --precision {self.name}"
+        saved = f" saved the last good state in {self.run_path / 'checkpoints'};" if self.run_path else ""
+        other = "" if self.name == "fp32" else " try --precision fp32 (or bf16 rather than fp16/fp8),"
+        fix = (f" lower --lr, keep --grad-clip on,{other} or pass --nonfinite skip to skip such steps; "
+               "continue with --resume")
+        if self.nonfinite == "stop":
+            raise NonFiniteLoss(f"{where}: the run stopped (--nonfinite stop) and{saved}{fix}")
+        self.skipped_in_a_row += 1
+        self.log({"kind": "nonfinite", "step": step, "what": what, "value": str(value), "action": "skipped"})
+        console.print(f"[yellow]{where}: step skipped (--nonfinite skip)[/]")
+        if self.skipped_in_a_row >= MAX_SKIPPED_IN_A_ROW:
+            raise NonFiniteLoss(f"{where}: {self.skipped_in_a_row} steps in a row were non-finite, so skipping "
+                                f"cannot recover this run; it stopped and{saved}{fix.replace(', or pass', ', or')}")
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
 
 
-def apply_precision(precision: str, device: torch.device) -> PrecisionPlan:
-    if precision not in ("fp32", *DTYPES):
-        raise UserError(f"--precision {precision}: supported here are fp32 and bf16")
-    if precision == "fp16" and device.type != "cuda":
-        raise UserError("--precision fp16 needs a CUDA GPU (fp16 autocast on CPU is slow and unscaled); "
-                        "use --precision bf16 on CPU")
-    return PrecisionPlan(precision, device.type)
+def apply_precision(model: nn.Module, cfg: TrainConfig, device: torch.device, run=None) -> PrecisionPlan:
+    """Check the precision against the hardware, convert FP8 layers in place, and return the plan.
+
+    Call before parallelize(): FP8 swaps nn.Linear modules, which FSDP must see already swapped.
+    With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
+    name = cfg.precision
+    if name not in PRECISIONS:
+        raise UserError(f"--precision {name}: choose one of {', '.join(PRECISIONS)}")
+    if name != "fp8" and cfg.fp8_emulate:
+        raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
+    if name == "fp16":
+        require_fp16(device)
+    if name in ("bf16", "fp8"):
+        require_bf16(device)
+    scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None  # fp16's narrow range needs loss scaling
+    fp8 = convert_fp8(model, cfg, device) if name == "fp8" else None
+    # torchao: FP8 pays only when compile fuses the scaling and casting around the FP8 GEMMs.
+    auto_compile = fp8 is not None and fp8.backend == "torchao" and not fp8.emulate and cfg.fp8_compile
+    plan = PrecisionPlan(name, device.type, cfg.nonfinite, scaler, fp8, cfg.compile or auto_compile)
+    plan.report = _report(plan, cfg, device, auto_compile)
+    if run is not None:
+        plan.log, plan.run_path = run.log, run.path
+        (run.path / "precision.json").write_text(json.dumps(plan.report, indent=2))
+        from torchcls.precision.report import print_precision
+
+        print_precision(plan.report)
+    return plan
+
+
+def _report(plan: PrecisionPlan, cfg: TrainConfig, device: torch.device, auto_compile: bool) -> dict[str, Any]:
+    report: dict[str, Any] = {
+        "precision": plan.name, "device": describe_device(device),
+        "autocast_dtype": None if plan.name == "fp32" else str(DTYPES[plan.name]).removeprefix("torch."),
+        "master_weights": "float32", "grad_scaler": plan.scaler is not None, "nonfinite": plan.nonfinite,
+        "compile": plan.compile,
+        "compile_note": "enabled for FP8 as torchao recommends (--no-fp8-compile turns it off)" if auto_compile
+        and not cfg.compile else "", "fp8": None,
+    }
+    if plan.fp8 is not None:
+        f = plan.fp8
+        report["fp8"] = {
+            "backend": f.backend, "recipe": f.recipe, "backend_recipe": f.backend_recipe, "emulate": f.emulate,
+            "hardware": fp8_hardware_note(device, f.emulate), "min_dim": cfg.fp8_min_dim,
+            "size_rule": f"max(in, out) >= {cfg.fp8_min_dim}" if cfg.fp8_min_dim else
+            f"torchao {f.recipe} thresholds (H100-measured)",
+            **summary(f.layers), "layers": [d.to_dict() for d in f.layers],
+        }
+    return report

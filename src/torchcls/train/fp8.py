@@ -1,0 +1,136 @@
+"""FP8 training: swap the eligible nn.Linear layers for FP8 ones, via torchao or TransformerEngine.
+
+torchao (`convert_to_float8_training`) is the default: its Float8Linear keeps fp32 master
+weights, casts inputs/weights/grads to float8 with dynamic scales (tensorwise or rowwise),
+and is fastest under torch.compile. TransformerEngine is an optional backend, imported only
+when asked for; it is not a dependency and needs a CUDA build and an FP8 GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torchcls.config import TrainConfig
+from torchcls.errors import UserError
+from torchcls.precision.fp8_layers import LayerDecision, eligibility
+from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware, require_torchao
+
+TE_INSTALL = ("pip install 'transformer-engine[pytorch]' on a machine with a CUDA toolkit and an FP8 GPU "
+              "(see https://docs.nvidia.com/deeplearning/transformer-engine/), or use --fp8-backend torchao")
+
+
+@dataclass
+class Fp8Conversion:
+    backend: str
+    recipe: str
+    emulate: bool
+    layers: list[LayerDecision]
+    # TransformerEngine needs its own context around the forward pass; torchao does not.
+    context: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext, repr=False)
+    backend_recipe: str = ""
+
+
+def check_fp8(cfg: TrainConfig, device: torch.device) -> None:
+    """Refuse FP8 where it cannot run, naming the fix (before any model surgery)."""
+    if cfg.fp8_backend == "te":
+        if cfg.fp8_emulate:
+            raise UserError("--fp8-emulate exists only for --fp8-backend torchao (TransformerEngine has no CPU "
+                            "emulation); drop --fp8-emulate or use --fp8-backend torchao")
+        problems = []
+        try:
+            _import_te()
+        except UserError as e:
+            problems.append(str(e))
+        try:
+            require_fp8_hardware(device, "--fp8-backend te", emulate_flag=None,
+                                 fallback="--fp8-backend torchao --fp8-emulate to check FP8 numerics here")
+        except UserError as e:
+            problems.append(str(e))
+        if problems:  # name every missing piece at once
+            raise UserError(" Also: ".join(problems))
+    elif not cfg.fp8_emulate:
+        require_fp8_hardware(device, "--precision fp8", emulate_flag="--fp8-emulate")
+
+
+def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8Conversion:
+    check_fp8(cfg, device)
+    layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim)
+    chosen = {d.name for d in layers if d.converted}
+    if cfg.fp8_backend == "te":
+        return _convert_te(model, cfg, chosen, layers)
+    return _convert_torchao(model, cfg, chosen, layers)
+
+
+def _convert_torchao(model: nn.Module, cfg: TrainConfig, chosen: set[str], layers: list[LayerDecision]):
+    require_torchao("--precision fp8 --fp8-backend torchao")
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe)
+    if cfg.fp8_emulate:  # emulated casts and matmuls: same numerics, runs on CPU and older GPUs
+        config = dataclasses.replace(config, emulate=True)
+    converted = convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+    if converted is not model:
+        raise UserError("FP8 conversion replaced the whole model (a bare nn.Linear); wrap it in a module")
+    _check_swapped(model, chosen, "Float8Linear")
+    return Fp8Conversion("torchao", cfg.fp8_recipe, cfg.fp8_emulate, layers, backend_recipe=f"torchao {cfg.fp8_recipe}")
+
+
+def _import_te():
+    try:
+        import transformer_engine.pytorch as te
+    except ImportError as e:
+        raise UserError(f"--fp8-backend te: TransformerEngine is not installed or does not load ({e}); "
+                        f"{TE_INSTALL}") from None
+    return te
+
+
+def _te_recipe(recipe: str):
+    from transformer_engine.common import recipe as te_recipe
+
+    if recipe == "tensorwise":  # per-tensor scales computed from the current tensor, like torchao tensorwise
+        return te_recipe.Float8CurrentScaling()
+    return te_recipe.Float8BlockScaling()  # TE's finer-grained (1x128 block) scaling: its rowwise counterpart
+
+
+def _convert_te(model: nn.Module, cfg: TrainConfig, chosen: set[str], layers: list[LayerDecision]):
+    te = _import_te()
+
+    class PlainStateLinear(te.Linear):
+        """te.Linear whose state dict is just weight/bias, so checkpoints stay portable to plain nn.Linear.
+        With current/block scaling recipes TE keeps no amax history that would need saving."""
+
+        get_extra_state = nn.Module.get_extra_state
+        set_extra_state = nn.Module.set_extra_state
+
+    for name in chosen:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        old: nn.Linear = getattr(parent, child)
+        new = PlainStateLinear(old.in_features, old.out_features, bias=old.bias is not None,
+                               params_dtype=old.weight.dtype, device=old.weight.device)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            if old.bias is not None:
+                new.bias.copy_(old.bias)
+        setattr(parent, child, new)
+    recipe = _te_recipe(cfg.fp8_recipe)
+    context = lambda: te.fp8_autocast(enabled=True, fp8_recipe=recipe)  # noqa: E731
+    return Fp8Conversion("te", cfg.fp8_recipe, False, layers, context, f"TransformerEngine {type(recipe).__name__}")
+
+
+def _check_swapped(model: nn.Module, chosen: set[str], type_name: str) -> None:
+    swapped = {n for n, m in model.named_modules() if type(m).__name__ == type_name}
+    if swapped != chosen:
+        raise RuntimeError(f"FP8 conversion swapped {sorted(swapped)} but the eligibility rule chose {sorted(chosen)}")
+
+
+def fp8_hardware_note(device: torch.device, emulate: bool) -> str:
+    if emulate:
+        return f"emulated on {describe_device(device)}: a numerics check, no speed-up"
+    return describe_device(device) + ("" if has_fp8_hardware(device) else " (no FP8 tensor cores)")
