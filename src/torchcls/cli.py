@@ -98,6 +98,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from torchcls.train.dcp import consolidate
+
+    print(f"wrote {consolidate(args.checkpoint, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
@@ -135,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="demo", help="run name (default: demo; an old demo run is replaced)")
     p.add_argument("--epochs", type=int, default=None, help="override the demo's epoch count")
     p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("consolidate", help="merge a sharded (DCP) checkpoint into one safetensors file",
+                       description="Load a torch.distributed.checkpoint written by any number of ranks into one "
+                       "process and write a single safetensors file (for evaluate, predict, export).")
+    p.add_argument("checkpoint", help="a run dir (uses checkpoints/last.dcp) or a DCP checkpoint dir")
+    p.add_argument("--out", help="output .safetensors (default: checkpoints/consolidated.safetensors)")
+    p.set_defaults(func=_cmd_consolidate)
     return parser
 
 
