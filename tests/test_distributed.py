@@ -64,9 +64,9 @@ class Runs:
     def _ddp(self):
         return self.torchrun("ddp", 2, "--parallel", "ddp", "--epochs", "2", "--async-checkpoint")
 
-    def _w1(self):  # world size 1 for one epoch; memory.json kept before the 1 → 2 resume rewrites it
+    def _w1(self):  # world size 1 for one epoch; a copy is kept before the 1 → 2 resume continues it
         proc = self.torchrun("w1", 1, "--parallel", "fsdp2", "--epochs", "1")
-        shutil.copy(self.out / "w1" / "memory.json", self.base / "w1-memory.json")
+        shutil.copytree(self.out / "w1", self.base / "w1-copy" / "w1")
         return proc
 
     def _w1_to2(self):
@@ -142,17 +142,23 @@ def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
 
 
 def test_dcp_from_one_rank_resumes_on_two(runs):
+    from torchcls.train import train
+
     runs.get("w1_to2")
-    resumed, reference = runs.out / "w1", runs.get("fsdp2")
+    resumed = runs.out / "w1"
     assert [e.get("world_size") for e in _epochs(resumed)] == [1, 2]
     assert "resuming" in runs.done["w1_to2"].stdout
-    # epoch 1 at world size 1, epoch 2 at world size 2 == both epochs at world size 2
+    # the same world-1 checkpoint continued by one plain process: same second epoch
+    cfg = tiny_config(runs.data, runs.base / "w1-copy", "w1", epochs=2)
+    cfg.model.name, cfg.data.val_fraction, cfg.data.augment, cfg.run.resume = "test_vit", 0.25, "none", True
+    reference = train(cfg).run_dir
+    assert _epochs(resumed)[1]["train_loss"] == pytest.approx(_epochs(reference)[1]["train_loss"], rel=1e-4)
     _assert_close(_weights(reference), _weights(resumed), atol=2e-4)
 
 
 def test_per_rank_memory_halves_under_fsdp2_and_not_under_ddp(runs):
     runs.get("w1")
-    one = json.loads((runs.base / "w1-memory.json").read_text())
+    one = json.loads((runs.base / "w1-copy" / "w1" / "memory.json").read_text())
     fsdp2 = json.loads((runs.get("fsdp2") / "memory.json").read_text())
     ddp = json.loads((runs.get("ddp") / "memory.json").read_text())
     (w1,) = one["ranks"]

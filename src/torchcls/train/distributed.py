@@ -85,9 +85,10 @@ class Session:
 
     # -- reductions: every rank reports the same numbers ------------------------------------
     def mean(self, value: torch.Tensor | float) -> float:
+        value = float(value.detach() if torch.is_tensor(value) else value)
         if not self.active:
-            return float(value)
-        t = torch.tensor([float(value.detach() if torch.is_tensor(value) else value)], dtype=torch.float64)
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
         dist.all_reduce(t)
         return t.item() / self.world
 

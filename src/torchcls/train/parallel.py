@@ -48,6 +48,14 @@ def apply_fsdp2(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if not all(p.is_contiguous() for p in model.parameters()):
+        raise UserError("--parallel fsdp2 shards contiguous parameters only (PyTorch's FSDP2): drop "
+                        "--channels-last, or use --parallel ddp, which keeps it")
+    has_bn = any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+    if cfg.fsdp_param_dtype != "fp32" and has_bn:
+        raise UserError(f"--fsdp-param-dtype {cfg.fsdp_param_dtype}: this model has BatchNorm layers, whose "
+                        "fp32 running statistics cannot mix with low-precision weights in batch_norm; keep "
+                        "--fsdp-param-dtype fp32 and use --precision bf16 (autocast) for the compute instead")
     device_type = "cuda" if next(model.parameters()).is_cuda else "cpu"
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
