@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,9 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
     meta = CheckpointMeta.from_json((path / META).read_text())
     model = create_model(meta.spec)
     state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(path))
+    with warnings.catch_warnings():  # "assuming ... a single process": that is the point here
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load(state, checkpoint_id=str(path))
     model.load_state_dict(state["model"])
     out = Path(out) if out else path.parent / "consolidated.safetensors"
     save_weights(out, model, meta, Session())
