@@ -116,6 +116,13 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
                                                                            f" (default: {f.default})"))
 
 
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    from torchcls.train.dcp import consolidate
+
+    print(f"wrote {consolidate(args.checkpoint, args.out)}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
@@ -165,6 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
     from torchcls.governance.cli import add_governance_commands
 
     add_governance_commands(sub)  # data manifest, verify, lineage
+    p = sub.add_parser("consolidate", help="merge a sharded (DCP) checkpoint into one safetensors file",
+                       description="Load a torch.distributed.checkpoint written by any number of ranks into one "
+                       "process and write a single safetensors file (for evaluate, predict, export).")
+    p.add_argument("checkpoint", help="a run dir (uses checkpoints/last.dcp) or a DCP checkpoint dir")
+    p.add_argument("--out", help="output .safetensors (default: checkpoints/consolidated.safetensors)")
+    p.set_defaults(func=_cmd_consolidate)
     return parser
 
 

@@ -87,7 +87,21 @@ class TrainConfig:
                          "skip the step (logged; stops after 10 in a row)", choices=("stop", "skip"))
     channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")
     compile: bool = opt(False, "torch.compile the model for training (reports graph breaks)")
-    parallel: str = opt("none", "parallelism across processes", choices=("none",))
+    parallel: str = opt("none", "parallelism across processes started by torchrun: none (one process), ddp "
+                        "(replicated weights), fsdp2 (sharded parameters, gradients and optimizer state)",
+                        choices=("none", "ddp", "fsdp2"))
+    sync_bn: bool = opt(False, "ddp/fsdp2: SyncBatchNorm (batch statistics over the global batch; needs CUDA). "
+                        "Without it BatchNorm running stats are averaged across ranks before eval and save")
+    fsdp_param_dtype: str = opt("fp32", "fsdp2: dtype parameters are all-gathered and computed in",
+                                choices=("fp32", "bf16"))
+    fsdp_reduce_dtype: str = opt("fp32", "fsdp2: dtype gradients are reduce-scattered in", choices=("fp32", "bf16"))
+    reshard_after_forward: bool = opt(True, "fsdp2: free gathered parameters after forward (less memory, one "
+                                      "more all-gather in backward)")
+    fsdp_cpu_offload: bool = opt(False, "fsdp2: keep sharded parameters, gradients and optimizer state in host "
+                                 "memory (CUDA training only)")
+    async_checkpoint: bool = opt(False, "ddp/fsdp2: write sharded (DCP) checkpoints in a background thread")
+    dist_timeout: int = opt(300, "ddp/fsdp2: seconds before joining the process group or a collective gives up "
+                            "with an error instead of hanging")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     threads: int = opt(0, "intra-op CPU threads (0 = torch default)")
     save_every: int = opt(0, "also checkpoint every N steps (0 = at epoch ends only)")

@@ -73,6 +73,9 @@ def write_report(run_dir: str | Path) -> Path:
         from torchcls.precision.report import html_section
 
         parts.append(html_section(json.loads(precision_file.read_text())))
+    from torchcls.report.memory import memory_section
+
+    parts.append(memory_section(run_dir))  # distributed runs: per-rank memory vs full / world
     config_file = run_dir / "config.toml"
     if config_file.is_file():
         parts.append(f"<h2>Configuration</h2><pre>{html.escape(config_file.read_text())}</pre>")

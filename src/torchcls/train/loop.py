@@ -27,6 +27,8 @@ from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
 from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
+from torchcls.train import dcp, distributed, sharding
+from torchcls.train.memory import record_memory
 from torchcls.train.optim import build_optimizer, warmup_cosine
 from torchcls.train.parallel import parallelize
 from torchcls.train.precision import NonFiniteLoss, PrecisionPlan, apply_precision
@@ -73,8 +75,10 @@ def validate(model: nn.Module, loader, device: torch.device, precision: Precisio
 
 def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues."""
-    run = RunDir.prepare(cfg)
-    cfg.save_toml(run.path / "config.toml")
+    session = distributed.setup(cfg)  # torchrun ranks (ddp/fsdp2); inactive for --parallel none
+    run = session.prepare_run(cfg)
+    if session.is_main:
+        cfg.save_toml(run.path / "config.toml")
     device = resolve_device(cfg.train.device)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -82,7 +86,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
 
     gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
     data = build_data(gov.data_config, cfg.train.seed)
-    if data.images.skipped:
+    if data.images.skipped and session.is_main:
         skipped = [{"file": f, "reason": r} for f, r in data.images.skipped]
         (run.path / "skipped_files.json").write_text(json.dumps({"skipped_files": skipped}, indent=2))
         console.print(f"[yellow]skipped {len(skipped)} unreadable file(s); listed in the report[/]")
@@ -96,8 +100,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     optimizer = build_optimizer(model, cfg.optim)
 
     seed = cfg.train.seed
-    train_loader = make_loader(data.train, cfg.data.batch_size, cfg.data.workers, shuffle=True, seed=seed)
-    val_loader = make_loader(data.val, cfg.data.batch_size * 2, cfg.data.workers, shuffle=False)
+    train_loader = sharding.train_loader(data.train, cfg.data.batch_size, cfg.data.workers, seed, session)
+    val_loader = sharding.val_loader(data.val, cfg.data.batch_size * 2, cfg.data.workers, session)
     steps_per_epoch = len(train_loader)
     total_steps = steps_per_epoch * cfg.train.epochs
     scheduler = warmup_cosine(optimizer, int(cfg.optim.warmup_epochs * steps_per_epoch), total_steps)
@@ -107,6 +111,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         return CheckpointMeta(spec, data.classes, pre, cfg.to_dict(), p.epoch, p.step)
 
     def checkpoint(p: Progress) -> None:
+        if session.active:
+            return dcp.save_checkpoint(run.checkpoints, model, optimizer, scheduler, p, meta(p), session)
         save_weights(run.checkpoints / "last.safetensors", model, meta(p))
         save_training_state(run.checkpoints / "last.state.pt", {
             "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
@@ -116,7 +122,13 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
 
     p = Progress()
     resume_rng = None
-    if cfg.run.resume:
+    if cfg.run.resume and dcp.resumes_from_dcp(run.checkpoints, session):
+        (epoch, step, in_epoch, best), rng = dcp.load_checkpoint(run.checkpoints, model, optimizer, scheduler,
+                                                                 meta(Progress()), session)
+        p, resume_rng = Progress(epoch, step, in_epoch, best), rng if in_epoch else None
+        run.truncate_metrics(p.step)
+        console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step} (world size {session.world})")
+    elif cfg.run.resume:
         state = load_training_state(run.checkpoints / "last.state.pt")
         load_weights_into(model, run.checkpoints / "last.safetensors")
         optimizer.load_state_dict(state["optimizer"])
@@ -160,19 +172,22 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
                         correct += (logits.argmax(1) == y).sum().item()
                     bar.update(task, advance=1)
                     if p.step % log_every == 0:
-                        record = {"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": loss.item(),
+                        record = {"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": session.mean(loss),
                                   "lr": scheduler.get_last_lr()[0]}
                         run.log(record)
                         _tb(writer, record)
                     if cfg.train.save_every and p.step % cfg.train.save_every == 0:
                         checkpoint(p)
-                    for cb in callbacks:
+                    for cb in (*callbacks, *session.callbacks()):
                         cb(p.step)
                 elapsed = time.perf_counter() - t0
                 record = {"kind": "epoch", "epoch": p.epoch + 1, "step": p.step,
                           "train_loss": loss_sum / max(1, seen), "train_top1": correct / max(1, seen),
                           "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
-                if len(data.val):
+                record = session.reduce_epoch(record)
+                if len(data.val) and session.active:
+                    record |= sharding.validate(forward, val_loader, device, precision, memory_format, session)
+                elif len(data.val):
                     record |= validate(forward, val_loader, device, precision, memory_format)
                 p.epoch, p.step_in_epoch = p.epoch + 1, 0
                 run.log(record)
@@ -182,7 +197,9 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
                 top1 = record.get("val_top1", record["train_top1"])
                 if top1 > p.best_top1:
                     p.best_top1 = top1
-                    save_weights(run.checkpoints / "best.safetensors", model, meta(p))
+                    dcp.save_weights(run.checkpoints / "best.safetensors", model, meta(p), session)
+        if session.active:
+            record_memory(run.path, model, optimizer, session)  # per-rank bytes vs full / world
     except KeyboardInterrupt:
         checkpoint(p)
         console.print(f"[yellow]interrupted at step {p.step}; checkpoint saved. Continue with: "
@@ -194,10 +211,12 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     finally:
         if writer is not None:
             writer.close()
+        session.close()
 
     from torchcls.report import write_report
 
-    write_report(run.path)
+    if session.is_main:
+        write_report(run.path)
     gov.finish(_result(run, p))  # redacted sample outputs, stamped checkpoints, audit record
     return _result(run, p)
 

@@ -26,11 +26,11 @@ class RunDir:
 
     @classmethod
     def prepare(cls, cfg: Config) -> RunDir:
-        name = cfg.run.name or f"{cfg.model.name.replace('/', '-')}-{Path(cfg.data.source).stem}-" \
-                                f"{time.strftime('%Y%m%d-%H%M%S')}"
+        name = cfg.run.name or default_name(cfg)
         cfg.run.name = name
         path = Path(cfg.run.out_dir) / name
-        has_state = (path / "checkpoints" / "last.state.pt").is_file()
+        has_state = (path / "checkpoints" / "last.state.pt").is_file() or \
+            (path / "checkpoints" / "last.dcp" / ".metadata").is_file()  # sharded (torchrun) checkpoint
         if cfg.run.resume and not has_state:
             raise UserError(f"--resume: {path} has no checkpoints/last.state.pt to continue from; "
                             "check --name and --out-dir")
@@ -52,6 +52,10 @@ class RunDir:
         """On resume, drop records logged after the checkpoint so the log reads like one run."""
         kept = [line for line in read_metrics(self.path) if line.get("step", 0) <= after_step]
         self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+
+def default_name(cfg: Config) -> str:
+    return f"{cfg.model.name.replace('/', '-')}-{Path(cfg.data.source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

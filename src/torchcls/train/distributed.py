@@ -1,0 +1,232 @@
+"""Multi-process training under torchrun: process group, rank-0 duties, timeouts, elastic restarts.
+
+torchrun (PyTorch's own launcher) starts one process per device and sets RANK, WORLD_SIZE,
+LOCAL_RANK, MASTER_ADDR/PORT and TORCHELASTIC_RESTART_COUNT; we never launch processes
+ourselves. `Session` is what the training loop talks to: for `--parallel none` it is an
+inactive session (rank 0 of 1) whose helpers fall back to the single-process behaviour.
+
+Testing aid (fault injection): TORCHCLS_FAULT_STEP=k makes rank TORCHCLS_FAULT_RANK
+(default 1) kill itself with SIGKILL right after optimizer step k, on the first attempt
+only (TORCHELASTIC_RESTART_COUNT=0), so that `torchrun --max-restarts 1` restarts the job
+and it resumes from the last checkpoint. Never set it outside tests.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import shutil
+import signal
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchcls.config import Config
+from torchcls.console import console
+from torchcls.errors import UserError
+from torchcls.train.rundir import RunDir
+
+FAULT_STEP_ENV, FAULT_RANK_ENV = "TORCHCLS_FAULT_STEP", "TORCHCLS_FAULT_RANK"
+
+
+class FollowerRunDir(RunDir):
+    """The run dir as seen by ranks other than 0: they read it but never write logs."""
+
+    def log(self, record: dict[str, Any]) -> None:
+        pass
+
+    def truncate_metrics(self, after_step: int) -> None:
+        pass
+
+
+@dataclass
+class Session:
+    active: bool = False  # a process group exists (ddp/fsdp2 under torchrun)
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    restart_count: int = 0
+    parallel: str = "none"
+    async_checkpoint: bool = False
+    pending: list = field(default_factory=list)  # async checkpoint futures not yet committed
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # -- rank-0 helpers ---------------------------------------------------------------
+    def prepare_run(self, cfg: Config) -> RunDir:
+        """Rank 0 creates (or checks) the run dir; the others get its path or the same error."""
+        if not self.active:
+            return RunDir.prepare(cfg)
+        outcome: list[Any] = [None]
+        if self.is_main:
+            try:
+                run = RunDir.prepare(cfg)
+                outcome[0] = ("ok", str(run.path), cfg.run.name)
+            except UserError as e:
+                outcome[0] = ("error", str(e), None)
+        dist.broadcast_object_list(outcome, src=0)
+        kind, value, name = outcome[0]
+        if kind == "error":
+            raise UserError(value)
+        cfg.run.name = name
+        return RunDir(Path(value)) if self.is_main else FollowerRunDir(Path(value))
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    # -- reductions: every rank reports the same numbers ------------------------------------
+    def mean(self, value: torch.Tensor | float) -> float:
+        value = float(value.detach() if torch.is_tensor(value) else value)
+        if not self.active:
+            return value
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.item() / self.world
+
+    def reduce_epoch(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Per-rank epoch averages → global ones (ranks see equally many samples); throughput adds up."""
+        if not self.active:
+            return record
+        keys = ["train_loss", "train_top1", "img_per_s"]
+        t = torch.tensor([record[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(t)
+        out = dict(record, train_loss=t[0].item() / self.world, train_top1=t[1].item() / self.world,
+                   img_per_s=t[2].item())
+        return out | {"world_size": self.world}
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    # -- elastic ---------------------------------------------------------------------------
+    def callbacks(self) -> list[Callable[[int], None]]:
+        step = os.environ.get(FAULT_STEP_ENV)
+        if not step or not self.active or self.restart_count > 0:
+            return []
+        fault_step, fault_rank = int(step), int(os.environ.get(FAULT_RANK_ENV, "1"))
+
+        def fault(global_step: int) -> None:
+            if global_step == fault_step and self.rank == fault_rank:
+                print(f"torchcls: {FAULT_STEP_ENV}={fault_step}: rank {self.rank} kills itself (testing aid)",
+                      file=sys.stderr, flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        return [fault]
+
+    def close(self) -> None:
+        from torchcls.train import dcp
+
+        dcp.wait_pending(self)
+        if self.active and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup(cfg: Config) -> Session:
+    """Join the process group torchrun prepared (or return an inactive session), and decide
+    whether this is an elastic restart that must resume."""
+    tc = cfg.train
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    if tc.parallel == "none":
+        if world > 1:
+            raise UserError(f"started with {world} processes (torchrun) but --parallel none: pass --parallel ddp "
+                            "or --parallel fsdp2, otherwise every process would train its own copy")
+        return Session()
+    if not launched_by_torchrun():
+        raise UserError(f"--parallel {tc.parallel} needs processes started by torchrun, e.g. `torchrun "
+                        f"--nproc-per-node 2 -m torchcls train ... --parallel {tc.parallel}` (one process: "
+                        "--nproc-per-node 1); for a single process without torchrun use --parallel none")
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(k)]
+    if missing:
+        raise UserError(f"missing rendezvous endpoint: {' and '.join(missing)} not set. Start through torchrun "
+                        "(--standalone on one machine, --rdzv-endpoint HOST:PORT on several)")
+    if cfg.data.batch_size % world:
+        raise UserError(f"--batch-size {cfg.data.batch_size} is the global batch and must be divisible by the "
+                        f"world size {world}: choose a multiple of {world}")
+    if tc.sync_bn and not torch.cuda.is_available():
+        raise UserError("--sync-bn needs CUDA (PyTorch's SyncBatchNorm runs on GPUs only); on CPU, BatchNorm "
+                        "running statistics are averaged across ranks before eval and save instead")
+    if tc.fsdp_cpu_offload and (tc.parallel != "fsdp2" or not torch.cuda.is_available()):
+        raise UserError("--fsdp-cpu-offload keeps FSDP2 shards in host memory while computing on a GPU: it needs "
+                        "--parallel fsdp2 and CUDA (here parameters already live in host memory)")
+    session = Session(True, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")),
+                      int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), tc.parallel, tc.async_checkpoint)
+    _init_process_group(session, tc.device, tc.dist_timeout)
+    if not session.is_main:
+        console.quiet = True  # only rank 0 prints (and writes) anything; errors still go to stderr
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
+    _agree_on_name(session, cfg)
+    if session.restart_count > 0:
+        _prepare_restart(session, cfg)
+    return session
+
+
+def _init_process_group(s: Session, device: str, timeout_s: int) -> None:
+    use_cuda = torch.cuda.is_available() and device != "cpu"
+    if use_cuda:
+        # One GPU per process: plain "cuda" then means this rank's GPU everywhere in the loop.
+        torch.cuda.set_device(s.local_rank)
+    # NCCL for GPU tensors, gloo for CPU ones (and for the objects rank 0 broadcasts).
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    except (RuntimeError, ValueError, TimeoutError) as e:
+        raise UserError(f"rank {s.rank} could not join the process group at {addr} within {timeout_s}s "
+                        f"({str(e).splitlines()[0]}): check that the rendezvous endpoint is reachable and all "
+                        f"{s.world} processes were started; --dist-timeout changes the wait") from None
+
+
+def _agree_on_name(s: Session, cfg: Config) -> None:
+    """Rank 0's default run name (it contains the time) is everyone's."""
+    if cfg.run.name is None:
+        from torchcls.train.rundir import default_name
+
+        cfg.run.name = default_name(cfg)
+        if s.restart_count > 0:
+            console.print("[yellow]elastic restart without --name: a new run dir is started; pass --name to "
+                          "resume from the last checkpoint[/]")
+    names = [cfg.run.name]
+    dist.broadcast_object_list(names, src=0)
+    cfg.run.name = names[0]
+
+
+def _prepare_restart(s: Session, cfg: Config) -> None:
+    """torchrun restarted every rank after one failed: resume from the last checkpoint if there is one."""
+    from torchcls.train import dcp
+
+    path = Path(cfg.run.out_dir) / cfg.run.name
+    if cfg.run.resume:
+        return
+    if dcp.has_checkpoint(path / "checkpoints"):
+        cfg.run.resume = True
+        console.print(f"[yellow]elastic restart {s.restart_count}: resuming {path} from its last checkpoint[/]")
+    elif s.is_main and (path / "config.toml").is_file():
+        shutil.rmtree(path)  # the failed attempt left no checkpoint: start this run again
+    s.barrier()
+
+
+def sync_buffers(model: nn.Module, session: Session) -> None:
+    """Average floating buffers (BatchNorm running stats) over ranks: FSDP leaves them per-rank."""
+    if not session.active or session.world == 1:
+        return
+    for buf in model.buffers():
+        if buf.is_floating_point():
+            dist.all_reduce(buf, op=dist.ReduceOp.AVG if buf.is_cuda else dist.ReduceOp.SUM)
+            if not buf.is_cuda:  # gloo has no AVG
+                buf.div_(session.world)

@@ -1,0 +1,103 @@
+"""Data across ranks: each rank reads its share of every global batch, in a deterministic order.
+
+The training order is exactly the single-process order: the sampler draws the same
+permutation from the loader's generator that a shuffling DataLoader would (the loop re-seeds
+that generator from (seed, epoch) each epoch), and rank r takes positions r, r+W, r+2W, ...
+Per-rank batches of B/W then make global batch k the same set of images as batch k of a
+one-process run with batch B, whatever the world size: a run resumed at another world size
+continues the same data order. Evaluation shards the held-out images without duplicates
+counting twice, and sums are reduced so every rank reports the same numbers.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from torchcls.train.distributed import Session, sync_buffers
+
+
+def _padded_share(order: list[int], rank: int, world: int) -> list[int]:
+    # Pad by wrapping around (as DistributedSampler does) so that all ranks run equally many
+    # steps: FSDP2 needs every rank in every all-gather.
+    total = math.ceil(len(order) / world) * world
+    order = order + order[: total - len(order)]
+    return order[rank::world]
+
+
+class ShardedShuffleSampler(Sampler[int]):
+    def __init__(self, n: int, rank: int, world: int, generator: torch.Generator):
+        self.n, self.rank, self.world, self.generator = n, rank, world, generator
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.world)
+
+    def __iter__(self):
+        order = torch.randperm(self.n, generator=self.generator).tolist()  # what RandomSampler draws
+        return iter(_padded_share(order, self.rank, self.world))
+
+
+class ShardedSequentialSampler(Sampler[int]):
+    def __init__(self, n: int, rank: int, world: int):
+        self.n, self.rank, self.world = n, rank, world
+
+    def __len__(self) -> int:
+        return math.ceil(self.n / self.world)
+
+    def __iter__(self):
+        return iter(_padded_share(list(range(self.n)), self.rank, self.world))
+
+
+def per_rank_batch(batch_size: int, session: Session) -> int:
+    return batch_size // session.world  # divisibility is checked at setup
+
+
+def train_loader(ds: Dataset, batch_size: int, workers: int, seed: int, session: Session) -> DataLoader:
+    from torchcls.data import make_loader
+
+    if not session.active:
+        return make_loader(ds, batch_size, workers, shuffle=True, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    return DataLoader(ds, batch_size=per_rank_batch(batch_size, session), num_workers=workers, generator=g,
+                      sampler=ShardedShuffleSampler(len(ds), session.rank, session.world, g),
+                      pin_memory=torch.cuda.is_available())
+
+
+def val_loader(ds: Dataset, batch_size: int, workers: int, session: Session) -> DataLoader:
+    from torchcls.data import make_loader
+
+    if not session.active:
+        return make_loader(ds, batch_size, workers, shuffle=False)
+    return DataLoader(ds, batch_size=batch_size, num_workers=workers,
+                      sampler=ShardedSequentialSampler(len(ds), session.rank, session.world),
+                      pin_memory=torch.cuda.is_available())
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader: DataLoader, device: torch.device, precision,
+             memory_format: torch.memory_format, session: Session) -> dict[str, float]:
+    """Held-out loss/top-1/top-5 over all ranks; wrap-around duplicates are masked out."""
+    sync_buffers(model, session)  # every rank evaluates (and later saves) the same BN statistics
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, n
+    n_total, offset = loader.sampler.n, 0
+    for x, y in loader:
+        x, y = x.to(device, memory_format=memory_format), y.to(device)
+        with precision.autocast():
+            logits = model(x).float()
+        positions = session.rank + session.world * (offset + torch.arange(len(y), device=device))
+        keep = positions < n_total
+        offset += len(y)
+        logits, y = logits[keep], y[keep]
+        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        sums += torch.tensor([nn.functional.cross_entropy(logits, y, reduction="sum").item() if len(y) else 0.0,
+                              (topk[:, 0] == y).sum().item(), (topk == y[:, None]).any(dim=1).sum().item(),
+                              len(y)], dtype=torch.float64)
+    model.train()
+    dist.all_reduce(sums)
+    loss, top1, top5, n = sums.tolist()
+    return {"val_loss": loss / n, "val_top1": top1 / n, "val_top5": top5 / n}

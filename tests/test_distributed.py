@@ -1,0 +1,244 @@
+"""Distributed training with REAL torchrun processes on CPU/gloo: DDP and FSDP2 against one
+process, DCP resharding 2 → 1 and 1 → 2, per-rank memory, an elastic restart after a rank is
+killed, and the bad-input paths. One tiny transformer (timm test_vit, 300k parameters, no
+BatchNorm, so 2 ranks compute exactly what 1 process computes) on 32 real 32-px images.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_image_folder, tiny_config
+from torchcls.errors import UserError
+
+pytestmark = pytest.mark.slow
+SRC = Path(__file__).resolve().parents[1] / "src"
+COMMON = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--workers", "0", "--val-fraction",
+          "0.25", "--augment", "none", "--no-progress", "--dist-timeout", "120"]
+
+
+class Runs:
+    """Launches each torchrun job once per module, on first use."""
+
+    def __init__(self, base: Path):
+        self.base, self.data, self.out = base, make_image_folder(base / "shapes"), base / "runs"
+        self.env = dict(os.environ, PYTHONPATH=f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+                        TMPDIR=str(base / "tmp"), OMP_NUM_THREADS="1",
+                        TORCHINDUCTOR_CACHE_DIR=str(base / "inductor"))
+        (base / "tmp").mkdir()
+        self.done: dict[str, subprocess.CompletedProcess] = {}
+
+    def torchrun(self, name: str, nproc: int, *args: str, env: dict | None = None, restarts: int = 0):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               f"--max-restarts={restarts}", "-m", "torchcls", "train", "--data", str(self.data),
+               "--out-dir", str(self.out), "--name", name, *COMMON, *args]
+        proc = subprocess.run(cmd, env=dict(self.env, **(env or {})), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        return proc
+
+    def get(self, key: str) -> Path:
+        if key not in self.done:
+            self.done[key] = getattr(self, f"_{key}")()
+        return self.out / key.split("_")[0]
+
+    def _single(self):  # the reference: one process, --parallel none, in this process
+        from torchcls.train import train
+
+        cfg = tiny_config(self.data, self.out, "single", epochs=2)
+        cfg.model.name, cfg.data.val_fraction, cfg.data.augment = "test_vit", 0.25, "none"
+        return train(cfg)
+
+    def _fsdp2(self):
+        return self.torchrun("fsdp2", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2")
+
+    def _ddp(self):
+        return self.torchrun("ddp", 2, "--parallel", "ddp", "--epochs", "2", "--async-checkpoint")
+
+    def _w1(self):  # world size 1 for one epoch; a copy is kept before the 1 → 2 resume continues it
+        proc = self.torchrun("w1", 1, "--parallel", "fsdp2", "--epochs", "1")
+        shutil.copytree(self.out / "w1", self.base / "w1-copy" / "w1")
+        return proc
+
+    def _w1_to2(self):
+        self.get("w1")
+        return self.torchrun("w1", 2, "--parallel", "fsdp2", "--epochs", "2", "--resume")
+
+    def _elastic(self):
+        return self.torchrun("elastic", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2",
+                             env={"TORCHCLS_FAULT_STEP": "5"}, restarts=1)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Runs:
+    base = tmp_path_factory.mktemp("dist")
+    yield Runs(base)
+    shutil.rmtree(base, ignore_errors=True)  # torchrun's torchelastic_* folders live in base/tmp
+
+
+def _epochs(run: Path) -> list[dict]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x
+            and json.loads(x)["kind"] == "epoch"]
+
+
+def _weights(run: Path, name: str = "last.safetensors") -> dict[str, torch.Tensor]:
+    return load_file(run / "checkpoints" / name)
+
+
+def _assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.allclose(a[k], b[k], atol=atol, rtol=0), (k, (a[k] - b[k]).abs().max())
+
+
+@pytest.mark.parametrize("mode", ["fsdp2", "ddp"])
+def test_two_ranks_follow_the_one_process_trajectory(runs, mode):
+    single, dist_run = runs.get("single"), runs.get(mode)
+    ref, got = _epochs(single), _epochs(dist_run)
+    assert [e["step"] for e in got] == [e["step"] for e in ref] == [3, 6]
+    for r, g in zip(ref, got):
+        assert g["world_size"] == 2
+        for key in ("train_loss", "val_loss", "train_top1", "val_top1"):
+            assert g[key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), key
+    steps = lambda run: [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()
+                         if '"kind": "step"' in x]
+    assert steps(dist_run) == pytest.approx(steps(single), rel=1e-4)
+    _assert_close(_weights(single), _weights(dist_run), atol=2e-4)
+    assert "run dir:" in runs.done[mode].stdout and runs.done[mode].stdout.count("run dir:") == 1  # rank 0 only
+
+
+def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
+    from torchcls.evaluate import evaluate
+    from torchcls.train import train
+    from torchcls.train.dcp import consolidate
+
+    run = runs.get("fsdp2")
+    assert len(list((run / "checkpoints" / "last.dcp").glob("*.distcp"))) == 2  # one shard file per rank
+    merged = load_file(consolidate(run, tmp_path / "merged.safetensors"))
+    last = _weights(run)
+    assert merged.keys() == last.keys() and all(torch.equal(merged[k], last[k]) for k in last)
+    assert evaluate(run, workers=0)["n"] == 8  # the consolidated checkpoint serves evaluate as usual
+    # DDP with the async writer: its DCP checkpoint holds the same weights as its consolidated file
+    ddp = runs.get("ddp")
+    merged = load_file(consolidate(ddp, tmp_path / "ddp.safetensors"))
+    assert all(torch.equal(merged[k], v) for k, v in _weights(ddp).items())
+    # resume the 2-rank run in one plain process (--parallel none) for a third epoch
+    copy = tmp_path / "runs" / "fsdp2"
+    shutil.copytree(run, copy)
+    cfg = tiny_config(runs.data, tmp_path / "runs", "fsdp2", epochs=3)
+    cfg.model.name, cfg.data.val_fraction, cfg.data.augment, cfg.run.resume = "test_vit", 0.25, "none", True
+    result = train(cfg)
+    assert result.steps == 9 and [e["epoch"] for e in _epochs(copy)] == [1, 2, 3]
+    assert (copy / "checkpoints" / "last.state.pt").is_file()
+
+
+def test_dcp_from_one_rank_resumes_on_two(runs):
+    from torchcls.train import train
+
+    runs.get("w1_to2")
+    resumed = runs.out / "w1"
+    assert [e.get("world_size") for e in _epochs(resumed)] == [1, 2]
+    assert "resuming" in runs.done["w1_to2"].stdout
+    # the same world-1 checkpoint continued by one plain process: same second epoch
+    cfg = tiny_config(runs.data, runs.base / "w1-copy", "w1", epochs=2)
+    cfg.model.name, cfg.data.val_fraction, cfg.data.augment, cfg.run.resume = "test_vit", 0.25, "none", True
+    reference = train(cfg).run_dir
+    assert _epochs(resumed)[1]["train_loss"] == pytest.approx(_epochs(reference)[1]["train_loss"], rel=1e-4)
+    _assert_close(_weights(reference), _weights(resumed), atol=2e-4)
+
+
+def test_per_rank_memory_halves_under_fsdp2_and_not_under_ddp(runs):
+    runs.get("w1")
+    one = json.loads((runs.base / "w1-copy" / "w1" / "memory.json").read_text())
+    fsdp2 = json.loads((runs.get("fsdp2") / "memory.json").read_text())
+    ddp = json.loads((runs.get("ddp") / "memory.json").read_text())
+    (w1,) = one["ranks"]
+    assert one["world_size"] == 1 and w1["total_bytes"] == one["full_total_bytes"] > 4_000_000
+    for kind in ("param_bytes", "grad_bytes", "optimizer_bytes"):
+        assert w1[kind] > 0
+        for r in fsdp2["ranks"]:
+            assert r[kind] == pytest.approx(w1[kind] / 2, rel=0.01), kind
+        assert sum(r[kind] for r in fsdp2["ranks"]) == pytest.approx(w1[kind], rel=1e-3)
+        for r in ddp["ranks"]:
+            assert r[kind] == w1[kind]
+    for r in fsdp2["ranks"]:
+        assert r["expected_total_bytes"] == pytest.approx(fsdp2["full_total_bytes"] / 2, rel=1e-3)
+        assert r["peak_rss_bytes"] > 50 * 2**20
+    assert [r["rank"] for r in ddp["ranks"]] == [0, 1]
+    assert all(r["expected_total_bytes"] == ddp["full_total_bytes"] for r in ddp["ranks"])
+    assert "Per-rank memory (fsdp2, world size 2)" in (runs.get("fsdp2") / "report.html").read_text()
+
+
+def test_killed_rank_restarts_and_matches_an_uninterrupted_run(runs):
+    run = runs.get("elastic")
+    log = runs.done["elastic"]
+    assert "TORCHCLS_FAULT_STEP=5: rank 1 kills itself" in log.stderr
+    assert "elastic restart 1: resuming" in log.stdout
+    assert [e["epoch"] for e in _epochs(run)] == [1, 2]
+    steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 6
+    # restart resumed from the step-4 checkpoint; exact resume => the uninterrupted run's weights
+    _assert_close(_weights(runs.get("fsdp2")), _weights(run), atol=1e-6)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_bad_distributed_input(runs, tmp_path, monkeypatch):
+    from torchcls.train import train
+    from torchcls.train.dcp import load_checkpoint
+    from torchcls.train.distributed import Session
+
+    cfg = tiny_config(runs.data, tmp_path, "bad")
+    cfg.train.parallel = "fsdp2"
+    with pytest.raises(UserError, match="needs processes started by torchrun"):
+        train(cfg)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(UserError, match="missing rendezvous endpoint: MASTER_ADDR and MASTER_PORT"):
+        train(cfg)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "1")
+    with pytest.raises(UserError, match="--batch-size 8 is the global batch and must be divisible by the world "
+                                        "size 3"):
+        train(cfg)
+    cfg.train.parallel = "none"
+    with pytest.raises(UserError, match="started with 3 processes .* but --parallel none"):
+        train(cfg)
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k)
+    # a single-process run's unsharded state cannot be resumed by ranks
+    legacy = tmp_path / "legacy"
+    (legacy / "checkpoints").mkdir(parents=True)
+    torch.save({"step": 1}, legacy / "checkpoints" / "last.state.pt")
+    with pytest.raises(UserError, match="written by a single process"):
+        load_checkpoint(legacy / "checkpoints", None, None, None, None, Session(active=True, world=2))
+    # a sharded checkpoint from another model
+    shutil.copytree(runs.get("fsdp2"), tmp_path / "runs" / "other")
+    cfg = tiny_config(runs.data, tmp_path / "runs", "other", epochs=3)
+    cfg.data.val_fraction, cfg.run.resume = 0.25, True  # smallnet instead of test_vit
+    with pytest.raises(UserError, match="is from another model \\(test_vit.*than this run \\(smallnet"):
+        train(cfg)
+
+
+def test_unreachable_rendezvous_endpoint_fails_fast(runs):
+    env = dict(runs.env, RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    proc = subprocess.run([sys.executable, "-m", "torchcls", "train", "--data", str(runs.data), "--out-dir",
+                           str(runs.out), "--name", "nowhere", "--parallel", "ddp", "--dist-timeout", "5",
+                           "--no-progress"], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "rank 1 could not join the process group at 127.0.0.1:" in proc.stderr
+    assert "Traceback" not in proc.stderr
