@@ -124,10 +124,15 @@ def exit_loss(criterion: nn.Module, logits, y: torch.Tensor, model: nn.Module | 
     gives the weighted sum of each exit's loss (weights from the model, else equal).
     """
     if isinstance(logits, torch.Tensor):
-        return criterion(logits.float(), y), logits
+        return criterion(_upcast(logits), y), logits
     weights = getattr(_unwrap(model), "loss_weights", None) or [1.0 / len(logits)] * len(logits)
-    loss = sum(w * criterion(out.float(), y) for w, out in zip(weights, logits))
+    loss = sum(w * criterion(_upcast(out), y) for w, out in zip(weights, logits))
     return loss, logits[-1]
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """bf16/fp16 logits (autocast) → fp32 for the loss; fp32 and fp64 stay as they are."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
 
 
 def _unwrap(model: nn.Module | None) -> nn.Module | None:
