@@ -135,3 +135,22 @@ class CheckedRunner:
     def __call__(self, x: torch.Tensor):
         self.spec.check(x)
         return self.run(x)
+
+
+def load_aoti(path: str | Path, spec: InputSpec) -> CheckedRunner:
+    """An AOTI package as a callable that refuses out-of-spec inputs (AOTI itself accepts them silently)."""
+    runner = torch._inductor.aoti_load_package(str(path))
+    return CheckedRunner(lambda x: tuple(runner(x)), spec)
+
+
+def load_executorch(path: str | Path, spec: InputSpec) -> CheckedRunner:
+    """An ExecuTorch program as a callable that refuses out-of-spec inputs before the runtime sees them."""
+    from executorch.runtime import Runtime
+
+    method = Runtime.get().load_program(Path(path)).load_method("forward")
+    return CheckedRunner(lambda x: tuple(method.execute([x.contiguous()])), spec)
+
+
+def load_exported(ep: torch.export.ExportedProgram, spec: InputSpec) -> CheckedRunner:
+    module = ep.module()
+    return CheckedRunner(lambda x: tuple(module(x)), spec)
