@@ -16,6 +16,7 @@ _API = {
     "evaluate": "torchcls.evaluate",
     "predict": "torchcls.predict",
     "demo": "torchcls.demo",
+    "explain": "torchcls.explain",
     "Config": "torchcls.config",
 }
 

@@ -60,12 +60,19 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
     from torchcls.evaluate import evaluate
 
     r = evaluate(args.checkpoint, data=args.data, root=args.root, split=args.split, out_dir=args.out,
-                 batch_size=args.batch_size, workers=args.workers, device=args.device, on_bad_file=args.on_bad_file)
+                 batch_size=args.batch_size, workers=args.workers, device=args.device, on_bad_file=args.on_bad_file,
+                 threshold=args.threshold, target_accuracy=args.target_accuracy, target_compute=args.target_compute)
     if args.json:
         print(json.dumps(r, indent=2))
     else:
         print(f"{r['data']} [{r['split']}]: top1 {r['top1']:.4f}  top5 {r['top5']:.4f}  n {r['n']}  "
               f"macro-F1 {r['macro_f1']:.4f}  ECE {r['ece']:.4f}\nwrote {Path(r['out_dir']) / 'eval.json'}")
+        if "early_exit" in r:
+            ee = r["early_exit"]
+            print(f"early exit: threshold {ee['threshold']:.4g}  accuracy {ee['accuracy']:.4f} (backbone "
+                  f"{ee['backbone_accuracy']:.4f})  exits {' / '.join(f'{f:.1%}' for f in ee['exit_fractions'])}  "
+                  f"{ee['mean_flops'] / 1e6:.2f} MFLOP/image ({ee['relative_compute']:.0%} of the backbone)  "
+                  f"{ee['latency_ms_per_sample']:.2f} ms/image (backbone {ee['backbone_latency_ms_per_sample']:.2f})")
     return 0
 
 
@@ -88,6 +95,16 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     console.print(table)
     for s in preds.skipped:
         console.print(f"[yellow]skipped {s['file']}: {s['reason']}[/]")
+    return 0
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    from torchcls.explain import explain
+
+    for e in explain(args.checkpoint, args.images, method=args.method, target=args.target, out_dir=args.out,
+                     steps=args.steps, on_bad_file=args.on_bad_file):
+        where = f" (exit {e.exit})" if e.exit is not None else ""
+        print(f"{e.file}: {e.label} {e.prob:.3f}{where} -> {e.png}")
     return 0
 
 
@@ -143,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which part of the data (default: test for fashion-mnist, else val)")
     p.add_argument("--out", help="write eval.json here (default: the checkpoint's run dir)")
     p.add_argument("--json", action="store_true", help="print the full result as JSON")
+    p.add_argument("--threshold", type=float, help="early-exit models: exit confidence threshold in [0, 1] "
+                   "(default: the one it was trained with)")
+    p.add_argument("--target-accuracy", type=float, help="early-exit models: calibrate the threshold on the "
+                   "validation split: the cheapest one reaching this accuracy (e.g. 0.9)")
+    p.add_argument("--target-compute", type=float, help="early-exit models: calibrate the threshold on the "
+                   "validation split: the most accurate one whose mean FLOPs stay within this fraction of the "
+                   "backbone's (e.g. 0.7)")
     _add_runtime_flags(p)
     p.set_defaults(func=_cmd_evaluate)
 
@@ -153,6 +177,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     _add_runtime_flags(p, batch=False)
     p.set_defaults(func=_cmd_predict)
+
+    p = sub.add_parser("explain", help="attribution maps: which pixels drove a prediction (PNG overlays)",
+                       description="Attribution maps with captum for a checkpoint (plain or early-exit model).")
+    p.add_argument("checkpoint", help="a .safetensors checkpoint or a run dir")
+    p.add_argument("images", nargs="+", help="image files and/or folders (searched recursively)")
+    p.add_argument("--method", choices=("integrated-gradients", "saliency"), default="integrated-gradients",
+                   help="attribution method (default: integrated-gradients)")
+    p.add_argument("--target", help="class to explain (default: the predicted one)")
+    p.add_argument("--steps", type=int, default=32, help="integrated-gradients steps (default: 32)")
+    p.add_argument("--out", help="folder for the PNGs (default: <run dir>/explain)")
+    p.add_argument("--on-bad-file", choices=("error", "skip"), default="error",
+                   help="unreadable images: stop with an error (default) or skip them")
+    p.set_defaults(func=_cmd_explain)
 
     p = sub.add_parser("demo", help="train the built-in net on mnist-5k, evaluate and report",
                        description="The end-to-end demo: a real model on real digits in a few minutes on a CPU.")

@@ -52,6 +52,10 @@ class ModelConfig:
                     "classification name prefixed 'tv/' (e.g. tv/resnet18); random init, nothing is downloaded",
                     flag="model")
     drop_rate: float = opt(0.0, "dropout before the classifier")
+    exits: int = opt(0, "early-exit models (ee/smallnet, ee/resnet18, ...): intermediate exits after the first "
+                     "stages (0 = after every stage but the last)")
+    exit_threshold: float = opt(0.9, "early-exit models: a sample leaves at the first exit whose max softmax "
+                                "probability reaches this value, in [0, 1]")
 
 
 @dataclass

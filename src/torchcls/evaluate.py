@@ -58,7 +58,8 @@ def classification_metrics(logits: torch.Tensor, targets: torch.Tensor, classes:
 
 def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None = None, split: str | None = None,
              out_dir: str | Path | None = None, batch_size: int = 256, workers: int = 2,
-             device: str = "auto", on_bad_file: str = "error") -> dict[str, Any]:
+             device: str = "auto", on_bad_file: str = "error", threshold: float | None = None,
+             target_accuracy: float | None = None, target_compute: float | None = None) -> dict[str, Any]:
     """Evaluate `checkpoint` (a .safetensors file or a run dir) and write eval.json + confusion.png.
 
     By default it evaluates on the data it was trained with: the official test split
@@ -80,9 +81,11 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
         split = "all"  # other data than the training data: use all of it
     dataset, images = eval_dataset(data_cfg, meta.preprocess, split, train_cfg.train.seed)
     dataset = _align_classes(dataset, images, meta.classes, data_cfg.source)
+    loader = make_loader(dataset, batch_size, workers, shuffle=False)
+    exits = _early_exit_setup(model, meta, replace(train_cfg.data, on_bad_file=on_bad_file), train_cfg.train.seed, resolve_device(device), batch_size,
+                              workers, threshold, target_accuracy, target_compute)
 
-    logits, targets = predict_logits(model, make_loader(dataset, batch_size, workers, shuffle=False),
-                                     resolve_device(device))
+    logits, targets = predict_logits(model, loader, resolve_device(device))
     result = {"checkpoint": str(path), "data": data_cfg.source, "split": split,
               **classification_metrics(logits, targets, meta.classes)}
     if images.skipped:
@@ -90,6 +93,10 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
 
     out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent)
     out.mkdir(parents=True, exist_ok=True)
+    if exits is not None:  # early-exit models: exits taken, FLOPs, latency, accuracy-vs-compute curve
+        from torchcls.early_exit_eval import exit_report
+
+        result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), out, exits)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     from torchcls.report import plots, write_report
 
@@ -98,6 +105,38 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
         write_report(out)
     result["out_dir"] = str(out)
     return result
+
+
+def _early_exit_setup(model, meta, data_cfg: DataConfig, seed: int, device, batch_size: int, workers: int,
+                      threshold, target_accuracy, target_compute) -> dict[str, Any] | None:
+    """Early-exit models: set the threshold, or calibrate it on the validation split.
+    Returns the calibration record ({} when none); None for plain models."""
+    from torchcls.models.early_exit import EarlyExitNet, check_threshold
+
+    if not isinstance(model, EarlyExitNet):
+        if threshold is not None or target_accuracy is not None or target_compute is not None:
+            raise UserError(f"--threshold/--target-accuracy/--target-compute apply to early-exit models "
+                            f"(ee/...), not to '{meta.spec.name}'")
+        return None
+    if threshold is not None:
+        if target_accuracy is not None or target_compute is not None:
+            raise UserError("give either --threshold or a calibration target, not both")
+        model.threshold = check_threshold(threshold)
+        return {}
+    if target_accuracy is None and target_compute is None:
+        return {}
+    from torchcls.early_exit_eval import calibrate_on
+
+    val, _ = eval_dataset(data_cfg, meta.preprocess, "val", seed)  # the training data's held-out part
+    if len(val) == 0:
+        raise UserError(f"calibration needs the validation split of {data_cfg.source}, but it is empty "
+                        "(trained with --val-fraction 0); pass --threshold instead")
+    return calibrate_on(model, make_loader(val, batch_size, workers, shuffle=False), device, _image_shape(meta),
+                        target_accuracy, target_compute)
+
+
+def _image_shape(meta) -> tuple[int, int, int]:
+    return (meta.preprocess.channels, meta.preprocess.img_size, meta.preprocess.img_size)
 
 
 def _align_classes(dataset, images, model_classes: list[str], source: str):

@@ -15,6 +15,7 @@ from torchcls.errors import UserError
 from torchcls.models.smallnet import SmallNet
 
 TORCHVISION_PREFIX = "tv/"
+EARLY_EXIT_PREFIX = "ee/"
 
 
 @dataclass(frozen=True)
@@ -26,14 +27,30 @@ class ModelSpec:
     in_chans: int
     img_size: int
     drop_rate: float = 0.0
+    exits: int = 0  # early-exit models ('ee/<backbone>'): intermediate exits, 0 = every stage boundary
+    exit_threshold: float = 0.9  # early-exit models: softmax confidence at which a sample leaves
 
 
 def create_model(spec: ModelSpec) -> nn.Module:
+    if spec.name.startswith(EARLY_EXIT_PREFIX) or spec.exits:
+        return _early_exit_model(spec)
     if spec.name == "smallnet":
         return SmallNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
     if spec.name.startswith(TORCHVISION_PREFIX):
         return _torchvision_model(spec)
     return _timm_model(spec)
+
+
+def _early_exit_model(spec: ModelSpec) -> nn.Module:
+    from dataclasses import replace
+
+    from torchcls.models.early_exit import build_early_exit
+
+    if not spec.name.startswith(EARLY_EXIT_PREFIX):
+        raise UserError(f"--exits {spec.exits} needs an early-exit model name: '{EARLY_EXIT_PREFIX}{spec.name}'")
+    backbone_name = spec.name.removeprefix(EARLY_EXIT_PREFIX)
+    backbone = create_model(replace(spec, name=backbone_name, exits=0))
+    return build_early_exit(backbone_name, backbone, spec.num_classes, spec.exits, spec.exit_threshold)
 
 
 def _timm_model(spec: ModelSpec) -> nn.Module:

@@ -63,6 +63,12 @@ def write_report(run_dir: str | Path) -> Path:
     from torchcls.governance.report import governance_html
 
     parts.append(governance_html(run_dir))
+        if "early_exit" in ev:
+            from torchcls.report.early_exit import section
+
+            parts.append(section(ev["early_exit"]))
+            if (run_dir / "exit_curve.png").is_file():
+                parts.append(_img(run_dir / "exit_curve.png"))
     for name, title in (("skipped_files.json", "Skipped training files"), ("eval.json", "Skipped evaluation files")):
         skipped = _skipped(run_dir / name)
         if skipped:

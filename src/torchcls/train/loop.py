@@ -26,6 +26,8 @@ from torchcls.data.loaders import reseed
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
+from torchcls.models.early_exit import exit_loss
+from torchcls.train.graph_breaks import report_graph_breaks
 from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
 from torchcls.train import dcp, distributed, sharding
 from torchcls.train.memory import record_memory
@@ -91,7 +93,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         (run.path / "skipped_files.json").write_text(json.dumps({"skipped_files": skipped}, indent=2))
         console.print(f"[yellow]skipped {len(skipped)} unreadable file(s); listed in the report[/]")
     pre = data.preprocess
-    spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate)
+    spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
+                     exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold)
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     model = create_model(spec).to(device, memory_format=memory_format)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
@@ -139,6 +142,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         run.truncate_metrics(p.step)
         console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step}")
 
+    if precision.compile and not session.active:  # explain() runs forwards: not under FSDP's collectives
+        report_graph_breaks(model, data.train, run.path, device, memory_format)
     forward = torch.compile(model) if precision.compile else model
     writer = _tensorboard(run.path) if cfg.train.tensorboard else None
     log_every = max(1, steps_per_epoch // 10)
@@ -160,7 +165,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
                     x, y = x.to(device, memory_format=memory_format, non_blocking=True), y.to(device)
                     with precision.autocast():
                         logits = forward(x)
-                    loss = criterion(logits.float(), y)
+                    loss, logits = exit_loss(criterion, logits, y, model)  # early-exit models: all exits
                     optimizer.zero_grad(set_to_none=True)
                     stepped = precision.backward_step(loss, optimizer, model, cfg.optim.grad_clip, p.step + 1)
                     scheduler.step()
