@@ -98,6 +98,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_audit_kernels(args: argparse.Namespace) -> int:
+    from torchcls.audit.kernels import audit_kernels, default_out, to_markdown, write_audit
+
+    audit = audit_kernels(args.imports or [], model=args.model, namespaces=args.namespaces)
+    json_path, _ = write_audit(audit, Path(args.out) if args.out else default_out(args.model))
+    result = audit.as_dict()
+    print(json.dumps(result, indent=2) if args.json else to_markdown(result) + f"\nwrote {json_path}")
+    return 0 if result["passed"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
@@ -135,6 +145,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", default="demo", help="run name (default: demo; an old demo run is replaced)")
     p.add_argument("--epochs", type=int, default=None, help="override the demo's epoch count")
     p.set_defaults(func=_cmd_demo)
+
+    audit = sub.add_parser("audit", help="audits: custom kernels (torchcls audit kernels)").add_subparsers(
+        dest="audit_command", required=True, metavar="AUDIT")
+    p = audit.add_parser("kernels", help="custom ops, fake impls, opcheck, GPU archs of extensions, Triton kernels",
+                         description="Audit custom operators (dispatch keys, fake impl, autograd, opcheck), the GPU "
+                         "architectures compiled extensions target, Triton kernels, and the custom ops a model's "
+                         "exported graph calls. Exit code 1 when a check fails (for CI).")
+    p.add_argument("--import", dest="imports", action="append", metavar="PKG",
+                   help="import this package first (it registers the ops); repeatable")
+    p.add_argument("--model", metavar="CHECKPOINT_OR_NAME", help="a checkpoint or run dir, a model name, or "
+                   "package.module:factory returning a module (or (module, example_input)); its exported graph "
+                   "is searched for custom ops")
+    p.add_argument("--namespace", dest="namespaces", action="append", metavar="NS",
+                   help="audit only this op namespace (default: those the imports register, else all non-PyTorch)")
+    p.add_argument("--out", help="write kernel_audit.json/.md here (default: the run dir of --model, else "
+                   "./kernel-audit)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_cmd_audit_kernels)
     return parser
 
 
