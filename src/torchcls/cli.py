@@ -108,6 +108,19 @@ def _cmd_audit_kernels(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
+def _cmd_report(args: argparse.Namespace) -> int:
+    from torchcls.report.html import build_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory: pass a run dir (runs/<name>) or a results folder")
+    path, sections = build_report(run_dir)
+    for _key, title, body in sections:
+        print(f"{title:<22} {'included' if body is not None else 'not run'}")
+    print(f"wrote {path}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
@@ -163,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "./kernel-audit)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_audit_kernels)
+
+    p = sub.add_parser("report", help="(re)write RUN_DIR/report.html from every result found in the run dir",
+                       description="One HTML page with the run's training, evaluation, exports/parity, compile "
+                       "gains, memory and kernel-audit results (each section says 'not run' when absent).")
+    p.add_argument("run_dir", help="a run dir (runs/<name>) or any folder of results")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

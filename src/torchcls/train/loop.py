@@ -124,6 +124,10 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step}")
 
     forward = torch.compile(model) if cfg.train.compile else model
+    from torchcls.memory.recorder import recorder_for
+
+    memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
+    callbacks = [*callbacks, memory] if memory else callbacks
     writer = _tensorboard(run.path) if cfg.train.tensorboard else None
     log_every = max(1, steps_per_epoch // 10)
     model.train()
@@ -190,6 +194,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         if writer is not None:
             writer.close()
 
+    if memory:
+        memory.finish()
     from torchcls.report import write_report
 
     write_report(run.path)
