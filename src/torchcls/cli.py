@@ -108,6 +108,26 @@ def _cmd_audit_kernels(args: argparse.Namespace) -> int:
     return 0 if result["passed"] else 1
 
 
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _cmd_bench_compile(args: argparse.Namespace) -> int:
+    from torchcls.bench.compile import BenchCompileConfig, bench_compile
+
+    try:
+        batches = [int(b) for b in _csv(args.batch)]
+    except ValueError:
+        raise UserError(f"--batch must be comma-separated integers, got {args.batch!r}") from None
+    cfg = BenchCompileConfig(_csv(args.models), batches, _csv(args.precision), _csv(args.modes), args.device,
+                             args.img_size, args.repeats, args.timeout)
+    data = bench_compile(cfg, args.out)
+    from torchcls.bench.compile import to_markdown
+
+    print(to_markdown(data) + f"\nwrote {Path(args.out) / 'bench_compile.json'}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from torchcls.report.html import build_report
 
@@ -176,6 +196,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "./kernel-audit)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_audit_kernels)
+
+    bench = sub.add_parser("bench", help="benchmarks: torch.compile gains (torchcls bench compile)").add_subparsers(
+        dest="bench_command", required=True, metavar="BENCH")
+    p = bench.add_parser("compile", help="eager vs torch.compile per backbone, batch, precision and mode",
+                         description="Latency/throughput of eager vs compiled inference, cold compile time, graph "
+                         "breaks with reasons, recompiles over batch sizes, parity and peak memory; each "
+                         "configuration in its own process. Writes bench_compile.json/.md/.png.")
+    p.add_argument("--models", required=True, help="comma-separated model names (timm, tv/..., smallnet), "
+                   "checkpoints, or package.module:factory")
+    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default: 1,16)")
+    p.add_argument("--precision", default="fp32", help="comma-separated: fp32, bf16 (autocast) (default: fp32)")
+    p.add_argument("--modes", default="default", help="comma-separated torch.compile modes (default: default)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: 224; 28 for smallnet)")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved timed calls per side (default: 10)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration before it is recorded "
+                   "as failed (default: 1800)")
+    p.add_argument("--out", default="bench-compile", help="output folder; a run dir puts the results in its "
+                   "report (default: ./bench-compile)")
+    p.set_defaults(func=_cmd_bench_compile)
 
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html from every result found in the run dir",
                        description="One HTML page with the run's training, evaluation, exports/parity, compile "

@@ -14,9 +14,9 @@ from torchcls.audit.ops import BUILTIN_NAMESPACES
 from torchcls.errors import UserError
 
 
-def load_audit_model(target: str) -> tuple[nn.Module, torch.Tensor, str]:
-    """A model and an example input from a checkpoint / run dir, a `package.module:factory`
-    callable (returns a module, or (module, example_input)), or a model name."""
+def load_audit_model(target: str, img_size: int | None = None, batch: int = 2) -> tuple[nn.Module, torch.Tensor, str]:
+    """A model and an example input (`batch` images) from a checkpoint / run dir, a `package.module:factory`
+    callable (returns a module, or (module, example_input)), or a model name (random init)."""
     if ":" in target and not Path(target).exists():
         module_name, attr = target.split(":", 1)
         try:
@@ -24,18 +24,19 @@ def load_audit_model(target: str) -> tuple[nn.Module, torch.Tensor, str]:
         except (ImportError, AttributeError) as e:
             raise UserError(f"--model {target}: cannot load {attr} from {module_name} ({e})") from None
         made = factory()
-        model, x = made if isinstance(made, tuple) else (made, torch.randn(2, 3, 224, 224))
-        return model.eval(), x, "factory"
+        model, x = made if isinstance(made, tuple) else (made, torch.randn(1, 3, img_size or 224, img_size or 224))
+        return model.eval(), x[:1].repeat(batch, *[1] * (x.dim() - 1)), "factory"
     if Path(target).exists() or target.endswith(".safetensors"):
         from torchcls.train.checkpoint import load_model
 
         model, meta = load_model(target)
-        pre = meta.preprocess
-        return model, torch.randn(2, pre.channels, pre.img_size, pre.img_size), "checkpoint"
+        size = img_size or meta.preprocess.img_size
+        return model, torch.randn(batch, meta.preprocess.channels, size, size), "checkpoint"
     from torchcls.models import ModelSpec, create_model
 
-    spec = ModelSpec(target, 10, 3, 28 if target == "smallnet" else 224)
-    return create_model(spec).eval(), torch.randn(2, 3, spec.img_size, spec.img_size), "model name"
+    small = target == "smallnet"
+    spec = ModelSpec(target, 10 if small else 1000, 3, img_size or (28 if small else 224))
+    return create_model(spec).eval(), torch.randn(batch, 3, spec.img_size, spec.img_size), "model name"
 
 
 def ops_in_graph(model: nn.Module, x: torch.Tensor) -> dict[str, Any]:
