@@ -42,8 +42,16 @@ def examples_for(op_name: str) -> tuple[list[SampleFn], str]:
         if isinstance(table, dict) and op_name in table:
             value = table[op_name]
             return (list(value) if isinstance(value, (list, tuple)) else [value]), f"{mod.__name__}.TORCHCLS_OP_EXAMPLES"
-    schema_sample = _from_schema(op_name)
+    # Made-up samples only for ops with Python kernels: C++ kernels reject them noisily (shape checks, stack dumps).
+    schema_sample = _from_schema(op_name) if _python_kernels(op_name) else None
     return ([schema_sample], "generated from schema") if schema_sample else ([], "none")
+
+
+def _python_kernels(op_name: str) -> bool:
+    import torch
+
+    dump = torch._C._dispatch_dump(op_name)
+    return ".cpp:" not in dump and ".cu:" not in dump
 
 
 def _from_schema(op_name: str) -> SampleFn | None:

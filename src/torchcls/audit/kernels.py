@@ -89,7 +89,8 @@ def audit_kernels(imports: list[str] = (), model: str | None = None,
     before = ops.namespaces_now()
     dirs = [d for d in _import_targets(list(imports)) if d.is_dir()]
     # Which ops to audit: the namespaces asked for, else those the imports registered, else all non-PyTorch ones.
-    scope = set(namespaces or ()) or (ops.namespaces_now() - before if imports else set())
+    # (importing a package can also make PyTorch register its own lazy namespaces: those are not custom)
+    scope = set(namespaces or ()) or ((ops.namespaces_now() - before - ops.BUILTIN_NAMESPACES) if imports else set())
     audit = KernelAudit(list(imports), _device())
     model_info = None
     if model:
