@@ -96,24 +96,32 @@ def verdict(rows: list[dict[str, Any]]) -> str:
 
 def bench_compile(cfg: BenchCompileConfig, out_dir: str | Path) -> dict[str, Any]:
     """Run every configuration, write bench_compile.json/.md/.png into out_dir, return the result."""
-    import torch
-
     check_config(cfg)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    results = []
+    results: list[dict[str, Any]] = []
     for model, batch, precision, mode in itertools.product(cfg.models, cfg.batches, cfg.precisions, cfg.modes):
         console.print(f"bench compile: {model} b{batch} {precision} {mode} ...")
         r = run_config(model, batch, precision, mode, cfg)
         results.append(r)
-        console.print(f"  {r['status']}" + (f": {r['speedup']:.2f}×, {r['graph_breaks']} break(s)"
+        console.print(f"  {r['status']}" + (f": eager {r['eager_ms']['median']:.2f} ms, compiled "
+                                           f"{r['compiled_ms']['median']:.2f} ms, {r['speedup']:.2f}×, cold compile "
+                                           f"{r['compile_s']:.0f} s, {r['graph_breaks']} break(s)"
                                            if r["status"] == "ok" else f": {r['error']}"))
+        data = _write(out, cfg, results)  # after every configuration: a long run keeps what it measured
+    return data
+
+
+def _write(out: Path, cfg: BenchCompileConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
+    import torch
+
+    done = {r["model"] for r in results}
     data = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                         "device": cfg.device, "cuda": torch.cuda.get_device_name() if cfg.device.startswith("cuda")
                         and torch.cuda.is_available() else None, "threads": torch.get_num_threads(),
                         "note": f"{cfg.repeats} interleaved repeats per configuration, medians (min–max)"},
             "results": results,
-            "verdicts": {m: verdict([r for r in results if r["model"] == m]) for m in cfg.models}}
+            "verdicts": {m: verdict([r for r in results if r["model"] == m]) for m in cfg.models if m in done}}
     (out / "bench_compile.json").write_text(json.dumps(data, indent=2))
     (out / "bench_compile.md").write_text(to_markdown(data))
     from torchcls.report.plots import compile_speedups
