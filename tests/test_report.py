@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 SECTIONS = ("training", "evaluation", "exports", "compile", "memory", "audit", "config")
@@ -28,7 +26,6 @@ def _results(run: Path) -> None:
     """Result files as the commands write them (memory from a real recorder, the rest in their formats)."""
     import torch
 
-    from torchcls.memory.allocator import summarize
     from torchcls.memory.recorder import MemoryRecorder
 
     (run / "exports" / "aoti").mkdir(parents=True)
@@ -41,7 +38,7 @@ def _results(run: Path) -> None:
     (run / "bench_compile.json").write_text(json.dumps({"machine": {"note": "test"}, "results": [result],
                                                         "verdicts": {"smallnet": "compile pays 2.00× at b16"}}))
     rec = MemoryRecorder(run, torch.device("cpu"))
-    model, opt = torch.nn.Linear(64, 8), None
+    model = torch.nn.Linear(64, 8)
     opt = torch.optim.AdamW(model.parameters())
     for step in range(1, 6):
         model(torch.randn(16, 64)).sum().backward()
@@ -56,16 +53,18 @@ def _results(run: Path) -> None:
         "triton_kernels": [], "model": {"target": "m", "exported": True, "custom_ops": {"x::y": 2}, "error": None}}))
 
 
-def test_every_section_renders_with_data(trained_run, tmp_path):
+def test_every_section_renders_with_data(trained_run, tmp_path, capsys):
+    from torchcls.cli import main
+    from torchcls.evaluate import evaluate
+
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)
-    subprocess.run([sys.executable, "-m", "torchcls", "evaluate", str(run), "--workers", "0"], check=True,
-                   capture_output=True, timeout=300)
+    evaluate(run, workers=0)
     _results(run)
-    r = subprocess.run([sys.executable, "-m", "torchcls", "report", str(run)], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "not run" not in r.stdout and r.stdout.count("included") == len(SECTIONS)
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "not run" not in out and out.count("included") == len(SECTIONS)
     html = (run / "report.html").read_text()
     assert _not_run(html) == set()
     for text in ("top1_agreement", "model.pt2", "compile pays 2.00× at b16", "alt=\"bench_compile\"",
