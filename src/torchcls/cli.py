@@ -137,6 +137,46 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
     from torchcls.train.dcp import consolidate
 
     print(f"wrote {consolidate(args.checkpoint, args.out)}")
+def _cmd_audit_kernels(args: argparse.Namespace) -> int:
+    from torchcls.audit.kernels import audit_kernels, default_out, to_markdown, write_audit
+
+    audit = audit_kernels(args.imports or [], model=args.model, namespaces=args.namespaces)
+    json_path, _ = write_audit(audit, Path(args.out) if args.out else default_out(args.model))
+    result = audit.as_dict()
+    print(json.dumps(result, indent=2) if args.json else to_markdown(result) + f"\nwrote {json_path}")
+    return 0 if result["passed"] else 1
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def _cmd_bench_compile(args: argparse.Namespace) -> int:
+    from torchcls.bench.compile import BenchCompileConfig, bench_compile
+
+    try:
+        batches = [int(b) for b in _csv(args.batch)]
+    except ValueError:
+        raise UserError(f"--batch must be comma-separated integers, got {args.batch!r}") from None
+    cfg = BenchCompileConfig(_csv(args.models), batches, _csv(args.precision), _csv(args.modes), args.device,
+                             args.img_size, args.repeats, args.timeout)
+    data = bench_compile(cfg, args.out)
+    from torchcls.bench.compile import to_markdown
+
+    print(to_markdown(data) + f"\nwrote {Path(args.out) / 'bench_compile.json'}")
+    return 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from torchcls.report.html import build_report
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir} is not a directory: pass a run dir (runs/<name>) or a results folder")
+    path, sections = build_report(run_dir)
+    for _key, title, body in sections:
+        print(f"{title:<22} {'included' if body is not None else 'not run'}")
+    print(f"wrote {path}")
     return 0
 
 
@@ -215,6 +255,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="a run dir (uses checkpoints/last.dcp) or a DCP checkpoint dir")
     p.add_argument("--out", help="output .safetensors (default: checkpoints/consolidated.safetensors)")
     p.set_defaults(func=_cmd_consolidate)
+    audit = sub.add_parser("audit", help="audits: custom kernels (torchcls audit kernels)").add_subparsers(
+        dest="audit_command", required=True, metavar="AUDIT")
+    p = audit.add_parser("kernels", help="custom ops, fake impls, opcheck, GPU archs of extensions, Triton kernels",
+                         description="Audit custom operators (dispatch keys, fake impl, autograd, opcheck), the GPU "
+                         "architectures compiled extensions target, Triton kernels, and the custom ops a model's "
+                         "exported graph calls. Exit code 1 when a check fails (for CI).")
+    p.add_argument("--import", dest="imports", action="append", metavar="PKG",
+                   help="import this package first (it registers the ops); repeatable")
+    p.add_argument("--model", metavar="CHECKPOINT_OR_NAME", help="a checkpoint or run dir, a model name, or "
+                   "package.module:factory returning a module (or (module, example_input)); its exported graph "
+                   "is searched for custom ops")
+    p.add_argument("--namespace", dest="namespaces", action="append", metavar="NS",
+                   help="audit only this op namespace (default: those the imports register, else all non-PyTorch)")
+    p.add_argument("--out", help="write kernel_audit.json/.md here (default: the run dir of --model, else "
+                   "./kernel-audit)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_cmd_audit_kernels)
+
+    bench = sub.add_parser("bench", help="benchmarks: torch.compile gains (torchcls bench compile)").add_subparsers(
+        dest="bench_command", required=True, metavar="BENCH")
+    p = bench.add_parser("compile", help="eager vs torch.compile per backbone, batch, precision and mode",
+                         description="Latency/throughput of eager vs compiled inference, cold compile time, graph "
+                         "breaks with reasons, recompiles over batch sizes, parity and peak memory; each "
+                         "configuration in its own process. Writes bench_compile.json/.md/.png.")
+    p.add_argument("--models", required=True, help="comma-separated model names (timm, tv/..., smallnet), "
+                   "checkpoints, or package.module:factory")
+    p.add_argument("--batch", default="1,16", help="comma-separated batch sizes (default: 1,16)")
+    p.add_argument("--precision", default="fp32", help="comma-separated: fp32, bf16 (autocast) (default: fp32)")
+    p.add_argument("--modes", default="default", help="comma-separated torch.compile modes (default: default)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default: cpu)")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: 224; 28 for smallnet)")
+    p.add_argument("--repeats", type=int, default=10, help="interleaved timed calls per side (default: 10)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per configuration before it is recorded "
+                   "as failed (default: 1800)")
+    p.add_argument("--out", default="bench-compile", help="output folder; a run dir puts the results in its "
+                   "report (default: ./bench-compile)")
+    p.set_defaults(func=_cmd_bench_compile)
+
+    p = sub.add_parser("report", help="(re)write RUN_DIR/report.html from every result found in the run dir",
+                       description="One HTML page with the run's training, evaluation, exports/parity, compile "
+                       "gains, memory and kernel-audit results (each section says 'not run' when absent).")
+    p.add_argument("run_dir", help="a run dir (runs/<name>) or any folder of results")
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -111,6 +111,11 @@ class TrainConfig:
     save_every: int = opt(0, "also checkpoint every N steps (0 = at epoch ends only)")
     tensorboard: bool = opt(False, "also log scalars to TensorBoard (needs the 'tensorboard' package)")
     progress: bool = opt(True, "show a progress bar")
+    memory_report: bool = opt(False, "write allocator.json: on CUDA the caching allocator's stats per step (allocated "
+                              "vs reserved, fragmentation, alloc retries, OOMs) with advice; on CPU the profiler's "
+                              "memory events over steps 3-5 and peak RSS")
+    memory_snapshot: bool = opt(False, "also write memory_snapshot.pickle for https://pytorch.org/memory_viz "
+                                "(CUDA only; implies --memory-report)")
 
 
 @dataclass

@@ -56,3 +56,55 @@ def confusion_matrix(matrix: list[list[int]], classes: list[str], path: Path) ->
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
+    """CUDA: allocated / reserved / inactive-split per step. CPU: the profiler's memory timeline by category."""
+    import json
+
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    if report["allocator"]["available"] and report.get("samples"):
+        s = report["samples"]
+        for key in ("allocated", "reserved", "inactive_split"):
+            ax.plot([x["step"] for x in s], [x[key] / 2**20 for x in s], label=key)
+        ax.set(xlabel="step", ylabel="MiB", title="CUDA caching allocator")
+    else:
+        timeline = run_dir / report.get("profiler", {}).get("timeline_file", "-")
+        if not timeline.is_file():
+            plt.close(fig)
+            return False
+        from torchcls.memory.cpu_profile import TIMELINE_CATEGORIES
+
+        times, sizes = json.loads(timeline.read_text())
+        if not times:
+            plt.close(fig)
+            return False
+        t0 = times[0]
+        ax.stackplot([(t - t0) / 1000 for t in times],
+                     [[row[i + 1] / 2**20 for row in sizes] for i in range(len(TIMELINE_CATEGORIES))],
+                     labels=TIMELINE_CATEGORIES)
+        ax.set(xlabel="ms (profiled steps)", ylabel="MiB", title="CPU memory by category (profiler)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def compile_speedups(results: list[dict[str, Any]], path: Path) -> bool:
+    """Compiled-vs-eager speedup per configuration (bars), 1× marked."""
+    ok = [r for r in results if r.get("speedup")]
+    if not ok:
+        return False
+    labels = [f"{r['model']}\nb{r['batch']} {r['precision']} {r['mode']}" for r in ok]
+    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok)), 3.8))
+    ax.bar(range(len(ok)), [r["speedup"] for r in ok], color=["#2a7" if r["speedup"] >= 1 else "#c44" for r in ok])
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(ok)))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set(ylabel="speedup (eager / compiled latency)", title="torch.compile gains")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -145,6 +145,10 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     if precision.compile and not session.active:  # explain() runs forwards: not under FSDP's collectives
         report_graph_breaks(model, data.train, run.path, device, memory_format)
     forward = torch.compile(model) if precision.compile else model
+    from torchcls.memory.recorder import recorder_for
+
+    memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
+    callbacks = [*callbacks, memory] if memory else callbacks
     writer = _tensorboard(run.path) if cfg.train.tensorboard else None
     log_every = max(1, steps_per_epoch // 10)
     model.train()
@@ -218,6 +222,8 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
             writer.close()
         session.close()
 
+    if memory:
+        memory.finish()
     from torchcls.report import write_report
 
     if session.is_main:

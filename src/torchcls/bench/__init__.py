@@ -1,0 +1,1 @@
+"""Benchmarks as commands: `torchcls bench compile` (compile gains per backbone)."""

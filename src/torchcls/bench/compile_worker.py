@@ -1,0 +1,104 @@
+"""One `bench compile` configuration, run in its own process (compiled variants interfere in one process).
+
+Eager and compiled calls alternate (A B A B ...) so machine noise hits both alike; each side
+reports median and spread. Prints one JSON object on the last stdout line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+
+def _stats(ms: list[float]) -> dict[str, float]:
+    q = statistics.quantiles(ms, n=4) if len(ms) > 1 else [ms[0]] * 3
+    return {"median": statistics.median(ms), "min": min(ms), "max": max(ms), "p25": q[0], "p75": q[2], "n": len(ms)}
+
+
+def _timed(fn, x, device) -> tuple[torch.Tensor, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn(x)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return out, (time.perf_counter() - t0) * 1000
+
+
+def explain(model, x) -> dict[str, Any]:
+    """Graph count and break reasons from torch._dynamo.explain (traces only, does not compile)."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        e = torch._dynamo.explain(model)(x)
+    reasons = sorted({str(getattr(b, "reason", b)).splitlines()[0][:200] for b in e.break_reasons})
+    torch._dynamo.reset()
+    return {"graphs": e.graph_count, "graph_breaks": e.graph_break_count, "break_reasons": reasons}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from torchcls.audit.graph import load_audit_model
+    from torchcls.bench.compile_call import compile_for_inference
+
+    device = torch.device(args.device)
+    model, x, _ = load_audit_model(args.model, img_size=args.img_size, batch=args.batch)
+    model, x = model.to(device).eval(), x.to(device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+    result: dict[str, Any] = explain(model, x)
+    compiled = compile_for_inference(model, args.mode)
+    with torch.no_grad(), autocast:
+        from torch._dynamo.utils import counters
+
+        t0 = time.perf_counter()
+        out_c = compiled(x)  # cold: trace + Inductor codegen + C++/Triton build (fresh cache dir per config)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        result["compile_s"] = time.perf_counter() - t0
+        out_e = model(x)
+        for _ in range(args.warmup):
+            model(x), compiled(x)
+        eager_ms, compiled_ms = [], []
+        for _ in range(args.repeats):  # interleaved
+            eager_ms.append(_timed(model, x, device)[1])
+            compiled_ms.append(_timed(compiled, x, device)[1])
+        frames_before = counters["frames"]["ok"]
+        for b in (args.batch + 1, args.batch + 2, max(1, args.batch * 2)):  # varied batch sizes
+            compiled(torch.cat([x] * (b // args.batch + 1))[:b])
+        result["recompiles"] = counters["frames"]["ok"] - frames_before
+    e, c = out_e.float(), out_c.float()
+    result |= {"eager_ms": _stats(eager_ms), "compiled_ms": _stats(compiled_ms),
+               "speedup": statistics.median(eager_ms) / statistics.median(compiled_ms),
+               "max_abs_diff": (e - c).abs().max().item(), "top1_agree": (e.argmax(1) == c.argmax(1)).float().mean().item(),
+               "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "peak_cuda_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--mode", default="default")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--img-size", type=int, default=None)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    args = p.parse_args(argv)
+    try:
+        result = {"status": "ok"} | run(args)
+    except Exception as e:  # recorded by the parent as a failed configuration
+        result = {"status": "failed", "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0][:500] if str(e).strip() else ''}"}
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Memory measurement: the CUDA caching allocator report (and its CPU stand-in) for training runs."""

@@ -1,0 +1,39 @@
+"""Small HTML helpers shared by the report sections (everything escaped; images embedded)."""
+
+from __future__ import annotations
+
+import base64
+import html
+from pathlib import Path
+from typing import Any
+
+
+def esc(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def img(path: Path) -> str:
+    data = base64.b64encode(path.read_bytes()).decode()
+    return f'<img alt="{esc(path.stem)}" src="data:image/png;base64,{data}">'
+
+
+def table(header: list[str], rows: list[list[Any]]) -> str:
+    head = "".join(f"<th>{esc(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def mib(n: int | float | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def kpis(items: list[tuple[str, Any]]) -> str:
+    return "".join(f'<div class="kpi">{esc(k)}<b>{esc(v)}</b></div>' for k, v in items)
+
+
+def status(s: str) -> str:
+    return f'<span class="st-{esc(s)}">{esc(s)}</span>'

@@ -1,0 +1,103 @@
+"""Report sections: each renders its part of report.html from files in the run dir.
+
+A section's `render(run_dir)` returns HTML, or None when its data is absent; the page
+then says "not run" with the command that produces it. Add a section with `@section(...)`
+in any module imported by `torchcls.report.html` (results.py holds those of the
+evaluation commands), so `write_report` itself never grows.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchcls.report import plots
+from torchcls.report.htmlkit import esc, fmt, img, kpis, table
+from torchcls.train.rundir import read_metrics
+
+Render = Callable[[Path], "str | None"]
+
+
+@dataclass(frozen=True)
+class Section:
+    key: str
+    title: str
+    render: Render
+    how_to_run: str  # shown when the section has no data
+    order: int
+
+
+SECTIONS: dict[str, Section] = {}
+
+
+def section(key: str, title: str, how_to_run: str, order: int) -> Callable[[Render], Render]:
+    def register(render: Render) -> Render:
+        SECTIONS[key] = Section(key, title, render, how_to_run, order)
+        return render
+    return register
+
+
+def ordered() -> list[Section]:
+    return sorted(SECTIONS.values(), key=lambda s: s.order)
+
+
+def read_json(path: Path) -> Any | None:
+    try:
+        return json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+@section("training", "Training", "torchcls train", 10)
+def training(run_dir: Path) -> str | None:
+    records = read_metrics(run_dir)
+    epochs = [r for r in records if r.get("kind") == "epoch"]
+    if not epochs:
+        return None
+    last = epochs[-1]
+    parts = [f"<p>{len(epochs)} epoch(s), {last['step']} steps, last epoch {last['img_per_s']:.0f} images/s.</p>"]
+    cols = [k for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "epoch_s")
+            if k in last]
+    parts.append(table(cols, [[_fmt4(e.get(c)) for c in cols] for e in epochs]))
+    if plots.training_curves(records, run_dir / "curves.png"):
+        parts.append(img(run_dir / "curves.png"))
+    parts.append(_skipped(run_dir / "skipped_files.json", "Skipped training files"))
+    return "".join(parts)
+
+
+@section("evaluation", "Evaluation", "torchcls evaluate RUN_DIR", 20)
+def evaluation(run_dir: Path) -> str | None:
+    ev = read_json(run_dir / "eval.json")
+    if not ev:
+        return None
+    parts = [f"<p>data {esc(ev['data'])}, split {esc(ev['split'])}</p>", kpis([
+        ("top-1", f"{ev['top1']:.2%}"), ("top-5", f"{ev['top5']:.2%}"), ("images", ev["n"]),
+        ("macro F1", f"{ev['macro_f1']:.3f}"), ("calibration error", f"{ev['ece']:.3f}")])]
+    rows = [[c, f"{m['precision']:.3f}", f"{m['recall']:.3f}", f"{m['f1']:.3f}", m["support"]]
+            for c, m in ev["per_class"].items()]
+    parts.append(table(["class", "precision", "recall", "F1", "support"], rows))
+    if (run_dir / "confusion_matrix.png").is_file():
+        parts.append(img(run_dir / "confusion_matrix.png"))
+    parts.append(_skipped(run_dir / "eval.json", "Skipped evaluation files"))
+    return "".join(parts)
+
+
+@section("config", "Configuration", "torchcls train (writes config.toml)", 90)
+def configuration(run_dir: Path) -> str | None:
+    config_file = run_dir / "config.toml"
+    return f"<pre>{esc(config_file.read_text())}</pre>" if config_file.is_file() else None
+
+
+def _skipped(path: Path, title: str) -> str:
+    data = read_json(path)
+    skipped = data.get("skipped_files", []) if isinstance(data, dict) else []
+    if not skipped:
+        return ""
+    return f"<h3>{title} ({len(skipped)})</h3>" + table(["file", "reason"], [[s["file"], s["reason"]] for s in skipped])
+
+
+def _fmt4(v: Any) -> str:
+    return f"{v:.4f}" if isinstance(v, float) else fmt(v)
