@@ -127,7 +127,7 @@ class AOTIArtifact(LoadedArtifact):
         self.info = ArtifactInfo.from_json(meta[META_KEY], str(path))
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return self.runner(x)[0]
+        return self.runner(x)  # the package returns the model's output structure: one tensor
 
 
 class OnnxArtifact(LoadedArtifact):
