@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("predict", help="classify image files or folders", description="Top-k labels for images.")
-    p.add_argument("checkpoint", help="a .safetensors checkpoint or a run dir")
+    p.add_argument("checkpoint", help="a .safetensors checkpoint, a run dir, or an exported .pt2/.onnx artifact")
     p.add_argument("images", nargs="+", help="image files and/or folders (searched recursively)")
     p.add_argument("--topk", type=int, default=3, help="how many labels per image (default: 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")

@@ -92,6 +92,9 @@ def _check_options(target: str, precision: str, max_batch: int, min_agreement: f
         raise UserError(f"--target {target}: choose one of {', '.join(BUILDERS)}")
     if precision not in DTYPES:
         raise UserError(f"--precision {precision}: choose fp32 or bf16")
+    if target == "onnx" and precision != "fp32":
+        raise UserError("--target onnx supports --precision fp32 only: ONNX Runtime's CPU provider has no bf16 "
+                        "convolution kernels; use --target aoti for bf16")
     if not 1 <= max_batch <= 4096:
         raise UserError(f"--max-batch {max_batch}: must be between 1 and 4096")
     if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:
