@@ -124,7 +124,7 @@ class AOTIArtifact(LoadedArtifact):
         if META_KEY not in meta:
             raise UserError(f"{path} is an AOTInductor package without torchcls metadata (class names, "
                             "preprocessing); export it with `torchcls export --target aoti`")
-        self.info = ArtifactInfo.from_json(meta[META_KEY], str(path))
+        self.info = _checked_info(meta[META_KEY], path, "aoti")
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         return self.runner(x)  # the package returns the model's output structure: one tensor
@@ -151,7 +151,7 @@ class OnnxArtifact(LoadedArtifact):
         if META_KEY not in meta:
             raise UserError(f"{path} is an ONNX model without torchcls metadata (class names, preprocessing); "
                             "export it with `torchcls export --target onnx`")
-        self.info = ArtifactInfo.from_json(meta[META_KEY], str(path))
+        self.info = _checked_info(meta[META_KEY], path, "onnx")
         self.input_name = self.session.get_inputs()[0].name
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
@@ -187,6 +187,14 @@ def _load_executorch(path: Path) -> LoadedArtifact:
         raise UserError(f"{path}: this torchcls has no ExecuTorch runtime support yet; use a .pt2 or .onnx "
                         "artifact") from None
     return ExecuTorchArtifact(path)
+
+
+def _checked_info(text: str, path: Path, target: str) -> ArtifactInfo:
+    info = ArtifactInfo.from_json(text, str(path))
+    if info.target != target:
+        raise UserError(f"{path}: its metadata describes a '{info.target}' artifact, but the file is a {target} "
+                        "artifact; it was renamed or tampered with: re-export it")
+    return info
 
 
 def _first_line(e: Exception) -> str:
