@@ -41,11 +41,14 @@ def onnx_path(trained_run, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def classify_pt2(tmp_path_factory) -> Path:
     """The C++ runner, built once per session with CMake against the torch wheel's libtorch."""
+    if not (shutil.which("cmake") and shutil.which("c++")):
+        pytest.fail("the C++ runner test needs cmake and a C++ compiler (apt-get install cmake g++)")
     build = tmp_path_factory.mktemp("cpp-build")
     prefix = torch.utils.cmake_prefix_path
-    subprocess.run(["cmake", "-S", str(CPP_DIR), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
-                   check=True, capture_output=True)
-    subprocess.run(["cmake", "--build", str(build)], check=True, capture_output=True)
+    for cmd in (["cmake", "-S", str(CPP_DIR), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
+                ["cmake", "--build", str(build)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return build / "classify_pt2"
 
 

@@ -83,7 +83,10 @@ class CompiledClassifier:
 def compile_for_inference(model: nn.Module, example: torch.Tensor, device: str | torch.device = "cpu",
                           precision: str = "fp32", max_batch: int = 64,
                           buckets: tuple[int, ...] | None = None) -> CompiledClassifier:
-    """Compile `model` for inference on `device` and compile the bucket of `example`'s batch size now."""
+    """Compile `model` for inference on `device` and compile the bucket of `example`'s batch size now.
+
+    The model is put in eval mode and moved (device, memory format) in place. Other buckets compile
+    on first use, or ahead with `.warm_up(example)`."""
     if precision not in DTYPES:
         raise UserError(f"--precision {precision}: choose fp32 or bf16")
     device = torch.device(device)
