@@ -105,6 +105,16 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                      steps=args.steps, on_bad_file=args.on_bad_file):
         where = f" (exit {e.exit})" if e.exit is not None else ""
         print(f"{e.file}: {e.label} {e.prob:.3f}{where} -> {e.png}")
+def _cmd_export(args: argparse.Namespace) -> int:
+    from torchcls.export import export
+
+    r = export(args.checkpoint, target=args.target, precision=args.precision, max_batch=args.max_batch,
+               out=args.out, min_agreement=args.min_agreement, parity_images=args.parity_images,
+               data=args.data, root=args.root)
+    p = r.parity
+    print(f"wrote {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {r.info.target} {r.info.precision}, batch 1-"
+          f"{r.info.max_batch})\nparity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
+          f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}")
     return 0
 
 
@@ -211,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_evaluate)
 
     p = sub.add_parser("predict", help="classify image files or folders", description="Top-k labels for images.")
-    p.add_argument("checkpoint", help="a .safetensors checkpoint or a run dir")
+    p.add_argument("checkpoint", help="a .safetensors checkpoint, a run dir, or an exported .pt2/.onnx artifact")
     p.add_argument("images", nargs="+", help="image files and/or folders (searched recursively)")
     p.add_argument("--topk", type=int, default=3, help="how many labels per image (default: 3)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -230,6 +240,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-bad-file", choices=("error", "skip"), default="error",
                    help="unreadable images: stop with an error (default) or skip them")
     p.set_defaults(func=_cmd_explain)
+    p = sub.add_parser("export", help="export a checkpoint to an AOTInductor package or ONNX, verified "
+                       "against eager", description="Export a checkpoint (torch.export with a dynamic batch "
+                       "dimension) to an AOTInductor .pt2 package or an ONNX model that carries its class names "
+                       "and preprocessing, check it against eager on held-out images (parity.json beside it) "
+                       "and refuse to write it when top-1 agreement is below --min-agreement.")
+    p.add_argument("checkpoint", help="a .safetensors checkpoint or a run dir")
+    p.add_argument("--target", choices=("aoti", "onnx"), default="aoti", help="aoti: .pt2 AOTInductor "
+                   "package (runs from Python with torch only, or C++); onnx: ONNX Runtime (default: aoti)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="weights and compute inside "
+                   "the artifact; inputs and logits stay float32 (default: fp32; bf16 for aoti only)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest batch the artifact accepts (default: 64)")
+    p.add_argument("--out", help="artifact path (.pt2/.onnx) or folder (default: "
+                   "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")
+    p.add_argument("--min-agreement", type=float, default=None, help="least top-1 agreement with eager for the "
+                   "export to succeed (default: 0.999 for fp32, 0.99 for bf16)")
+    p.add_argument("--parity-images", type=int, default=500, help="held-out images for parity (default: 500)")
+    p.add_argument("--data", help="take parity images from this data (same classes) instead of the "
+                   "checkpoint's held-out split")
+    p.add_argument("--root", help="fashion-mnist directory, or base for relative CSV paths")
+    p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("demo", help="train the built-in net on mnist-5k, evaluate and report",
                        description="The end-to-end demo: a real model on real digits in a few minutes on a CPU.")

@@ -12,7 +12,11 @@ from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
+from torchcls.export.artifact import load_artifact
 from torchcls.train.checkpoint import load_model
+
+
+ARTIFACT_SUFFIXES = (".pt2", ".onnx", ".pte")
 
 
 @dataclass
@@ -41,9 +45,13 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 @torch.no_grad()
 def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = 5, device: str = "auto",
             on_bad_file: str = "error", batch_size: int = 64) -> Predictions:
-    model, meta = load_model(checkpoint)
-    dev = resolve_device(device)
-    model.to(dev)
+    if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # an exported artifact runs on its own runtime, on CPU
+        model = load_artifact(checkpoint)
+        meta, dev, batch_size = model.info, torch.device("cpu"), min(batch_size, model.info.max_batch)
+    else:
+        model, meta = load_model(checkpoint)
+        dev = resolve_device(device)
+        model.to(dev)
     transform = build_transform(meta.preprocess, train=False)
     result = Predictions([])
     good: list[tuple[Path, torch.Tensor]] = []

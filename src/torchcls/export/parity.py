@@ -1,0 +1,67 @@
+"""Parity of an artifact against the eager fp32 model on held-out images of the checkpoint's own data.
+
+The numbers (max |Δlogit|, top-1 agreement, n, and both accuracies) go to parity.json beside the
+artifact; an artifact below the agreement threshold is never called finished.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchcls.config import Config
+from torchcls.data import eval_dataset
+from torchcls.errors import UserError
+from torchcls.export.artifact import LoadedArtifact
+from torchcls.train.checkpoint import CheckpointMeta
+
+DEFAULT_MIN_AGREEMENT = {"fp32": 0.999, "bf16": 0.99}
+
+
+def held_out_images(meta: CheckpointMeta, limit: int, data: str | None = None,
+                    root: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `limit` images, evenly spread over the held-out split the checkpoint was validated on
+    (the official test split for fashion-mnist), preprocessed exactly as at evaluation."""
+    cfg = Config.from_dict(meta.config, origin="checkpoint metadata")
+    data_cfg = cfg.data
+    if data is not None:
+        data_cfg = replace(data_cfg, source=data, root=root)
+    elif root is not None:
+        data_cfg = replace(data_cfg, root=root)
+    split = "test" if data_cfg.source == "fashion-mnist" else ("all" if data is not None else "val")
+    try:
+        dataset, _ = eval_dataset(data_cfg, meta.preprocess, split, cfg.train.seed)
+    except UserError as e:
+        raise UserError(f"parity needs held-out images of the checkpoint's data: {e} (pass --data to use other "
+                        "images of the same classes)") from None
+    picks = torch.linspace(0, len(dataset) - 1, min(limit, len(dataset))).round().long().unique()
+    items = [dataset[int(i)] for i in picks]
+    return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+
+
+@torch.inference_mode()
+def measure_parity(eager: nn.Module, artifact: LoadedArtifact, images: torch.Tensor, labels: torch.Tensor,
+                   min_agreement: float) -> dict[str, Any]:
+    """Run both in chunks that end with a partial one (the dynamic batch dimension is exercised too)."""
+    chunk = max(1, min(artifact.info.max_batch, 32))
+    ref, out = [], []
+    for start in range(0, len(images), chunk):
+        x = images[start:start + chunk]
+        ref.append(eager(x).float())
+        out.append(artifact(x))
+    ref_logits, art_logits = torch.cat(ref), torch.cat(out)
+    agree = (ref_logits.argmax(1) == art_logits.argmax(1)).float().mean().item()
+    diff = (ref_logits - art_logits).abs()
+    return {
+        "max_abs_diff": diff.max().item(),
+        "mean_abs_diff": diff.mean().item(),
+        "top1_agreement": agree,
+        "n": len(images),
+        "eager_accuracy": (ref_logits.argmax(1) == labels).float().mean().item(),
+        "artifact_accuracy": (art_logits.argmax(1) == labels).float().mean().item(),
+        "min_agreement": min_agreement,
+        "passed": agree >= min_agreement,
+    }

@@ -1,0 +1,215 @@
+"""Export: AOTInductor and ONNX artifacts of a real trained SmallNet, their parity with eager, the
+loader's checks, the C++ runner, and the compile policy. Each artifact is compiled once per session."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchcls.errors import UserError
+from torchcls.export import compile_for_inference, export, load_artifact
+from torchcls.export.artifact import OnnxArtifact
+from torchcls.train.checkpoint import load_model
+
+pytestmark = pytest.mark.slow
+MAX_BATCH = 8
+CPP_DIR = Path(__file__).resolve().parent.parent / "cpp"
+
+
+@pytest.fixture(scope="session")
+def aoti_export(trained_run, tmp_path_factory):
+    return export(trained_run, target="aoti", max_batch=MAX_BATCH,
+                  out=tmp_path_factory.mktemp("aoti") / "shapes.pt2")
+
+
+@pytest.fixture(scope="session")
+def onnx_path(trained_run, tmp_path_factory) -> Path:
+    """Exported through the CLI, to cover the command as users type it."""
+    from torchcls.cli import main
+
+    out = tmp_path_factory.mktemp("onnx") / "shapes.onnx"
+    assert main(["export", str(trained_run), "--target", "onnx", "--max-batch", str(MAX_BATCH),
+                 "--out", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def classify_pt2(tmp_path_factory) -> Path:
+    """The C++ runner, built once per session with CMake against the torch wheel's libtorch."""
+    if not (shutil.which("cmake") and shutil.which("c++")):
+        pytest.fail("the C++ runner test needs cmake and a C++ compiler (apt-get install cmake g++)")
+    build = tmp_path_factory.mktemp("cpp-build")
+    prefix = torch.utils.cmake_prefix_path
+    for cmd in (["cmake", "-S", str(CPP_DIR), "-B", str(build), f"-DCMAKE_PREFIX_PATH={prefix}"],
+                ["cmake", "--build", str(build)]):
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        assert done.returncode == 0, f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return build / "classify_pt2"
+
+
+def _held_out(trained_run: Path) -> tuple[torch.Tensor, torch.nn.Module]:
+    from torchcls.export.parity import held_out_images
+
+    model, meta = load_model(trained_run)
+    images, _ = held_out_images(meta, 100)
+    return images, model
+
+
+@pytest.mark.parametrize("target", ["aoti", "onnx"])
+def test_artifact_matches_eager_and_carries_metadata(target, request, trained_run):
+    path = request.getfixturevalue("aoti_export").path if target == "aoti" else request.getfixturevalue("onnx_path")
+    parity = json.loads((path.parent / "parity.json").read_text())
+    assert parity["n"] == 20 and parity["top1_agreement"] == 1.0 and parity["passed"]
+    assert parity["max_abs_diff"] < 1e-4 and parity["target"] == target
+
+    art = load_artifact(path)
+    _, meta = load_model(trained_run)
+    assert art.info.target == target and art.info.name == "shapes" and art.info.max_batch == MAX_BATCH
+    assert art.info.classes == meta.classes and art.info.preprocess == meta.preprocess
+    images, model = _held_out(trained_run)
+    with torch.no_grad():
+        for n in (1, 5, MAX_BATCH):  # any batch within the bound, with one compiled artifact
+            torch.testing.assert_close(art(images[:n]), model(images[:n]), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("target", ["aoti", "onnx"])
+def test_artifact_rejects_bad_input(target, request):
+    path = request.getfixturevalue("aoti_export").path if target == "aoti" else request.getfixturevalue("onnx_path")
+    art = load_artifact(path)
+    good = torch.zeros(2, 3, 32, 32)
+    with pytest.raises(UserError, match=r"accepts 1 to 8"):
+        art(torch.zeros(MAX_BATCH + 1, 3, 32, 32))  # AOTI itself would run it silently
+    with pytest.raises(UserError, match=r"shape \(N, 3, 32, 32\)"):
+        art(torch.zeros(2, 1, 32, 32))
+    with pytest.raises(UserError, match="float32"):
+        art(good.double())
+    assert art(good).shape == (2, 2)
+
+
+def test_cpp_runner_equals_python(aoti_export, classify_pt2, trained_run, tmp_path):
+    art = load_artifact(aoti_export.path)
+    pre = art.info.preprocess
+    mean, std = torch.tensor(pre.mean).view(1, -1, 1, 1), torch.tensor(pre.std).view(1, -1, 1, 1)
+    images, _ = _held_out(trained_run)
+    pixels = (images[:6] * std + mean).contiguous()  # back to [0, 1] pixels: C++ normalises with the metadata
+    pixels.numpy().tofile(tmp_path / "px.f32")
+    out = subprocess.run([str(classify_pt2), str(aoti_export.path), str(tmp_path / "px.f32")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    expected = art((pixels - mean) / std)
+    torch.testing.assert_close(torch.tensor([r["logits"] for r in rows]), expected, atol=1e-5, rtol=1e-5)
+    assert [r["label"] for r in rows] == [art.info.classes[i] for i in expected.argmax(1).tolist()]
+
+    torch.zeros(MAX_BATCH + 1, 3, 32, 32).numpy().tofile(tmp_path / "big.f32")
+    out = subprocess.run([str(classify_pt2), str(aoti_export.path), str(tmp_path / "big.f32")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "accepts 1 to 8" in out.stderr
+
+
+def test_failed_parity_leaves_no_artifact(trained_run, tmp_path, monkeypatch):
+    """A runtime that returns wrong logits (fault injected into the loaded artifact) must not yield a file."""
+    from torchcls.export import exporter
+
+    class Broken(OnnxArtifact):
+        def _run(self, x):
+            return -super()._run(x)
+
+    monkeypatch.setitem(exporter.LOADERS, "onnx", Broken)
+    out = tmp_path / "out" / "model.onnx"
+    with pytest.raises(UserError, match="parity failed"):
+        export(trained_run, target="onnx", max_batch=4, out=out)
+    assert list(out.parent.iterdir()) == []  # no artifact, no parity.json, no temp file
+
+
+def test_export_option_errors(trained_run, tmp_path):
+    with pytest.raises(UserError, match="fp32 only"):
+        export(trained_run, target="onnx", precision="bf16", out=tmp_path / "m.onnx")
+    with pytest.raises(UserError, match="must end in .pt2"):
+        export(trained_run, target="aoti", out=tmp_path / "m.onnx")
+    with pytest.raises(UserError, match="--max-batch 0"):
+        export(trained_run, max_batch=0)
+    with pytest.raises(UserError, match="--min-agreement"):
+        export(trained_run, min_agreement=1.5)
+    with pytest.raises(UserError, match="does not exist"):
+        export(tmp_path / "missing.safetensors")
+
+
+def test_load_artifact_errors(tmp_path, trained_run):
+    import onnx
+    from onnx import TensorProto, helper
+
+    with pytest.raises(UserError, match="does not exist"):
+        load_artifact(tmp_path / "none.pt2")
+    (tmp_path / "junk.pt2").write_bytes(b"not a package")
+    with pytest.raises(UserError, match="not a loadable AOTInductor package"):
+        load_artifact(tmp_path / "junk.pt2")
+    (tmp_path / "junk.onnx").write_bytes(b"not onnx")
+    with pytest.raises(UserError, match="not a loadable ONNX model"):
+        load_artifact(tmp_path / "junk.onnx")
+    (tmp_path / "model.txt").write_text("x")
+    with pytest.raises(UserError, match="unknown artifact type"):
+        load_artifact(tmp_path / "model.txt")
+    # A valid ONNX model that torchcls did not write: no class names or preprocessing
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "foreign.onnx")
+    with pytest.raises(UserError, match="without torchcls metadata"):
+        load_artifact(tmp_path / "foreign.onnx")
+    eager = load_artifact(trained_run)
+    assert eager.info.target == "eager" and eager.info.max_batch == 256
+
+
+def test_predict_accepts_artifacts(aoti_export, onnx_path, trained_run):
+    from torchcls.predict import predict
+
+    folder = trained_run.parent.parent / "shapes"
+    eager = predict(trained_run, [folder / "circle"], topk=2)
+    for path in (aoti_export.path, onnx_path):
+        preds = predict(path, [folder / "circle"], topk=2)
+        assert [i["top"][0]["label"] for i in preds.items] == [i["top"][0]["label"] for i in eager.items]
+        got = torch.tensor([[t["prob"] for t in i["top"]] for i in preds.items])
+        torch.testing.assert_close(got, torch.tensor([[t["prob"] for t in i["top"]] for i in eager.items]),
+                                   atol=1e-4, rtol=0)
+
+
+def test_bf16_capture_casts_inside(trained_run):
+    """bf16 artifacts take and return float32; the graph inside runs in bf16 (checked without compiling)."""
+    from torchcls.export.artifact import ArtifactInfo
+    from torchcls.export.build import capture
+
+    images, model = _held_out(trained_run)
+    _, meta = load_model(trained_run)
+    info = ArtifactInfo("shapes", "aoti", meta.classes, meta.preprocess, MAX_BATCH, "bf16")
+    ep = capture(load_model(trained_run)[0], info)
+    assert any(getattr(n.meta.get("val"), "dtype", None) == torch.bfloat16 for n in ep.graph.nodes)
+    with torch.no_grad():
+        got, ref = ep.module()(images[:MAX_BATCH]), model(images[:MAX_BATCH])
+    assert got.dtype == torch.float32
+    assert (got - ref).abs().max() < 0.25 and (got.argmax(1) == ref.argmax(1)).float().mean() >= 0.75
+
+
+def test_compile_for_inference_pads_partial_batches(trained_run, monkeypatch):
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import run_and_get_code
+
+    monkeypatch.setattr(torch._inductor.config, "freezing", False)  # restored after: the policy sets it globally
+    torch._dynamo.reset()
+    counters.clear()
+    images, model = _held_out(trained_run)
+    with torch.no_grad():
+        expected = model(images[:4])
+    compiled, code = run_and_get_code(compile_for_inference, model, images[:3], "cpu", "fp32", 4, (4,))
+    assert any("convolution_pointwise" in c for c in code), "freezing did not apply: no prepacked oneDNN convolutions"
+    for n in (3, 1, 4):  # all padded to the one bucket of 4: a single compiled graph
+        torch.testing.assert_close(compiled(images[:n]), expected[:n], atol=1e-4, rtol=1e-4)
+    assert counters["stats"]["unique_graphs"] == 1
+    with pytest.raises(UserError, match="accepts 1 to 4"):
+        compiled(images[:5])
+    torch._dynamo.reset()
