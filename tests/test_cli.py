@@ -63,9 +63,9 @@ def test_bad_files_cli(tmp_path, shapes_dir):
 
 
 def test_demo_command_trains_evaluates_and_reports(tmp_path):
-    r = run_cli("demo", "--epochs", 1, "--out-dir", tmp_path, "--name", "d")
+    r = run_cli("demo", "--epochs", 2, "--out-dir", tmp_path, "--name", "d")
     assert r.returncode == 0, r.stderr
     ev = json.loads((tmp_path / "d" / "eval.json").read_text())
     assert ev["data"] == "mnist-5k" and ev["split"] == "val" and ev["n"] == 1000
-    assert ev["top1"] > 0.5  # one epoch of real digits already beats chance by far
+    assert ev["top1"] > 0.7  # two epochs of real digits already beat chance (10%) by far
     assert "held-out top-1" in r.stdout and (tmp_path / "d" / "report.html").is_file()
