@@ -41,6 +41,10 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 @torch.no_grad()
 def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = 5, device: str = "auto",
             on_bad_file: str = "error", batch_size: int = 64) -> Predictions:
+    if Path(checkpoint).suffix == ".pte":  # an ExecuTorch program runs in the ExecuTorch runtime, not eager
+        from torchcls.export.edge_predict import predict_pte
+
+        return predict_pte(checkpoint, inputs, topk, on_bad_file, batch_size)
     model, meta = load_model(checkpoint)
     dev = resolve_device(device)
     model.to(dev)
