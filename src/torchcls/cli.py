@@ -173,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("xnnpack", "portable"), default=None, help="executorch: delegate to "
                    "XNNPACK, or portable kernels only (default: xnnpack)")
     p.add_argument("--calibration-images", type=int, default=None, help="executorch int8: training images "
-                   "used to calibrate activation ranges (default: 256, at least 16)")
+                   "used to calibrate activation ranges (default: up to 256, at least 16)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("demo", help="train the built-in net on mnist-5k, evaluate and report",

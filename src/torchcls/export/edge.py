@@ -18,7 +18,7 @@ import torch
 from torchcls.errors import UserError
 from torchcls.export.artifact import ArtifactInfo
 from torchcls.export.executorch import BACKENDS, ExecuTorchArtifact, _require_executorch, lower
-from torchcls.export.quantize import DEFAULT_CALIBRATION, INT8_MIN_AGREEMENT, QUANTIZE, calibration_images
+from torchcls.export.quantize import INT8_MIN_AGREEMENT, QUANTIZE, calibration_images
 from torchcls.train.checkpoint import CheckpointMeta
 
 
@@ -62,7 +62,7 @@ def edge_build(meta: CheckpointMeta, precision: str, quantize: str | None, backe
         if backend != "xnnpack":
             raise UserError("--quantize int8 needs --backend xnnpack: portable kernels have no quantized "
                             "convolutions")
-        calib = calibration_images(meta, DEFAULT_CALIBRATION if calibration is None else calibration, data, root)
+        calib = calibration_images(meta, calibration, data, root)
 
     def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, **extra: str) -> dict[str, Any]:
         if calib is not None:

@@ -23,11 +23,12 @@ DEFAULT_CALIBRATION = 256
 INT8_MIN_AGREEMENT = 0.95
 
 
-def calibration_images(meta: CheckpointMeta, n: int, data: str | None = None,
+def calibration_images(meta: CheckpointMeta, n: int | None, data: str | None = None,
                        root: str | None = None) -> torch.Tensor:
     """`n` images spread over the training split of the checkpoint's data, preprocessed as at
-    evaluation (no augmentation: the program sees evaluation-style inputs)."""
-    if n < MIN_CALIBRATION:
+    evaluation (no augmentation: the program sees evaluation-style inputs). `n=None`: up to
+    DEFAULT_CALIBRATION, as many as the split has."""
+    if n is not None and n < MIN_CALIBRATION:
         raise UserError(f"--calibration-images {n}: int8 calibration needs at least {MIN_CALIBRATION} images")
     cfg = Config.from_dict(meta.config, origin="checkpoint metadata")
     data_cfg = cfg.data if data is None else replace(cfg.data, source=data, root=root)
@@ -38,7 +39,8 @@ def calibration_images(meta: CheckpointMeta, n: int, data: str | None = None,
     except UserError as e:
         raise UserError(f"int8 calibration needs the checkpoint's training images ({data_cfg.source}): {e} "
                         "(pass --data to calibrate on other images of the same classes)") from None
-    if len(dataset) < n:
+    n = min(DEFAULT_CALIBRATION, len(dataset)) if n is None else n
+    if len(dataset) < max(n, MIN_CALIBRATION):
         raise UserError(f"int8 calibration: {data_cfg.source} has only {len(dataset)} training images, "
                         f"--calibration-images asks for {n}; lower it (at least {MIN_CALIBRATION}) or pass "
                         "--data with more images")
