@@ -110,11 +110,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     r = export(args.checkpoint, target=args.target, precision=args.precision, max_batch=args.max_batch,
                out=args.out, min_agreement=args.min_agreement, parity_images=args.parity_images,
-               data=args.data, root=args.root)
+               data=args.data, root=args.root, quantize=args.quantize, backend=args.backend,
+               calibration_images=args.calibration_images)
     p = r.parity
     print(f"wrote {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {r.info.target} {r.info.precision}, batch 1-"
           f"{r.info.max_batch})\nparity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
           f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}")
+    if "executorch" in p:
+        from torchcls.export.edge import describe
+
+        print(describe(p))
     return 0
 
 
@@ -246,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "and preprocessing, check it against eager on held-out images (parity.json beside it) "
                        "and refuse to write it when top-1 agreement is below --min-agreement.")
     p.add_argument("checkpoint", help="a .safetensors checkpoint or a run dir")
-    p.add_argument("--target", choices=("aoti", "onnx"), default="aoti", help="aoti: .pt2 AOTInductor "
-                   "package (runs from Python with torch only, or C++); onnx: ONNX Runtime (default: aoti)")
+    p.add_argument("--target", choices=("aoti", "onnx", "executorch"), default="aoti", help="aoti: .pt2 "
+                   "AOTInductor package (runs from Python with torch only, or C++); onnx: ONNX Runtime; "
+                   "executorch: .pte program for the ExecuTorch runtime on devices (default: aoti)")
     p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="weights and compute inside "
                    "the artifact; inputs and logits stay float32 (default: fp32; bf16 for aoti only)")
     p.add_argument("--max-batch", type=int, default=64, help="largest batch the artifact accepts (default: 64)")
@@ -259,6 +265,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", help="take parity images from this data (same classes) instead of the "
                    "checkpoint's held-out split")
     p.add_argument("--root", help="fashion-mnist directory, or base for relative CSV paths")
+    p.add_argument("--quantize", choices=("none", "int8"), default=None, help="executorch: int8 weights and "
+                   "activations (PT2E, XNNPACK quantizer, per-channel), calibrated on training images "
+                   "(default: none)")
+    p.add_argument("--backend", choices=("xnnpack", "portable"), default=None, help="executorch: delegate to "
+                   "XNNPACK, or portable kernels only (default: xnnpack)")
+    p.add_argument("--calibration-images", type=int, default=None, help="executorch int8: training images "
+                   "used to calibrate activation ranges (default: up to 256, at least 16)")
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("demo", help="train the built-in net on mnist-5k, evaluate and report",

@@ -45,7 +45,7 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 @torch.no_grad()
 def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = 5, device: str = "auto",
             on_bad_file: str = "error", batch_size: int = 64) -> Predictions:
-    if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # an exported artifact runs on its own runtime, on CPU
+    if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime, on CPU
         model = load_artifact(checkpoint)
         meta, dev, batch_size = model.info, torch.device("cpu"), min(batch_size, model.info.max_batch)
     else:

@@ -68,4 +68,4 @@ def build_onnx(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path,
 
 
 BUILDERS = {"aoti": build_aoti, "onnx": build_onnx}
-SUFFIX = {"aoti": ".pt2", "onnx": ".onnx"}
+SUFFIX = {"aoti": ".pt2", "onnx": ".onnx", "executorch": ".pte"}

@@ -20,6 +20,7 @@ import torch
 from torchcls.errors import UserError
 from torchcls.export.artifact import AOTIArtifact, ArtifactInfo, LoadedArtifact, OnnxArtifact
 from torchcls.export.build import BUILDERS, DTYPES, SUFFIX, capture
+from torchcls.export.edge import check_edge_options, edge_build, finish_parity
 from torchcls.export.parity import DEFAULT_MIN_AGREEMENT, held_out_images, measure_parity
 from torchcls.train.checkpoint import atomic_write, load_model, resolve_checkpoint, run_dir_of
 
@@ -36,19 +37,28 @@ class ExportResult:
 
 def export(checkpoint: str | Path, target: str = "aoti", precision: str = "fp32", max_batch: int = 64,
            out: str | Path | None = None, min_agreement: float | None = None, parity_images: int = 500,
-           data: str | None = None, root: str | None = None) -> ExportResult:
+           data: str | None = None, root: str | None = None, quantize: str | None = None,
+           backend: str | None = None, calibration_images: int | None = None) -> ExportResult:
     """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package or ONNX model.
 
     Default path: <run dir>/export/<target>-<precision>/model.{pt2,onnx}; parity.json goes beside it.
     Raises UserError (and writes no artifact) when top-1 agreement with eager is below
     `min_agreement` (default 0.999 for fp32, 0.99 for bf16).
+    --target executorch (a .pte program) takes `quantize` (none|int8), `backend` (xnnpack|portable)
+    and `calibration_images` (int8); see torchcls.export.edge.
     """
+    check_edge_options(target, quantize, backend, calibration_images)
     _check_options(target, precision, max_batch, min_agreement, parity_images)
-    min_agreement = DEFAULT_MIN_AGREEMENT[precision] if min_agreement is None else min_agreement
     ckpt = resolve_checkpoint(checkpoint)
     model, meta = load_model(ckpt)
+    builder, loader, label = BUILDERS.get(target), LOADERS.get(target), precision
+    if target == "executorch":
+        edge = edge_build(meta, precision, quantize, backend, calibration_images, data, root)
+        builder, loader, label = edge.builder, edge.loader, edge.label
+        min_agreement = edge.min_agreement if min_agreement is None else min_agreement
+    min_agreement = DEFAULT_MIN_AGREEMENT[precision] if min_agreement is None else min_agreement
     run_dir = run_dir_of(ckpt)
-    path = _artifact_path(out, run_dir or ckpt.parent, target, precision)
+    path = _artifact_path(out, run_dir or ckpt.parent, target, label)
     images, labels = held_out_images(meta, parity_images, data, root)  # before compiling: fail fast
 
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
@@ -59,12 +69,14 @@ def export(checkpoint: str | Path, target: str = "aoti", precision: str = "fp32"
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        BUILDERS[target](ep, info, tmp, **extra)
-        parity = measure_parity(model, LOADERS[target](tmp), images, labels, min_agreement)
+        report = builder(ep, info, tmp, **extra)
+        parity = measure_parity(model, loader(tmp), images, labels, min_agreement)
         parity.update(target=target, precision=precision, checkpoint=str(ckpt.resolve()), artifact=path.name)
+        parity.update(report or {})
+        finish_parity(parity, label)
         if not parity["passed"]:
             raise UserError(
-                f"parity failed: the {target} {precision} artifact agrees with eager on top-1 for "
+                f"parity failed: the {target} {label} artifact agrees with eager on top-1 for "
                 f"{parity['top1_agreement']:.4%} of {parity['n']} held-out images (needed {min_agreement:.4%}; "
                 f"max |Δlogit| {parity['max_abs_diff']:.3g}). No artifact was written to {path}. "
                 + ("For bf16, a lower --min-agreement may be acceptable." if precision == "bf16" else
@@ -88,8 +100,8 @@ def _make_readable(path: Path) -> None:
 
 def _check_options(target: str, precision: str, max_batch: int, min_agreement: float | None,
                    parity_images: int) -> None:
-    if target not in BUILDERS:
-        raise UserError(f"--target {target}: choose one of {', '.join(BUILDERS)}")
+    if target not in (*BUILDERS, "executorch"):
+        raise UserError(f"--target {target}: choose one of {', '.join(BUILDERS)}, executorch")
     if precision not in DTYPES:
         raise UserError(f"--precision {precision}: choose fp32 or bf16")
     if target == "onnx" and precision != "fp32":

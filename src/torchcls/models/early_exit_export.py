@@ -114,7 +114,7 @@ def executorch_program(ep: torch.export.ExportedProgram, path: str | Path, xnnpa
     try:
         from executorch.exir import to_edge_transform_and_lower
     except ImportError:
-        raise UserError("ExecuTorch export needs the 'executorch' extra: pip install 'torchcls[executorch]'") from None
+        raise UserError("ExecuTorch export needs the 'executorch' extra: pip install 'torchcls[edge]'") from None
     partitioners = []
     if xnnpack:
         from executorch.backends.xnnpack.partition.xnnpack_partitioner import XnnpackPartitioner
