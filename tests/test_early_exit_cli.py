@@ -33,7 +33,8 @@ def test_evaluate_reports_exits_flops_latency_and_calibrates(ee_run):
     assert abs(ee["accuracy"] - r["top1"]) < 1e-6  # the replayed rule = the real dynamic forward
     assert json.loads((ee_run / "eval.json").read_text())["early_exit"]["threshold"] == ee["threshold"]
     assert Image.open(ee_run / "exit_curve.png").size[0] > 100
-    assert "Early exit" in (ee_run / "report.html").read_text()
+    html = (ee_run / "report.html").read_text()
+    assert "Early exit" in html and "data-section='early_exit'" not in html  # rendered, not 'not run'
 
 
 def test_evaluate_rejects_bad_thresholds(ee_run, trained_run, capsys):

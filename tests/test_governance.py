@@ -167,7 +167,8 @@ def test_restricted_samples_never_leave_a_governed_run(runs):
     assert summary["redacted_file_names"] == 1 and summary["isolated_processing"]
     skipped = json.loads((gov / "skipped_files.json").read_text())["skipped_files"]
     assert len(skipped) == 1 and skipped[0]["file"].startswith("[redacted sample sha256:")
-    assert "Data governance" in (gov / "report.html").read_text()
+    html = (gov / "report.html").read_text()
+    assert "Data governance" in html and "lineage id" in html and "data-section='governance'" not in html
 
 
 def test_strip_exif_removes_gps(tmp_path):

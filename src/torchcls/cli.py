@@ -105,6 +105,9 @@ def _cmd_explain(args: argparse.Namespace) -> int:
                      steps=args.steps, on_bad_file=args.on_bad_file):
         where = f" (exit {e.exit})" if e.exit is not None else ""
         print(f"{e.file}: {e.label} {e.prob:.3f}{where} -> {e.png}")
+    return 0
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     from torchcls.export import export
 
@@ -245,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-bad-file", choices=("error", "skip"), default="error",
                    help="unreadable images: stop with an error (default) or skip them")
     p.set_defaults(func=_cmd_explain)
+
     p = sub.add_parser("export", help="export a checkpoint to an AOTInductor package or ONNX, verified "
                        "against eager", description="Export a checkpoint (torch.export with a dynamic batch "
                        "dimension) to an AOTInductor .pt2 package or an ONNX model that carries its class names "

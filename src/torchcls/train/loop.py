@@ -26,6 +26,7 @@ from torchcls.data.loaders import reseed
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
+from torchcls.memory.recorder import recorder_for
 from torchcls.models.early_exit import exit_loss
 from torchcls.train.graph_breaks import report_graph_breaks
 from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
@@ -145,8 +146,6 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     if precision.compile and not session.active:  # explain() runs forwards: not under FSDP's collectives
         report_graph_breaks(model, data.train, run.path, device, memory_format)
     forward = torch.compile(model) if precision.compile else model
-    from torchcls.memory.recorder import recorder_for
-
     memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
     callbacks = [*callbacks, memory] if memory else callbacks
     writer = _tensorboard(run.path) if cfg.train.tensorboard else None
