@@ -17,6 +17,7 @@ _API = {
     "predict": "torchcls.predict",
     "demo": "torchcls.demo",
     "explain": "torchcls.explain",
+    "explain": "torchcls.explain",
     "Config": "torchcls.config",
 }
 
