@@ -184,12 +184,28 @@ def _init_process_group(s: Session, device: str, timeout_s: int) -> None:
     # NCCL for GPU tensors, gloo for CPU ones (and for the objects rank 0 broadcasts).
     backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    timeout = datetime.timedelta(seconds=timeout_s)
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        dist.init_process_group(backend, store=_generation_store(store, s.world), rank=s.rank,
+                                world_size=s.world, timeout=timeout)
     except (RuntimeError, ValueError, TimeoutError) as e:
         raise UserError(f"rank {s.rank} could not join the process group at {addr} within {timeout_s}s "
                         f"({str(e).splitlines()[0]}): check that the rendezvous endpoint is reachable and all "
                         f"{s.world} processes were started; --dist-timeout changes the wait") from None
+
+
+def _generation_store(store: dist.Store, world: int) -> dist.Store:
+    """Give every start of the job its own key space in the rendezvous store.
+
+    torchrun's agent keeps one TCPStore for the whole job (TORCHELASTIC_USE_AGENT_STORE), so
+    after an elastic restart the previous attempt's keys are still there: gloo could read a dead
+    peer's address and fail with "Connection refused" (pytorch/pytorch#135712). A counter in the
+    store numbers the attempts the same way on every rank and node, unlike
+    TORCHELASTIC_RESTART_COUNT, which each node's agent counts on its own.
+    """
+    generation = (store.add("torchcls/ranks_started", 1) - 1) // world
+    return dist.PrefixStore(f"torchcls/generation_{generation}", store)
 
 
 def _agree_on_name(s: Session, cfg: Config) -> None:
