@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 SECTIONS = ("training", "evaluation", "exports", "compile", "memory", "audit", "config")
-# Sections of features whose own tests render them with real runs (precision, distributed,
+# Sections of features whose own tests render them with real runs (precision, distributed, bench memory,
 # early-exit, governance tests); here they only have to say "not run" when their data is absent.
-FEATURE_SECTIONS = ("samples", "precision", "early_exit", "rank_memory", "governance")
+FEATURE_SECTIONS = ("samples", "precision", "early_exit", "rank_memory", "bench_memory", "governance")
 
 
 def _not_run(html: str) -> set[str]:

@@ -185,6 +185,22 @@ def _cmd_bench_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench_memory(args: argparse.Namespace) -> int:
+    from torchcls.bench.memory import BenchMemoryConfig, bench_memory, to_markdown
+    from torchcls.bench.memory_fit import parse_size
+
+    try:
+        worlds = [int(w) for w in _csv(args.world_sizes)]
+    except ValueError:
+        raise UserError(f"--world-sizes must be comma-separated integers, got {args.world_sizes!r}") from None
+    device_memory = [parse_size(s, "--device-memory") for s in _csv(args.device_memory)] if args.device_memory else None
+    cfg = BenchMemoryConfig(args.model, _csv(args.parallel), worlds, device_memory, args.batch, args.img_size,
+                            args.steps, parse_size(args.overhead, "--overhead"), args.timeout)
+    data = bench_memory(cfg, args.out)
+    print(to_markdown(data) + f"\nwrote {Path(args.out) / 'bench_memory.json'}")
+    return 0
+
+
 def _cmd_report(args: argparse.Namespace) -> int:
     from torchcls.report.html import build_report
 
@@ -320,7 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cmd_audit_kernels)
 
-    bench = sub.add_parser("bench", help="benchmarks: torch.compile gains (torchcls bench compile)").add_subparsers(
+    bench = sub.add_parser("bench", help="benchmarks: torch.compile gains, memory when scaling (torchcls bench compile|memory)").add_subparsers(
         dest="bench_command", required=True, metavar="BENCH")
     p = bench.add_parser("compile", help="eager vs torch.compile per backbone, batch, precision and mode",
                          description="Latency/throughput of eager vs compiled inference, cold compile time, graph "
@@ -339,6 +355,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-compile", help="output folder; a run dir puts the results in its "
                    "report (default: ./bench-compile)")
     p.set_defaults(func=_cmd_bench_compile)
+    p = bench.add_parser("memory", help="per-rank memory of DDP/FSDP2 training over world sizes, and what fits",
+                         description="Real torchrun jobs per (parallel, world size): per-rank parameter, gradient, "
+                         "optimizer, activation and peak memory next to the analytic model; for the cluster "
+                         "given by --device-memory, which ranks limit the batch and what per-rank batch or "
+                         "sharding fits. Writes bench_memory.json/.md/.png.")
+    p.add_argument("--model", required=True, help="model name (timm, tv/..., smallnet), random init")
+    p.add_argument("--parallel", default="ddp,fsdp2", help="comma-separated: ddp, fsdp2 (default: ddp,fsdp2)")
+    p.add_argument("--world-sizes", default="1,2", help="comma-separated ranks per job (default: 1,2)")
+    p.add_argument("--device-memory", help="memory per rank, in rank order, e.g. 80GiB,40GiB (a shorter list "
+                   "repeats: 80GiB,40GiB at 4 ranks is 80,40,80,40); more entries than the largest world size "
+                   "adds a projection to that many ranks (default: this machine's GPU, or its RAM / ranks)")
+    p.add_argument("--batch", type=int, default=2, help="images per rank in the measured steps (default: 2)")
+    p.add_argument("--img-size", type=int, default=None, help="input size (default: 224; 28 for smallnet)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per job (default: 2)")
+    p.add_argument("--overhead", default="1GiB", help="allowance per rank for the runtime, CUDA context and "
+                   "workspaces in the fit (default: 1GiB)")
+    p.add_argument("--timeout", type=int, default=1800, help="seconds per job before it is recorded as failed "
+                   "(default: 1800)")
+    p.add_argument("--out", default="bench-memory", help="output folder; a run dir puts the results in its "
+                   "report (default: ./bench-memory)")
+    p.set_defaults(func=_cmd_bench_memory)
 
     p = sub.add_parser("report", help="(re)write RUN_DIR/report.html from every result found in the run dir",
                        description="One HTML page with the run's training, evaluation, exports/parity, compile "

@@ -108,3 +108,28 @@ def compile_speedups(results: list[dict[str, Any]], path: Path) -> bool:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def rank_memory_bars(results: list[dict[str, Any]], path: Path) -> bool:
+    """Per-rank parameter / gradient / optimizer bytes per (parallel, world) job (stacked bars), with
+    the analytic expectation marked: FSDP2's bars should shrink as 1/world, DDP's stay level."""
+    bars = [(f"{r['parallel']}×{r['world']}\nrank {k['rank']}", k) for r in results if r["status"] == "ok"
+            for k in r["ranks"]]
+    if not bars:
+        return False
+    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(bars)), 3.8))
+    xs, bottom = range(len(bars)), [0.0] * len(bars)
+    for key, label in (("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optimizer_bytes", "optimizer")):
+        heights = [k[key] / 2**20 for _, k in bars]
+        ax.bar(xs, heights, bottom=bottom, label=label)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.scatter(xs, [k["expected_state_bytes"] / 2**20 for _, k in bars], marker="_", s=400, color="k",
+               label="analytic", zorder=3)
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels([label for label, _ in bars], fontsize=7)
+    ax.set(ylabel="MiB per rank", title="Training state per rank")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True

@@ -122,3 +122,29 @@ def kernel_audit(run_dir: Path) -> str | None:
         parts.append(f"<p>model {esc(mo['target'])}: " + (f"custom ops in the exported graph: {esc(found)}"
                      if mo["exported"] else f"export failed: {esc(mo['error'])}") + "</p>")
     return "".join(parts)
+
+
+@section("bench_memory", "Memory when scaling (DDP / FSDP2)",
+         "torchcls bench memory --model ... --parallel ddp,fsdp2 --world-sizes 1,2,4 --out RUN_DIR", 56)
+def scaling_memory(run_dir: Path) -> str | None:
+    path = next(iter(sorted(run_dir.rglob("bench_memory.json"))), None)
+    data = read_json(path) if path else None
+    if not data:
+        return None
+    rows = [[r["parallel"], r["world"], k["rank"], mib(k["total_bytes"]), mib(k["expected_state_bytes"]),
+             fmt(k["state_vs_world1"]) if k["state_vs_world1"] is not None else "-", mib(k["activation_bytes"]),
+             mib(k["transient_bytes"]), mib(k["measured_peak_bytes"])]
+            for r in data["results"] if r["status"] == "ok" for k in r["ranks"]]
+    rows += [[r["parallel"], r["world"], "-", f"{r['status']}: {r['error']}", "", "", "", "", ""]
+             for r in data["results"] if r["status"] != "ok"]
+    parts = [f"<p>{esc(data['model'])}, {data['img_size']} px, {data['batch_per_rank']} images per rank, "
+             f"{esc(data['machine']['device'])} ({esc(data['machine']['backend'])})</p>",
+             table(["parallel", "world", "rank", "state", "analytic state", "state / world-1", "activations",
+                    "transient", "measured peak"], rows)]
+    if plots.rank_memory_bars(data["results"], run_dir / "bench_memory.png"):
+        parts.append(img(run_dir / "bench_memory.png"))
+    fit = data["fit"]
+    parts.append(f"<h3>What fits ({esc(fit['source'])})</h3><ul>"
+                 + "".join(f"<li>{esc(c['verdict'])}</li>" for c in fit["configs"])
+                 + f"<li><b>{esc(fit['recommendation'])}</b></li></ul>")
+    return "".join(parts)
