@@ -82,11 +82,12 @@ class CompiledClassifier:
 
 def compile_for_inference(model: nn.Module, example: torch.Tensor, device: str | torch.device = "cpu",
                           precision: str = "fp32", max_batch: int = 64,
-                          buckets: tuple[int, ...] | None = None) -> CompiledClassifier:
+                          buckets: tuple[int, ...] | None = None, mode: str = "auto") -> CompiledClassifier:
     """Compile `model` for inference on `device` and compile the bucket of `example`'s batch size now.
 
     The model is put in eval mode and moved (device, memory format) in place. Other buckets compile
-    on first use, or ahead with `.warm_up(example)`."""
+    on first use, or ahead with `.warm_up(example)`. `mode` is torch.compile's; "auto" is this
+    policy's choice per device (`torchcls bench compile` sweeps the others)."""
     if precision not in DTYPES:
         raise UserError(f"--precision {precision}: choose fp32 or bf16")
     device = torch.device(device)
@@ -102,8 +103,9 @@ def compile_for_inference(model: nn.Module, example: torch.Tensor, device: str |
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     # dynamic=False: each bucket is its own static graph, never a dynamic one that guards on ranges.
-    mode = "max-autotune" if device.type == "cuda" else None
-    compiled = torch.compile(model, mode=mode, dynamic=False)
+    if mode == "auto":
+        mode = "max-autotune" if device.type == "cuda" else "default"
+    compiled = torch.compile(model, mode=None if mode == "default" else mode, dynamic=False)
     runner = CompiledClassifier(compiled, device, precision, max_batch, buckets, channels_last)
     runner.warm_up(example, (min(example.shape[0], max_batch),))
     return runner
