@@ -117,6 +117,8 @@ def _annotate(cfg: BenchMemoryConfig, r: dict[str, Any]) -> None:
         rank |= {"expected_state_bytes": m.state_bytes, "transient_bytes": m.transient_bytes,
                  "activation_bytes": m.activation_bytes_per_sample * cfg.batch,
                  "expected_peak_bytes": m.peak(cfg.batch, 0),  # without the overhead allowance
+                 # CUDA: allocated by tensors; CPU: the process's RSS (runtime included), both since the steps began
+                 "memory_before_steps_bytes": rank.get("cuda_allocated_before_steps_bytes", rank["rss_before_steps_bytes"]),
                  "measured_peak_bytes": rank.get("cuda_peak_allocated_bytes", rank["peak_rss_bytes"])}
 
 
@@ -204,11 +206,11 @@ def to_markdown(data: dict[str, Any]) -> str:
     lines = [f"`{data['model']}`, {data['img_size']} px, {data['batch_per_rank']} images per rank, "
              f"{data['machine']['device']} ({data['machine']['backend']})", "",
              "| parallel | world | rank | params MiB | grads MiB | optimizer MiB | state MiB | analytic state MiB | "
-             "state / world-1 | activations MiB | transient MiB | analytic peak MiB | measured peak MiB |",
-             "|---" * 13 + "|"]
+             "state / world-1 | activations MiB | transient MiB | analytic peak MiB | memory before steps MiB | "
+             "measured peak in steps MiB |", "|---" * 14 + "|"]
     for r in data["results"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['parallel']} | {r['world']} | - | {r['status']}: {r['error'][:90]} |" + " |" * 9)
+            lines.append(f"| {r['parallel']} | {r['world']} | - | {r['status']}: {r['error'][:90]} |" + " |" * 10)
             continue
         for k in r["ranks"]:
             ratio = "-" if k["state_vs_world1"] is None else f"{k['state_vs_world1']:.3f}"
@@ -216,7 +218,7 @@ def to_markdown(data: dict[str, Any]) -> str:
                          f"{mib(k['grad_bytes'])} | {mib(k['optimizer_bytes'])} | {mib(k['total_bytes'])} | "
                          f"{mib(k['expected_state_bytes'])} | {ratio} | {mib(k['activation_bytes'])} | "
                          f"{mib(k['transient_bytes'])} | {mib(k['expected_peak_bytes'])} | "
-                         f"{mib(k['measured_peak_bytes'])} |")
+                         f"{mib(k['memory_before_steps_bytes'])} | {mib(k['measured_peak_bytes'])} |")
     f = data["fit"]
     lines += ["", f"Fit on {f['source']} (allowance {mf.gib(f['overhead_bytes'])} per rank for the runtime, "
               f"{f['headroom']:.0%} kept free for fragmentation):", ""]

@@ -54,12 +54,15 @@ def largest_unit_bytes(model: nn.Module) -> int:
 
 
 def run(args: argparse.Namespace) -> None:
+    import gc
     import os
+
+    import psutil
 
     from torchcls.config import Config
     from torchcls.models import ModelSpec, create_model
     from torchcls.train import distributed
-    from torchcls.train.memory import measure
+    from torchcls.train.memory import measure, reset_peak_memory
     from torchcls.train.optim import build_optimizer
     from torchcls.train.parallel import parallelize
 
@@ -78,6 +81,11 @@ def run(args: argparse.Namespace) -> None:
     per_sample = activation_bytes(model, *batch()) / args.batch  # before sharding: same on every rank
     model = parallelize(model, cfg.train)
     optimizer = build_optimizer(model, cfg.optim)
+    gc.collect()
+    before = {"rss_before_steps_bytes": psutil.Process().memory_info().rss}
+    if device.type == "cuda":
+        before["cuda_allocated_before_steps_bytes"] = torch.cuda.memory_allocated()
+    reset_peak_memory()  # the peak of the training steps, not of building the full model before sharding
     for _ in range(args.steps):
         x, y = batch()
         loss = nn.functional.cross_entropy(model(x), y)
@@ -85,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
         loss.backward()
         optimizer.step()
     record = measure(model, optimizer, session) | {"activation_bytes_per_sample": per_sample,
-                                                   "largest_unit_bytes": largest_unit_bytes(model)}
+                                                   "largest_unit_bytes": largest_unit_bytes(model)} | before
     ranks = session.gather_objects(record)
     if session.is_main:
         Path(args.out).write_text(json.dumps(ranks))

@@ -6,6 +6,7 @@ DDP keeps a full replica on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import sys
@@ -41,9 +42,30 @@ def _expected_bytes(t: torch.Tensor, world: int) -> float:
     return full / world if isinstance(t, DTensor) else full
 
 
+def _vm_hwm_bytes() -> int | None:
+    """Linux: the process's peak RSS since start or since the last reset_peak_memory()."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    line = next((x for x in status.splitlines() if x.startswith("VmHWM:")), None)
+    return int(line.split()[1]) * 1024 if line else None
+
+
+def reset_peak_memory() -> None:
+    """Measure peaks from here on: the CUDA allocator's, and on Linux the peak RSS (writing 5 to
+    /proc/self/clear_refs resets VmHWM), so that e.g. building the full model before sharding it
+    does not count as a training step's memory."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.reset_peak_memory_stats()
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_memory() -> dict[str, int]:
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    out = {"peak_rss_bytes": rss if sys.platform == "darwin" else rss * 1024}  # Linux reports KiB
+    hwm = _vm_hwm_bytes()
+    out = {"peak_rss_bytes": hwm if hwm is not None else rss if sys.platform == "darwin" else rss * 1024}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda_peak_allocated_bytes"] = torch.cuda.max_memory_allocated()
         out["cuda_peak_reserved_bytes"] = torch.cuda.max_memory_reserved()
