@@ -83,8 +83,11 @@ def cannot_start(cfg: BenchMemoryConfig, parallel: str, world: int, state_bytes:
         return f"needs {world} GPUs, this machine has {gpus}" if world > gpus else None
     import psutil
 
-    # All ranks share this host's RAM: the state they hold together, plus ~0.6 GB runtime each.
-    need = state_bytes * (world if parallel == "ddp" else 1) * 1.6 + 0.6e9 * world
+    # All ranks share this host's RAM. Per rank: DDP holds the whole state plus its gradient buckets;
+    # FSDP2 first builds the full parameters (a quarter of the state), then keeps its shard. Plus
+    # ~0.6 GB of runtime per process.
+    per_rank = 1.25 * state_bytes if parallel == "ddp" else state_bytes / 4 + state_bytes / world
+    need = world * (per_rank + 0.6e9)
     free = psutil.virtual_memory().available
     return f"needs about {mf.gib(need)} of host RAM, {mf.gib(free)} free" if need > 0.8 * free else None
 
