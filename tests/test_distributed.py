@@ -74,6 +74,10 @@ class Runs:
         self.get("w1")
         return self.torchrun("w1", 2, "--parallel", "fsdp2", "--epochs", "2", "--resume")
 
+    def _fp8ag(self):  # FP8 weights all-gathered by FSDP2 (torchao's emulation: the numerics, on CPU)
+        return self.torchrun("fp8ag", 2, "--parallel", "fsdp2", "--epochs", "2", "--precision", "fp8",
+                             "--fp8-emulate", "--fp8-min-dim", "16", "--fp8-fsdp-all-gather")
+
     def _elastic(self):
         return self.torchrun("elastic", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2",
                              env={"TORCHCLS_FAULT_STEP": "5"}, restarts=1)
@@ -189,6 +193,17 @@ def test_killed_rank_restarts_and_matches_an_uninterrupted_run(runs):
     assert steps == sorted(steps) and steps[-1] == 6
     # restart resumed from the step-4 checkpoint; exact resume => the uninterrupted run's weights
     _assert_close(_weights(runs.get("fsdp2")), _weights(run), atol=1e-6)
+
+
+def test_fsdp2_all_gathers_fp8_weights_and_tracks_fp32(runs):
+    run, log = runs.get("fp8ag"), runs.done["fp8ag"]
+    # test_vit: 6 blocks × (qkv, proj, fc1, fc2) Linear layers; the head (2 outputs) is not divisible by 16
+    assert "fsdp2: 24 weight(s) all-gathered in FP8" in log.stdout
+    assert json.loads((run / "precision.json").read_text())["fp8"]["fsdp_float8_all_gather"] is True
+    ref, got = _epochs(runs.get("fsdp2")), _epochs(run)
+    assert [e["step"] for e in got] == [3, 6]
+    for r, g in zip(ref, got):  # FP8 (emulated) training follows the fp32 trajectory closely
+        assert abs(r["train_loss"] - g["train_loss"]) < 0.1, (r["train_loss"], g["train_loss"])
 
 
 def _free_port() -> int:

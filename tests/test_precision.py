@@ -122,6 +122,11 @@ def test_fp8_emulated_train_run_records_report_and_portable_checkpoint(tmp_path,
     (["--precision", "fp8", "--fp8-backend", "te"], "TransformerEngine is not installed"),
     (["--precision", "fp8", "--fp8-backend", "te"], "pip install 'transformer-engine[pytorch]'"),
     (["--precision", "fp8", "--fp8-backend", "te", "--fp8-emulate"], "only for --fp8-backend torchao"),
+    (["--precision", "bf16", "--fp8-fsdp-all-gather"], "--fp8-fsdp-all-gather needs --precision fp8; --parallel"),
+    (["--precision", "fp8", "--fp8-emulate", "--fp8-fsdp-all-gather"], "needs --parallel fsdp2 (under torchrun)"),
+    (["--precision", "fp8", "--fp8-emulate", "--fp8-recipe", "rowwise", "--fp8-fsdp-all-gather"],
+     "--fp8-recipe tensorwise (torchao all-gathers FP8 weights with one scale per tensor only)"),
+    (["--precision", "fp8", "--fp8-backend", "te", "--fp8-fsdp-all-gather"], "--fp8-backend torchao"),
 ])
 def test_misuse_gives_clear_errors(tmp_path, shapes_dir, capsys, flags, message):
     pytest.importorskip("torchao")

@@ -87,6 +87,9 @@ class TrainConfig:
                            "H100-measured size thresholds for the recipe); dims must also divide by 16")
     fp8_compile: bool = opt(True, "torch.compile the model when training in (non-emulated) torchao FP8, as "
                             "torchao recommends")
+    fp8_fsdp_all_gather: bool = opt(False, "with --parallel fsdp2: all-gather the weights already cast to FP8 "
+                                    "(half the bytes of bf16; one all-reduce per step computes every scale); "
+                                    "torchao tensorwise recipe only")
     nonfinite: str = opt("stop", "on a NaN/Inf loss or gradient norm: stop with a checkpoint and a message, or "
                          "skip the step (logged; stops after 10 in a row)", choices=("stop", "skip"))
     channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")

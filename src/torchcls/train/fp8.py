@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from torchcls.config import TrainConfig
+from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import LayerDecision, eligibility
 from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware, require_torchao
@@ -34,6 +35,34 @@ class Fp8Conversion:
     # TransformerEngine needs its own context around the forward pass; torchao does not.
     context: Callable[[], contextlib.AbstractContextManager] = field(default=contextlib.nullcontext, repr=False)
     backend_recipe: str = ""
+    fsdp_all_gather: bool = False  # FSDP2 all-gathers FP8 weights: scales are precomputed after each step
+    fp8_gathered_weights: int | None = None  # counted at the first step
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        if not self.fsdp_all_gather:
+            return
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        if self.fp8_gathered_weights is None:
+            self.fp8_gathered_weights = count_fp8_gathered_weights(model)
+            console.print(f"fsdp2: {self.fp8_gathered_weights} weight(s) all-gathered in FP8")
+        # The next all-gather needs every weight's FP8 scale: one all-reduce of all amaxes here
+        # instead of one per layer inside the forward.
+        precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def count_fp8_gathered_weights(model: nn.Module) -> int:
+    """Sharded weights that FSDP2 casts to FP8 before all-gathering; none means the option did nothing
+    (FP8 conversion must come before fully_shard), which would be a bug, not a slow run."""
+    from torch.distributed.tensor import DTensor
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    n = sum(isinstance(p, DTensor) and isinstance(p._local_tensor, WeightWithDynamicFloat8CastTensor)
+            for p in model.parameters())
+    if n == 0:
+        raise RuntimeError("--fp8-fsdp-all-gather: no FSDP2-sharded FP8 weight found; convert to FP8 before "
+                           "fully_shard")
+    return n
 
 
 def check_fp8(cfg: TrainConfig, device: torch.device) -> None:
@@ -58,7 +87,22 @@ def check_fp8(cfg: TrainConfig, device: torch.device) -> None:
         require_fp8_hardware(device, "--precision fp8", emulate_flag="--fp8-emulate")
 
 
+def check_fsdp_all_gather(cfg: TrainConfig) -> None:
+    """FP8 all-gather is torchao's FSDP2 feature, and its scales are per tensor."""
+    if not cfg.fp8_fsdp_all_gather:
+        return
+    needs = [(cfg.precision == "fp8", "--precision fp8"), (cfg.parallel == "fsdp2", "--parallel fsdp2 (under torchrun)"),
+             (cfg.fp8_backend == "torchao", "--fp8-backend torchao (TransformerEngine's FSDP integration is not "
+              "wired here)"),
+             (cfg.fp8_recipe == "tensorwise", "--fp8-recipe tensorwise (torchao all-gathers FP8 weights with one "
+              "scale per tensor only)")]
+    missing = [flag for ok, flag in needs if not ok]
+    if missing:
+        raise UserError(f"--fp8-fsdp-all-gather needs {'; '.join(missing)}; add them or drop --fp8-fsdp-all-gather")
+
+
 def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8Conversion:
+    check_fsdp_all_gather(cfg)
     check_fp8(cfg, device)
     layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim)
     chosen = {d.name for d in layers if d.converted}
@@ -74,11 +118,14 @@ def _convert_torchao(model: nn.Module, cfg: TrainConfig, chosen: set[str], layer
     config = Float8LinearConfig.from_recipe_name(cfg.fp8_recipe)
     if cfg.fp8_emulate:  # emulated casts and matmuls: same numerics, runs on CPU and older GPUs
         config = dataclasses.replace(config, emulate=True)
+    if cfg.fp8_fsdp_all_gather:  # weights become tensors that FSDP2 casts to FP8 before all-gathering
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
     converted = convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
     if converted is not model:
         raise UserError("FP8 conversion replaced the whole model (a bare nn.Linear); wrap it in a module")
     _check_swapped(model, chosen, "Float8Linear")
-    return Fp8Conversion("torchao", cfg.fp8_recipe, cfg.fp8_emulate, layers, backend_recipe=f"torchao {cfg.fp8_recipe}")
+    return Fp8Conversion("torchao", cfg.fp8_recipe, cfg.fp8_emulate, layers, backend_recipe=f"torchao {cfg.fp8_recipe}",
+                         fsdp_all_gather=cfg.fp8_fsdp_all_gather)
 
 
 def _import_te():

@@ -21,7 +21,7 @@ from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import summary
 from torchcls.precision.hardware import describe_device, require_bf16, require_fp16
-from torchcls.train.fp8 import Fp8Conversion, convert_fp8, fp8_hardware_note
+from torchcls.train.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
 
 # fp8 runs the layers it does not convert (attention, norms, small linears) under bf16 autocast.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -77,6 +77,8 @@ class PrecisionPlan:
             self.scaler.update()
         else:
             optimizer.step()
+        if self.fp8 is not None:
+            self.fp8.after_optimizer_step(model)
         self.skipped_in_a_row = 0
         return True
 
@@ -114,6 +116,7 @@ def apply_precision(model: nn.Module, cfg: TrainConfig, device: torch.device, ru
         raise UserError(f"--precision {name}: choose one of {', '.join(PRECISIONS)}")
     if name != "fp8" and cfg.fp8_emulate:
         raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
+    check_fsdp_all_gather(cfg)
     if name == "fp16":
         require_fp16(device)
     if name in ("bf16", "fp8"):
@@ -147,6 +150,7 @@ def _report(plan: PrecisionPlan, cfg: TrainConfig, device: torch.device, auto_co
         report["fp8"] = {
             "backend": f.backend, "recipe": f.recipe, "backend_recipe": f.backend_recipe, "emulate": f.emulate,
             "hardware": fp8_hardware_note(device, f.emulate), "min_dim": cfg.fp8_min_dim,
+            "fsdp_float8_all_gather": f.fsdp_all_gather,
             "size_rule": f"max(in, out) >= {cfg.fp8_min_dim}" if cfg.fp8_min_dim else
             f"torchao {f.recipe} thresholds (H100-measured)",
             **summary(f.layers), "layers": [d.to_dict() for d in f.layers],
