@@ -28,6 +28,9 @@ COMMON = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--wor
           "0.25", "--augment", "none", "--no-progress", "--dist-timeout", "120"]
 
 
+FP8_FSDP2 = ("--parallel", "fsdp2", "--epochs", "2", "--precision", "fp8", "--fp8-emulate", "--fp8-min-dim", "16")
+
+
 class Runs:
     """Launches each torchrun job once per module, on first use."""
 
@@ -75,8 +78,10 @@ class Runs:
         return self.torchrun("w1", 2, "--parallel", "fsdp2", "--epochs", "2", "--resume")
 
     def _fp8ag(self):  # FP8 weights all-gathered by FSDP2 (torchao's emulation: the numerics, on CPU)
-        return self.torchrun("fp8ag", 2, "--parallel", "fsdp2", "--epochs", "2", "--precision", "fp8",
-                             "--fp8-emulate", "--fp8-min-dim", "16", "--fp8-fsdp-all-gather")
+        return self.torchrun("fp8ag", 2, *FP8_FSDP2, "--fp8-fsdp-all-gather")
+
+    def _fp8(self):  # the same FP8 FSDP2 run, all-gathering fp32 weights
+        return self.torchrun("fp8", 2, *FP8_FSDP2)
 
     def _elastic(self):
         return self.torchrun("elastic", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2",
@@ -204,6 +209,10 @@ def test_fsdp2_all_gathers_fp8_weights_and_tracks_fp32(runs):
     assert [e["step"] for e in got] == [3, 6]
     for r, g in zip(ref, got):  # FP8 (emulated) training follows the fp32 trajectory closely
         assert abs(r["train_loss"] - g["train_loss"]) < 0.1, (r["train_loss"], g["train_loss"])
+    # Casting to FP8 before the all-gather instead of after it changes the traffic, not the numerics
+    plain = runs.get("fp8")
+    assert [e["train_loss"] for e in _epochs(plain)] == [e["train_loss"] for e in got]
+    _assert_close(_weights(plain), _weights(run), atol=0)
 
 
 def _free_port() -> int:

@@ -85,6 +85,14 @@ def test_fp8_rowwise_emulated_steps_and_cnn_layers_are_reported_not_converted():
     assert convs and not any(d["converted"] for d in convs) and report["converted"] == 0
 
 
+def test_fp8_fsdp_all_gather_refuses_a_model_with_no_fp8_layer():
+    from torchcls.models.smallnet import SmallNet
+
+    cfg = TrainConfig(precision="fp8", fp8_emulate=True, parallel="fsdp2", fp8_fsdp_all_gather=True)
+    with pytest.raises(UserError, match="no layer that FP8 converts.*lower --fp8-min-dim"):
+        apply_precision(SmallNet(10, 1), cfg, CPU)
+
+
 def test_default_size_rule_agrees_with_torchaos_filter():
     from torchao.float8 import _auto_filter_for_recipe
 

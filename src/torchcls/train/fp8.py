@@ -106,6 +106,11 @@ def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8
     check_fp8(cfg, device)
     layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim)
     chosen = {d.name for d in layers if d.converted}
+    if cfg.fp8_fsdp_all_gather and not chosen:  # otherwise it would only surface after the first step
+        raise UserError("--fp8-fsdp-all-gather: this model has no layer that FP8 converts (see the layer report: "
+                        "only nn.Linear layers with dimensions divisible by 16 and >= --fp8-min-dim "
+                        f"{cfg.fp8_min_dim}), so no weight could be all-gathered in FP8; lower --fp8-min-dim, "
+                        "use a model with such layers, or drop --fp8-fsdp-all-gather")
     if cfg.fp8_backend == "te":
         return _convert_te(model, cfg, chosen, layers)
     return _convert_torchao(model, cfg, chosen, layers)
