@@ -30,7 +30,7 @@ from torchcls.precision.inference import apply_inference_precision, inference_pa
 from torchcls.train.precision import apply_precision
 
 CPU = torch.device("cpu")
-MODELS = {"resnet18": "tv/resnet18", "vit-small": "vit_tiny_patch16_224"}
+MODELS = {"resnet18": "tv/resnet18", "vit-tiny": "vit_tiny_patch16_224"}
 
 
 def build(name: str, args) -> nn.Module:
@@ -114,7 +114,7 @@ def bench_model(name: str, args) -> list[dict]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default="resnet18,vit-small", help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--models", default="resnet18,vit-tiny", help=f"comma-separated, from {', '.join(MODELS)}")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--img-size", type=int, default=112)
