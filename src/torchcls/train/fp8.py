@@ -107,10 +107,11 @@ def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8
     layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim)
     chosen = {d.name for d in layers if d.converted}
     if cfg.fp8_fsdp_all_gather and not chosen:  # otherwise it would only surface after the first step
+        size_rule = f"max(in, out) >= --fp8-min-dim {cfg.fp8_min_dim}" if cfg.fp8_min_dim else "torchao's size rule"
         raise UserError("--fp8-fsdp-all-gather: this model has no layer that FP8 converts (see the layer report: "
-                        "only nn.Linear layers with dimensions divisible by 16 and >= --fp8-min-dim "
-                        f"{cfg.fp8_min_dim}), so no weight could be all-gathered in FP8; lower --fp8-min-dim, "
-                        "use a model with such layers, or drop --fp8-fsdp-all-gather")
+                        f"only nn.Linear layers with dimensions divisible by 16 and {size_rule}), so no weight "
+                        "could be all-gathered in FP8; set a lower --fp8-min-dim, use a model with such layers, "
+                        "or drop --fp8-fsdp-all-gather")
     if cfg.fp8_backend == "te":
         return _convert_te(model, cfg, chosen, layers)
     return _convert_torchao(model, cfg, chosen, layers)
