@@ -91,7 +91,8 @@ def check_fsdp_all_gather(cfg: TrainConfig) -> None:
     """FP8 all-gather is torchao's FSDP2 feature, and its scales are per tensor."""
     if not cfg.fp8_fsdp_all_gather:
         return
-    needs = [(cfg.precision == "fp8", "--precision fp8"), (cfg.parallel == "fsdp2", "--parallel fsdp2 (under torchrun)"),
+    needs = [(cfg.precision == "fp8", "--precision fp8"),
+             (cfg.parallel == "fsdp2", "--parallel fsdp2 (under torchrun)"),
              (cfg.fp8_backend == "torchao", "--fp8-backend torchao (TransformerEngine's FSDP integration is not "
               "wired here)"),
              (cfg.fp8_recipe == "tensorwise", "--fp8-recipe tensorwise (torchao all-gathers FP8 weights with one "
