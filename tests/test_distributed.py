@@ -65,6 +65,10 @@ class Runs:
     def _fsdp2(self):
         return self.torchrun("fsdp2", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2")
 
+    def _fullinit(self):  # the same run, with every rank building the whole model before sharding
+        return self.torchrun("fullinit", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2",
+                             "--no-fsdp-init-from-rank0")
+
     def _ddp(self):
         return self.torchrun("ddp", 2, "--parallel", "ddp", "--epochs", "2", "--async-checkpoint")
 
@@ -198,6 +202,14 @@ def test_killed_rank_restarts_and_matches_an_uninterrupted_run(runs):
     assert steps == sorted(steps) and steps[-1] == 6
     # restart resumed from the step-4 checkpoint; exact resume => the uninterrupted run's weights
     _assert_close(_weights(runs.get("fsdp2")), _weights(run), atol=1e-6)
+
+
+def test_fsdp2_weights_from_rank0_equal_every_rank_building_the_model(runs):
+    run, full = runs.get("fsdp2"), runs.get("fullinit")
+    assert "fsdp2: rank 0 built the model; 2 rank(s) hold only their shards" in runs.done["fsdp2"].stdout
+    assert "rank 0 built the model" not in runs.done["fullinit"].stdout
+    assert [e["train_loss"] for e in _epochs(run)] == [e["train_loss"] for e in _epochs(full)]
+    _assert_close(_weights(full), _weights(run), atol=0)
 
 
 def test_fsdp2_all_gathers_fp8_weights_and_tracks_fp32(runs):

@@ -106,6 +106,9 @@ class TrainConfig:
                                       "more all-gather in backward)")
     fsdp_cpu_offload: bool = opt(False, "fsdp2: keep sharded parameters, gradients and optimizer state in host "
                                  "memory (CUDA training only)")
+    fsdp_init_from_rank0: bool = opt(True, "fsdp2: only rank 0 builds the whole model (on the CPU); every rank "
+                                     "builds it on the meta device, shards it and receives its shards' weights "
+                                     "from rank 0")
     async_checkpoint: bool = opt(False, "ddp/fsdp2: write sharded (DCP) checkpoints in a background thread")
     dist_timeout: int = opt(300, "ddp/fsdp2: seconds before joining the process group or a collective gives up "
                             "with an error instead of hanging")

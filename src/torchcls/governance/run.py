@@ -143,6 +143,10 @@ class Governance:
             raise UserError(f"{p} is read by the run but is not in the data manifest")
         return k
 
+    @property
+    def has_model_hooks(self) -> bool:
+        return bool(by_stage(self.hooks, "model"))
+
     def install(self, data, model):
         self.images = data.images
         tensor_hooks = by_stage(self.hooks, "tensor")

@@ -30,7 +30,7 @@ from torchcls.memory.recorder import recorder_for
 from torchcls.models.early_exit import exit_loss
 from torchcls.train.graph_breaks import report_graph_breaks
 from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
-from torchcls.train import dcp, distributed, sharding
+from torchcls.train import dcp, distributed, rank0_init, sharding
 from torchcls.train.memory import record_memory
 from torchcls.train.optim import build_optimizer, warmup_cosine
 from torchcls.train.parallel import parallelize
@@ -97,10 +97,17 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold)
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
-    model = create_model(spec).to(device, memory_format=memory_format)
+    from_rank0 = rank0_init.applies(cfg.train, gov.has_model_hooks)
+    if from_rank0:  # FSDP2: no rank holds the whole model on its device
+        model, rank0_weights = rank0_init.build_on_meta(lambda: create_model(spec), session.rank)
+        model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
+    else:
+        model = create_model(spec).to(device, memory_format=memory_format)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
     precision = apply_precision(model, cfg.train, device, run)  # before parallelize: FP8 swaps Linear layers
-    model = parallelize(model, cfg.train)
+    model = parallelize(model, cfg.train, device)
+    if from_rank0:
+        rank0_init.materialize(model, rank0_weights, device, cfg.train)
     optimizer = build_optimizer(model, cfg.optim)
 
     seed = cfg.train.seed

@@ -22,7 +22,8 @@ from torchcls.errors import UserError
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: keep the parameters' own dtype (fp32)
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device | None = None) -> nn.Module:
+    """`device`: where training runs, needed when the model is still on the meta device."""
     if cfg.parallel == "none":
         return model
     if not dist.is_initialized():
@@ -32,7 +33,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig) -> nn.Module:
     if cfg.parallel == "ddp":
         return apply_ddp(model)
     if cfg.parallel == "fsdp2":
-        return apply_fsdp2(model, cfg)
+        return apply_fsdp2(model, cfg, device or next(model.parameters()).device)
     raise UserError(f"--parallel {cfg.parallel}: choose none, ddp or fsdp2")
 
 
@@ -44,7 +45,7 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
 
 
-def apply_fsdp2(model: nn.Module, cfg: TrainConfig) -> nn.Module:
+def apply_fsdp2(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -56,8 +57,7 @@ def apply_fsdp2(model: nn.Module, cfg: TrainConfig) -> nn.Module:
         raise UserError(f"--fsdp-param-dtype {cfg.fsdp_param_dtype}: this model has BatchNorm layers, whose "
                         "fp32 running statistics cannot mix with low-precision weights in batch_norm; keep "
                         "--fsdp-param-dtype fp32 and use --precision bf16 (autocast) for the compute instead")
-    device_type = "cuda" if next(model.parameters()).is_cuda else "cpu"
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
                   mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.fsdp_param_dtype],
                                                  reduce_dtype=DTYPES[cfg.fsdp_reduce_dtype]),
