@@ -20,36 +20,33 @@ MODES = {"every rank builds": False, "rank 0 builds": True}
 
 def worker(args: argparse.Namespace) -> None:
     import torch
-    import torch.distributed as dist
 
-    from torchcls.config import TrainConfig
+    from torchcls.config import Config
     from torchcls.models import ModelSpec, create_model
-    from torchcls.train import rank0_init
+    from torchcls.train import distributed, rank0_init
     from torchcls.train.memory import peak_memory
     from torchcls.train.parallel import parallelize
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    cfg = TrainConfig(parallel="fsdp2", fsdp_init_from_rank0=args.from_rank0)
+    cfg = Config()
+    cfg.train.parallel, cfg.data.batch_size = "fsdp2", int(os.environ["WORLD_SIZE"])
+    session = distributed.setup(cfg)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     build = lambda: create_model(ModelSpec(args.model, 1000, 3, 224))  # noqa: E731
     torch.manual_seed(0)
-    if args.from_rank0:
-        model, weights = rank0_init.build_on_meta(build, dist.get_rank())
-        model = parallelize(model, cfg, device)
-        rank0_init.materialize(model, weights, device, cfg)
-    else:
-        model = parallelize(build().to(device), cfg)
+    if args.from_rank0:  # what `torchcls train --parallel fsdp2` does
+        model, weights = rank0_init.build_on_meta(build, session.rank)
+        model = parallelize(model, cfg.train, device)
+        rank0_init.materialize(model, weights, device, cfg.train)
+    else:  # --no-fsdp-init-from-rank0
+        model = parallelize(build().to(device), cfg.train)
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
-    peak = torch.cuda.max_memory_allocated() if cuda else peak_memory()["peak_rss_bytes"]
-    rows = [None] * dist.get_world_size()
-    dist.all_gather_object(rows, {"rank": dist.get_rank(), "shard_bytes": shard, "peak_bytes": peak,
-                                  "measure": "CUDA peak allocated" if cuda else "peak RSS"})
-    if dist.get_rank() == 0:
+    mem = peak_memory()
+    peak = mem.get("cuda_peak_allocated_bytes", mem["peak_rss_bytes"])
+    rows = session.gather_objects({"rank": session.rank, "shard_bytes": shard, "peak_bytes": peak,
+                                   "measure": "CUDA peak allocated" if device.type == "cuda" else "peak RSS"})
+    if session.is_main:
         Path(args.out).write_text(json.dumps(rows))
-    dist.destroy_process_group()
+    session.close()
 
 
 def main() -> None:

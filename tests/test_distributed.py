@@ -279,3 +279,43 @@ def test_unreachable_rendezvous_endpoint_fails_fast(runs):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "rank 1 could not join the process group at 127.0.0.1:" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+class _WithScratchBuffer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 4)
+        # not in the state dict, so set_model_state_dict cannot carry it: rank0_init broadcasts it
+        self.register_buffer("scale", torch.rand(4), persistent=False)
+
+    def forward(self, x):
+        return self.fc(x) * self.scale
+
+
+def test_rank0_init_gives_a_seeded_builds_weights_buffers_and_rng(tmp_path):
+    import torch.distributed as dist
+
+    from torchcls.config import TrainConfig
+    from torchcls.train import rank0_init
+    from torchcls.train.parallel import parallelize
+
+    torch.manual_seed(3)
+    ref = _WithScratchBuffer()
+    rng_after_build = torch.get_rng_state()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        cfg = TrainConfig(parallel="fsdp2")
+        torch.manual_seed(3)
+        model, weights = rank0_init.build_on_meta(_WithScratchBuffer, rank=0)
+        assert model.fc.weight.is_meta and weights.buffers.keys() == {"scale"}
+        assert torch.equal(torch.get_rng_state(), rng_after_build)
+        model = parallelize(model, cfg, torch.device("cpu"))
+        rank0_init.materialize(model, weights, torch.device("cpu"), cfg)
+        assert weights.state is None and weights.buffers is None  # rank 0 lets go of the whole model
+        assert torch.equal(model.scale, ref.scale)
+        for name, p in model.named_parameters():
+            assert torch.equal(p.full_tensor(), ref.get_parameter(name)), name
+        x = torch.randn(2, 8)
+        assert torch.equal(model(x), ref(x))
+    finally:
+        dist.destroy_process_group()
