@@ -19,10 +19,10 @@ import torch
 
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
-from torchcls.early_exit_eval import all_exit_logits, calibrate, exit_costs, sweep, sweep_point
-from torchcls.evaluate import predict_logits
-from torchcls.train import train
-from torchcls.train.checkpoint import load_model
+from torchcls.evaluation.early_exit import all_exit_logits, calibrate, exit_costs, sweep, sweep_point
+from torchcls.evaluation.evaluator import predict_logits
+from torchcls.training import train
+from torchcls.checkpoint.files import load_model
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 

@@ -60,8 +60,8 @@ def make_programs(model: nn.Module, example: torch.Tensor, calib: torch.Tensor, 
     import onnxruntime as ort
     from executorch.runtime import Runtime
 
-    from torchcls.export.executorch import lower
-    from torchcls.export.quantize import quantize_int8
+    from torchcls.artifacts.executorch import lower
+    from torchcls.artifacts.quantize import quantize_int8
 
     with torch.no_grad():
         ep = torch.export.export(model, (example,))

@@ -1,7 +1,7 @@
 """Time to ≥94% top-1 on the official Fashion-MNIST test set, on this machine's CPU.
 
-Trains with `torchcls.train` on all 60,000 training images (the recipe below), then
-evaluates on the 10,000 test images with `torchcls.evaluate`. The baseline in the same
+Trains with `torchcls.training` on all 60,000 training images (the recipe below), then
+evaluates on the 10,000 test images with `torchcls.evaluation`. The baseline in the same
 run is the time and accuracy at the end of each epoch (the test set is evaluated after
 every epoch by a step callback, outside the timed training work). Prints JSON, then a
 Markdown table.
@@ -23,9 +23,9 @@ import torch
 
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
-from torchcls.evaluate import predict_logits
-from torchcls.train import train
-from torchcls.train.checkpoint import load_model
+from torchcls.evaluation.evaluator import predict_logits
+from torchcls.training import train
+from torchcls.checkpoint.files import load_model
 
 TARGET = 0.94
 

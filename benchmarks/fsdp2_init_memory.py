@@ -23,9 +23,9 @@ def worker(args: argparse.Namespace) -> None:
 
     from torchcls.config import Config
     from torchcls.models import ModelSpec, create_model
-    from torchcls.train import distributed, rank0_init
-    from torchcls.train.memory import peak_memory
-    from torchcls.train.parallel import parallelize
+    from torchcls.training import distributed, rank0_init
+    from torchcls.training.memory import peak_memory
+    from torchcls.training.parallel import parallelize
 
     cfg = Config()
     cfg.train.parallel, cfg.data.batch_size = "fsdp2", int(os.environ["WORLD_SIZE"])

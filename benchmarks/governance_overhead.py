@@ -21,8 +21,8 @@ from pathlib import Path
 from torchcls.config import Config
 from torchcls.governance import hook
 from torchcls.governance.manifest import build_manifest, save_manifest
-from torchcls.train import train
-from torchcls.train.rundir import read_metrics
+from torchcls.training import train
+from torchcls.training.rundir import read_metrics
 
 
 @hook("bench-identity", "tensor")

@@ -48,12 +48,12 @@ def build_runner(model_name: str, config: str, workdir: Path):
         model = model.to(memory_format=fmt)
         return lambda x: model(x.contiguous(memory_format=fmt))
     if config.startswith("compile"):
-        from torchcls.export import compile_for_inference
+        from torchcls.artifacts import compile_for_inference
 
         return compile_for_inference(model, torch.randn(1, 3, SIZE, SIZE), "cpu", config.split("_")[1],
                                      max_batch=16, buckets=BATCHES)
-    from torchcls.export.artifact import AOTIArtifact, ArtifactInfo, OnnxArtifact
-    from torchcls.export.build import build_aoti, build_onnx, capture
+    from torchcls.artifacts.artifact import AOTIArtifact, ArtifactInfo, OnnxArtifact
+    from torchcls.artifacts.build import build_aoti, build_onnx, capture
 
     target = "aoti" if config == "aoti" else "onnx"
     info = ArtifactInfo(model_name, target, [str(i) for i in range(1000)],

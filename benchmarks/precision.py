@@ -27,7 +27,7 @@ from torch import nn
 from torchcls.config import TrainConfig
 from torchcls.models import ModelSpec, create_model
 from torchcls.precision.inference import apply_inference_precision, inference_parity
-from torchcls.train.precision import apply_precision
+from torchcls.precision.training import apply_precision
 
 CPU = torch.device("cpu")
 MODELS = {"resnet18": "tv/resnet18", "vit-tiny": "vit_tiny_patch16_224"}

@@ -34,7 +34,7 @@ def make_checkpoint(model: str, img_size: int, classes: int, folder: Path) -> Pa
     """An untrained checkpoint: throughput does not depend on the weights."""
     from torchcls.data import Preprocess
     from torchcls.models.registry import ModelSpec, create_model
-    from torchcls.train.checkpoint import CheckpointMeta, save_weights
+    from torchcls.checkpoint.files import CheckpointMeta, save_weights
 
     spec = ModelSpec(model, classes, 3, img_size)
     meta = CheckpointMeta(spec, [f"class{i}" for i in range(classes)],
@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--json-out", help="also write the JSON result here")
     args = p.parse_args()
 
-    from torchcls.export.artifact import load_artifact
+    from torchcls.artifacts.artifact import load_artifact
 
     if args.threads:
         torch.set_num_threads(args.threads)

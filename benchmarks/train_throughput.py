@@ -1,4 +1,4 @@
-"""Training throughput of `torchcls.train` vs a plain hand-written eager PyTorch loop.
+"""Training throughput of `torchcls.training` vs a plain hand-written eager PyTorch loop.
 
 Same model (SmallNet), data (mnist-5k train split, same transforms), batch size,
 optimizer and threads. Rounds are interleaved (torchcls, plain, torchcls, plain, ...)
@@ -24,8 +24,8 @@ from torch import nn
 from torchcls.config import Config
 from torchcls.data import build_data, make_loader
 from torchcls.models import ModelSpec, create_model
-from torchcls.train import train
-from torchcls.train.rundir import read_metrics
+from torchcls.training import train
+from torchcls.training.rundir import read_metrics
 
 
 def bench_config(args: argparse.Namespace, out: Path, name: str) -> Config:

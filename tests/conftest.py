@@ -52,7 +52,7 @@ def shapes_dir(tmp_path: Path) -> Path:
 def trained_run(tmp_path_factory) -> Path:
     """A SmallNet trained briefly on the shapes images (3 channels, 32 px): a real run dir."""
     from torchcls.config import Config
-    from torchcls.train import train
+    from torchcls.training import train
 
     base = tmp_path_factory.mktemp("trained")
     data = make_image_folder(base / "shapes", per_class=40)

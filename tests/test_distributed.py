@@ -56,7 +56,7 @@ class Runs:
         return self.out / key.split("_")[0]
 
     def _single(self):  # the reference: one process, --parallel none, in this process
-        from torchcls.train import train
+        from torchcls.training import train
 
         cfg = tiny_config(self.data, self.out, "single", epochs=2)
         cfg.model.name, cfg.data.val_fraction, cfg.data.augment = "test_vit", 0.25, "none"
@@ -131,9 +131,9 @@ def test_two_ranks_follow_the_one_process_trajectory(runs, mode):
 
 
 def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
-    from torchcls.evaluate import evaluate
-    from torchcls.train import train
-    from torchcls.train.dcp import consolidate
+    from torchcls.evaluation import evaluate
+    from torchcls.training import train
+    from torchcls.checkpoint.dcp import consolidate
 
     run = runs.get("fsdp2")
     assert len(list((run / "checkpoints" / "last.dcp").glob("*.distcp"))) == 2  # one shard file per rank
@@ -156,7 +156,7 @@ def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
 
 
 def test_dcp_from_one_rank_resumes_on_two(runs):
-    from torchcls.train import train
+    from torchcls.training import train
 
     runs.get("w1_to2")
     resumed = runs.out / "w1"
@@ -234,9 +234,9 @@ def _free_port() -> int:
 
 
 def test_bad_distributed_input(runs, tmp_path, monkeypatch):
-    from torchcls.train import train
-    from torchcls.train.dcp import load_checkpoint
-    from torchcls.train.distributed import Session
+    from torchcls.training import train
+    from torchcls.checkpoint.dcp import load_checkpoint
+    from torchcls.training.distributed import Session
 
     cfg = tiny_config(runs.data, tmp_path, "bad")
     cfg.train.parallel = "fsdp2"
@@ -296,8 +296,8 @@ def test_rank0_init_gives_a_seeded_builds_weights_buffers_and_rng(tmp_path):
     import torch.distributed as dist
 
     from torchcls.config import TrainConfig
-    from torchcls.train import rank0_init
-    from torchcls.train.parallel import parallelize
+    from torchcls.training import rank0_init
+    from torchcls.training.parallel import parallelize
 
     torch.manual_seed(3)
     ref = _WithScratchBuffer()

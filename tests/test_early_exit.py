@@ -134,7 +134,7 @@ def test_cli_rejects_bad_threshold(tmp_path, capsys):
 
 
 def test_calibration_hits_its_target_on_a_fixed_data_set():
-    from torchcls.early_exit_eval import ExitCosts, calibrate, simulate, sweep
+    from torchcls.evaluation.early_exit import ExitCosts, calibrate, simulate, sweep
 
     g = torch.Generator().manual_seed(0)
     n, c = 400, 4
@@ -167,7 +167,7 @@ def test_calibration_hits_its_target_on_a_fixed_data_set():
 
 
 def test_graph_break_report_counts_breaks_and_reasons(tmp_path):
-    from torchcls.train.graph_breaks import explain_graph_breaks, report_graph_breaks
+    from torchcls.training.graph_breaks import explain_graph_breaks, report_graph_breaks
 
     model = tiny(width=4)
     x = torch.randn(4, 1, 12, 12)

@@ -13,7 +13,7 @@ from conftest import make_image_folder, tiny_config
 
 @pytest.fixture(scope="module")
 def ee_run(tmp_path_factory) -> Path:
-    from torchcls.train import train
+    from torchcls.training import train
 
     base = tmp_path_factory.mktemp("ee")
     cfg = tiny_config(make_image_folder(base / "shapes", per_class=24), base / "runs", "ee", epochs=3)
@@ -22,7 +22,7 @@ def ee_run(tmp_path_factory) -> Path:
 
 
 def test_evaluate_reports_exits_flops_latency_and_calibrates(ee_run):
-    from torchcls.evaluate import evaluate
+    from torchcls.evaluation import evaluate
 
     r = evaluate(ee_run, workers=0, target_compute=0.9)
     ee = r["early_exit"]

@@ -5,9 +5,9 @@ import torch
 
 from conftest import draw_shape
 from torchcls.errors import UserError
-from torchcls.evaluate import evaluate
-from torchcls.predict import predict
-from torchcls.train.checkpoint import load_model
+from torchcls.evaluation import evaluate
+from torchcls.prediction import predict
+from torchcls.checkpoint.files import load_model
 
 
 def test_eval_json_and_plots(trained_run):

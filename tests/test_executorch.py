@@ -18,22 +18,22 @@ INT8_MAX_DROP_PT = 10.0  # the stated bound for the tiny shapes model (20 held-o
 
 @pytest.fixture(scope="module")
 def fp32_pte(trained_run: Path):
-    from torchcls.export import export
+    from torchcls.artifacts import export
 
     return export(trained_run, target="executorch", max_batch=8, parity_images=80)
 
 
 @pytest.fixture(scope="module")
 def int8_pte(trained_run: Path):
-    from torchcls.export import export
+    from torchcls.artifacts import export
 
     return export(trained_run, target="executorch", quantize="int8", calibration_images=48, max_batch=8,
                   parity_images=80)
 
 
 def test_fp32_program_matches_eager_and_reports_delegation(fp32_pte, trained_run):
-    from torchcls.export import load_artifact
-    from torchcls.export.executorch import ExecuTorchArtifact
+    from torchcls.artifacts import load_artifact
+    from torchcls.artifacts.executorch import ExecuTorchArtifact
 
     assert fp32_pte.path.suffix == ".pte" and fp32_pte.path.parent.name == "executorch-fp32"
     saved = json.loads(fp32_pte.parity_path.read_text())
@@ -54,7 +54,7 @@ def test_predict_through_runtime_equals_eager(fp32_pte, trained_run, capsys):
     from torchcls.cli import main
     from torchcls.data import build_transform
     from torchcls.data.images import load_image
-    from torchcls.train.checkpoint import load_model
+    from torchcls.checkpoint.files import load_model
 
     images = sorted((trained_run.parent.parent / "shapes" / "circle").glob("*.png"))[:3]
     assert main(["predict", str(fp32_pte.path), *map(str, images), "--json"]) == 0
@@ -70,7 +70,7 @@ def test_predict_through_runtime_equals_eager(fp32_pte, trained_run, capsys):
 
 
 def test_wrong_input_shape_is_a_user_error(fp32_pte):
-    from torchcls.export import load_artifact
+    from torchcls.artifacts import load_artifact
 
     art = load_artifact(fp32_pte.path)
     with pytest.raises(UserError, match=r"shape \(N, 3, 32, 32\)"):
@@ -89,7 +89,7 @@ def test_int8_accuracy_within_bound(int8_pte, fp32_pte):
 
 
 def test_calibration_too_small_or_missing(trained_run, tmp_path):
-    from torchcls.export import export
+    from torchcls.artifacts import export
 
     with pytest.raises(UserError, match="at least 16"):
         export(trained_run, target="executorch", quantize="int8", calibration_images=4, out=tmp_path)
@@ -111,8 +111,8 @@ def _(x):
 
 
 def test_unlowerable_op_is_named_and_nothing_written(trained_run, tmp_path, monkeypatch):
-    import torchcls.export.exporter as exporter
-    from torchcls.export import export
+    import torchcls.artifacts.exporter as exporter
+    from torchcls.artifacts import export
 
     real = exporter.load_model
 
@@ -147,7 +147,7 @@ class CondNet(nn.Module):
 def test_cond_model_lowers_with_branches_on_portable(tmp_path):
     from executorch.runtime import Runtime
 
-    from torchcls.export.executorch import lower
+    from torchcls.artifacts.executorch import lower
 
     torch.manual_seed(0)
     model = CondNet().eval()

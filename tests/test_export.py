@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from torchcls.errors import UserError
-from torchcls.export import compile_for_inference, export, load_artifact
-from torchcls.export.artifact import OnnxArtifact
-from torchcls.train.checkpoint import load_model
+from torchcls.artifacts import compile_for_inference, export, load_artifact
+from torchcls.artifacts.artifact import OnnxArtifact
+from torchcls.checkpoint.files import load_model
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 8
@@ -53,7 +53,7 @@ def classify_pt2(tmp_path_factory) -> Path:
 
 
 def _held_out(trained_run: Path) -> tuple[torch.Tensor, torch.nn.Module]:
-    from torchcls.export.parity import held_out_images
+    from torchcls.artifacts.parity import held_out_images
 
     model, meta = load_model(trained_run)
     images, _ = held_out_images(meta, 100)
@@ -114,7 +114,7 @@ def test_cpp_runner_equals_python(aoti_export, classify_pt2, trained_run, tmp_pa
 
 def test_failed_parity_leaves_no_artifact(trained_run, tmp_path, monkeypatch):
     """A runtime that returns wrong logits (fault injected into the loaded artifact) must not yield a file."""
-    from torchcls.export import exporter
+    from torchcls.artifacts import exporter
 
     class Broken(OnnxArtifact):
         def _run(self, x):
@@ -167,7 +167,7 @@ def test_load_artifact_errors(tmp_path, trained_run):
 
 
 def test_predict_accepts_artifacts(aoti_export, onnx_path, trained_run):
-    from torchcls.predict import predict
+    from torchcls.prediction import predict
 
     folder = trained_run.parent.parent / "shapes"
     eager = predict(trained_run, [folder / "circle"], topk=2)
@@ -181,8 +181,8 @@ def test_predict_accepts_artifacts(aoti_export, onnx_path, trained_run):
 
 def test_bf16_capture_casts_inside(trained_run):
     """bf16 artifacts take and return float32; the graph inside runs in bf16 (checked without compiling)."""
-    from torchcls.export.artifact import ArtifactInfo
-    from torchcls.export.build import capture
+    from torchcls.artifacts.artifact import ArtifactInfo
+    from torchcls.artifacts.build import capture
 
     images, model = _held_out(trained_run)
     _, meta = load_model(trained_run)

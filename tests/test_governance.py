@@ -24,7 +24,7 @@ from torchcls.governance.cli_api import write_manifest
 from torchcls.governance.lineage import AuditLog
 from torchcls.governance.manifest import DatasetMeta, build_manifest, load_manifest
 from torchcls.governance.policy import load_policy
-from torchcls.train import train
+from torchcls.training import train
 
 MAGENTA = (250, 10, 240)  # only the restricted images have this colour (shapes: G >= 150, backgrounds < 80)
 SECRET = "secret_patient"
@@ -209,7 +209,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_policy_violation_stops_training_before_data_is_read(case, dataset, tmp_path, monkeypatch):
-    import torchcls.train.loop as loop
+    import torchcls.training.loop as loop
 
     meta, change, message = REFUSALS[case]
     data = tmp_path / "data"

@@ -8,7 +8,7 @@ from conftest import make_image_folder, tiny_config
 
 
 def test_cpu_memory_report_in_training(tmp_path):
-    from torchcls.train import train
+    from torchcls.training import train
 
     cfg = tiny_config(make_image_folder(tmp_path / "shapes", per_class=12), tmp_path / "runs", "mem", epochs=1)
     cfg.data.batch_size, cfg.data.val_fraction = 4, 0.2  # 5 training steps: enough for the 3-step profile window

@@ -14,9 +14,9 @@ from torchcls.config import TrainConfig
 from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import eligibility
 from torchcls.precision.inference import apply_inference_precision, quantize_for_inference
-from torchcls.train import train
-from torchcls.train.checkpoint import load_model
-from torchcls.train.precision import NonFiniteLoss, apply_precision
+from torchcls.training import train
+from torchcls.checkpoint.files import load_model
+from torchcls.precision.training import NonFiniteLoss, apply_precision
 
 CPU = torch.device("cpu")
 
@@ -219,7 +219,7 @@ def test_int8_inference_parity_within_its_bound(shapes_dir):
 
 def test_grad_scaler_path_steps_and_its_state_is_checkpointed():
     """The fp16 path (scale, unscale before clipping, step, update) on CPU's GradScaler; on a GPU it is 'cuda'."""
-    from torchcls.train.precision import PrecisionPlan
+    from torchcls.precision.training import PrecisionPlan
 
     torch.manual_seed(0)
     model = nn.Linear(4, 2)

@@ -58,7 +58,7 @@ def _results(run: Path) -> None:
 
 def test_every_section_renders_with_data(trained_run, tmp_path, capsys):
     from torchcls.cli import main
-    from torchcls.evaluate import evaluate
+    from torchcls.evaluation import evaluate
 
     run = tmp_path / "run"
     shutil.copytree(trained_run, run)

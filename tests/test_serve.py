@@ -80,7 +80,7 @@ def images_of(trained_run: Path) -> list[tuple[Path, str]]:
 def preprocessed(trained_run: Path, files: list[Path]) -> torch.Tensor:
     from torchcls.data import build_transform
     from torchcls.data.images import load_image
-    from torchcls.train.checkpoint import load_model
+    from torchcls.checkpoint.files import load_model
 
     _, meta = load_model(trained_run)
     t = build_transform(meta.preprocess, train=False)
@@ -93,7 +93,7 @@ def infer_body(x: torch.Tensor, **extra) -> dict:
 
 
 def test_oip_metadata_health_and_infer_match_eager(server, trained_run):
-    from torchcls.train.checkpoint import load_model
+    from torchcls.checkpoint.files import load_model
 
     assert httpx.get(f"{server.url}/v2/health/live").status_code == 200
     model, meta = load_model(trained_run)
@@ -129,7 +129,7 @@ def test_oip_metadata_health_and_infer_match_eager(server, trained_run):
 
 
 def test_predict_uploads_give_the_right_labels(server, trained_run):
-    from torchcls.predict import predict
+    from torchcls.prediction import predict
 
     sample = images_of(trained_run)[::4]
     files = [("file", (f.name, f.read_bytes(), "image/png")) for f, _ in sample]

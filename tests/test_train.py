@@ -7,8 +7,8 @@ from safetensors.torch import load_file
 
 from conftest import tiny_config
 from torchcls.errors import UserError
-from torchcls.train import train
-from torchcls.train.checkpoint import load_model, read_meta
+from torchcls.training import train
+from torchcls.checkpoint.files import load_model, read_meta
 
 
 def test_run_dir_contents(trained_run):
@@ -82,7 +82,7 @@ def test_tensorboard_logs(tmp_path, shapes_dir):
 def test_checkpoint_of_other_model_is_refused(tmp_path, trained_run):
     from safetensors.torch import save_file
 
-    from torchcls.train.checkpoint import load_weights_into
+    from torchcls.checkpoint.files import load_weights_into
     from torchcls.models import SmallNet
 
     bad = tmp_path / "other.safetensors"

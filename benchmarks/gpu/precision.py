@@ -77,7 +77,7 @@ def cuda_ms(fn) -> float:
 
 def train_variant(name: str, base: nn.Module, batches, args) -> dict:
     from torchcls.config import TrainConfig
-    from torchcls.train.precision import apply_precision
+    from torchcls.precision.training import apply_precision
 
     precision, _, recipe = name.partition("-")
     model = copy.deepcopy(base).train()

@@ -1,7 +1,9 @@
 """torchcls: PyTorch-native image classification, from an eager prototype to verified production artifacts.
 
 The public API is one function per command. They are imported lazily so that
-`import torchcls` (and `torchcls --help`) does not pay for importing torch.
+`import torchcls` (and `torchcls --help`) does not pay for importing torch. No API name is
+also the name of a sub-package: importing a sub-package sets it as an attribute of this
+package, which would replace the function of the same name after first use.
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _API = {
-    "train": "torchcls.train",
-    "evaluate": "torchcls.evaluate",
-    "predict": "torchcls.predict",
+    "train": "torchcls.training",
+    "evaluate": "torchcls.evaluation",
+    "predict": "torchcls.prediction",
+    "export": "torchcls.artifacts",
+    "load_artifact": "torchcls.artifacts",
     "demo": "torchcls.demo",
-    "explain": "torchcls.explain",
     "explain": "torchcls.explain",
     "Config": "torchcls.config",
 }

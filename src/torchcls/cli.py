@@ -46,7 +46,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from torchcls.train import train
+    from torchcls.training import train
 
     result = train(config_from_args(args))
     if result.interrupted:
@@ -57,7 +57,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_evaluate(args: argparse.Namespace) -> int:
-    from torchcls.evaluate import evaluate
+    from torchcls.evaluation import evaluate
 
     r = evaluate(args.checkpoint, data=args.data, root=args.root, split=args.split, out_dir=args.out,
                  batch_size=args.batch_size, workers=args.workers, device=args.device, on_bad_file=args.on_bad_file,
@@ -77,7 +77,7 @@ def _cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
-    from torchcls.predict import predict
+    from torchcls.prediction import predict
 
     preds = predict(args.checkpoint, args.images, topk=args.topk, device=args.device, on_bad_file=args.on_bad_file)
     if args.json:
@@ -109,7 +109,7 @@ def _cmd_explain(args: argparse.Namespace) -> int:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from torchcls.export import export
+    from torchcls.artifacts import export
 
     r = export(args.checkpoint, target=args.target, precision=args.precision, max_batch=args.max_batch,
                out=args.out, min_agreement=args.min_agreement, parity_images=args.parity_images,
@@ -120,7 +120,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
           f"{r.info.max_batch})\nparity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
           f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}")
     if "executorch" in p:
-        from torchcls.export.edge import describe
+        from torchcls.artifacts.edge import describe
 
         print(describe(p))
     return 0
@@ -152,7 +152,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_consolidate(args: argparse.Namespace) -> int:
-    from torchcls.train.dcp import consolidate
+    from torchcls.checkpoint.dcp import consolidate
 
     print(f"wrote {consolidate(args.checkpoint, args.out)}")
 def _cmd_audit_kernels(args: argparse.Namespace) -> int:

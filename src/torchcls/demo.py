@@ -21,8 +21,8 @@ def demo_config(out_dir: str = "runs", name: str = "demo", epochs: int | None = 
 
 
 def demo(out_dir: str = "runs", name: str = "demo", epochs: int | None = None) -> dict[str, Any]:
-    from torchcls.evaluate import evaluate
-    from torchcls.train import train
+    from torchcls.evaluation import evaluate
+    from torchcls.training import train
 
     cfg = demo_config(out_dir, name, epochs)
     shutil.rmtree(Path(out_dir) / name, ignore_errors=True)  # the demo always starts fresh

@@ -17,8 +17,8 @@ import torch
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
-from torchcls.predict import expand_inputs
-from torchcls.train.checkpoint import load_model, resolve_checkpoint, run_dir_of
+from torchcls.prediction import expand_inputs
+from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 
 METHODS = ("integrated-gradients", "saliency")
 

@@ -27,7 +27,7 @@ def load_audit_model(target: str, img_size: int | None = None, batch: int = 2) -
         model, x = made if isinstance(made, tuple) else (made, torch.randn(1, 3, img_size or 224, img_size or 224))
         return model.eval(), x[:1].repeat(batch, *[1] * (x.dim() - 1)), "factory"
     if Path(target).exists() or target.endswith(".safetensors"):
-        from torchcls.train.checkpoint import load_model
+        from torchcls.checkpoint.files import load_model
 
         model, meta = load_model(target)
         size = img_size or meta.preprocess.img_size

@@ -117,7 +117,7 @@ def audit_kernels(imports: list[str] = (), model: str | None = None,
 def default_out(model: str | None) -> Path:
     """Next to the run when auditing a run's checkpoint (so `torchcls report` finds it), else ./kernel-audit."""
     if model and Path(model).exists():
-        from torchcls.train.checkpoint import resolve_checkpoint, run_dir_of
+        from torchcls.checkpoint.files import resolve_checkpoint, run_dir_of
 
         run = run_dir_of(resolve_checkpoint(model))
         if run is not None:

@@ -1,6 +1,6 @@
 """One `bench compile` configuration, run in its own process (compiled variants interfere in one process).
 
-The compiled side is the shared inference compile policy (`torchcls.export.compile_for_inference`,
+The compiled side is the shared inference compile policy (`torchcls.artifacts.compile_for_inference`,
 also measured by benchmarks/inference.py), so the gain reported is the gain a user of it gets.
 
 Eager and compiled calls alternate (A B A B ...) so machine noise hits both alike; each side
@@ -48,7 +48,7 @@ def explain(model, x) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from torchcls.audit.graph import load_audit_model
-    from torchcls.export.compile import compile_for_inference, is_convnet
+    from torchcls.artifacts.compile import compile_for_inference, is_convnet
 
     device = torch.device(args.device)
     model, x, _ = load_audit_model(args.model, img_size=args.img_size, batch=args.batch)

@@ -61,10 +61,10 @@ def run(args: argparse.Namespace) -> None:
 
     from torchcls.config import Config
     from torchcls.models import ModelSpec, create_model
-    from torchcls.train import distributed
-    from torchcls.train.memory import measure, reset_peak_memory
-    from torchcls.train.optim import build_optimizer
-    from torchcls.train.parallel import parallelize
+    from torchcls.training import distributed
+    from torchcls.training.memory import measure, reset_peak_memory
+    from torchcls.training.optim import build_optimizer
+    from torchcls.training.parallel import parallelize
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = Config()

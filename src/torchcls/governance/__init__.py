@@ -22,7 +22,7 @@ _API = {
     "register_artifact": "torchcls.governance.artifacts",
     "read_lineage": "torchcls.governance.artifacts",
     "outputs_allowed": "torchcls.governance.artifacts",
-    "verify": "torchcls.governance.verify",
+    "verify": "torchcls.governance.verification",
     "file_lineage": "torchcls.governance.query",
     "write_manifest": "torchcls.governance.cli_api",
 }

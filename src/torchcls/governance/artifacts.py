@@ -24,7 +24,7 @@ def stamp_checkpoint(path: Path, lineage: dict[str, Any]) -> None:
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from torchcls.train.checkpoint import atomic_write
+    from torchcls.checkpoint.files import atomic_write
 
     with safe_open(str(path), framework="pt") as f:
         metadata = dict(f.metadata() or {})

@@ -64,7 +64,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from torchcls.governance.verify import verify
+    from torchcls.governance.verification import verify
 
     res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log)
     if args.json:

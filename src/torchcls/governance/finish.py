@@ -92,7 +92,7 @@ def _lookup(gov, file: str):
 
 
 def _metrics(run: Path, result) -> dict[str, Any]:
-    from torchcls.train.rundir import read_metrics
+    from torchcls.training.rundir import read_metrics
 
     epochs = [r for r in read_metrics(run) if r.get("kind") == "epoch"]
     last = epochs[-1] if epochs else {}

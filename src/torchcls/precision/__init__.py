@@ -2,5 +2,5 @@
 eligibility rule shared by training and inference, and inference quantization with parity.
 
 Training precision (autocast, grad scaler, FP8 training, NaN/Inf guard) lives in
-torchcls.train.precision; inference precision in torchcls.precision.inference.
+torchcls.precision.training; inference precision in torchcls.precision.inference.
 """

@@ -168,7 +168,7 @@ def heldout_batches(checkpoint: str, n: int = 64, batch_size: int = 32) -> list[
     preprocessed as at training: the inputs parity should be measured on."""
     from torchcls.config import Config
     from torchcls.data import eval_dataset, make_loader
-    from torchcls.train.checkpoint import read_meta, resolve_checkpoint
+    from torchcls.checkpoint.files import read_meta, resolve_checkpoint
 
     meta = read_meta(resolve_checkpoint(checkpoint))
     cfg = Config.from_dict(meta.config, origin=f"{checkpoint} metadata")

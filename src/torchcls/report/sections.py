@@ -16,7 +16,7 @@ from typing import Any
 
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
-from torchcls.train.rundir import read_metrics
+from torchcls.training.rundir import read_metrics
 
 Render = Callable[[Path], "str | None"]
 

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
-from torchcls.export.artifact import LoadedArtifact
+from torchcls.artifacts.artifact import LoadedArtifact
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
 from torchcls.serve.config import ServeConfig

@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 import torch
 
-from torchcls.export.artifact import ArtifactInfo
+from torchcls.artifacts.artifact import ArtifactInfo
 from torchcls.serve.errors import HTTPError
 
 INPUT_NAME = "input"

@@ -52,7 +52,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
         raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'torchcls[serve]'") from None
     import torch
 
-    from torchcls.export.artifact import load_artifact
+    from torchcls.artifacts.artifact import load_artifact
     from torchcls.serve.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")

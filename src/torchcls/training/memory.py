@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchcls.train.distributed import Session
+from torchcls.training.distributed import Session
 
 KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
 

@@ -28,14 +28,15 @@ from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
 from torchcls.memory.recorder import recorder_for
 from torchcls.models.early_exit import exit_loss
-from torchcls.train.graph_breaks import report_graph_breaks
-from torchcls.train.checkpoint import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
-from torchcls.train import dcp, distributed, rank0_init, sharding
-from torchcls.train.memory import record_memory
-from torchcls.train.optim import build_optimizer, warmup_cosine
-from torchcls.train.parallel import parallelize
-from torchcls.train.precision import NonFiniteLoss, PrecisionPlan, apply_precision
-from torchcls.train.rundir import RunDir
+from torchcls.training.graph_breaks import report_graph_breaks
+from torchcls.checkpoint.files import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
+from torchcls.checkpoint import dcp
+from torchcls.training import distributed, rank0_init, sharding
+from torchcls.training.memory import record_memory
+from torchcls.training.optim import build_optimizer, warmup_cosine
+from torchcls.training.parallel import parallelize
+from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
+from torchcls.training.rundir import RunDir
 
 StepCallback = Callable[[int], None]  # called with the global step after each optimizer step
 

@@ -12,8 +12,8 @@ from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
-from torchcls.export.artifact import load_artifact
-from torchcls.train.checkpoint import load_model
+from torchcls.artifacts.artifact import load_artifact
+from torchcls.checkpoint.files import load_model
 
 
 ARTIFACT_SUFFIXES = (".pt2", ".onnx", ".pte")

@@ -15,7 +15,7 @@ import torch
 from torchcls.config import Config
 from torchcls.data import eval_dataset
 from torchcls.errors import UserError
-from torchcls.train.checkpoint import CheckpointMeta
+from torchcls.checkpoint.files import CheckpointMeta
 
 QUANTIZE = ("none", "int8")
 MIN_CALIBRATION = 16  # fewer images give activation ranges that one outlier image decides

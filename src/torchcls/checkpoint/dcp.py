@@ -31,8 +31,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict)
 
 from torchcls.errors import UserError
-from torchcls.train.checkpoint import META_KEY, CheckpointMeta, atomic_write, model_state
-from torchcls.train.distributed import Session, sync_buffers
+from torchcls.checkpoint.files import META_KEY, CheckpointMeta, atomic_write, model_state
+from torchcls.training.distributed import Session, sync_buffers
 
 LAST, TMP, OLD, META = "last.dcp", ".last.dcp.tmp", ".last.dcp.old", "meta.json"
 
@@ -141,7 +141,7 @@ def load_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer, scheduler, meta
                         "written by a single process (last.state.pt, unsharded optimizer state). Resume it with "
                         "--parallel none, or start the torchrun run afresh")
     check_same_model(path, meta)
-    from torchcls.train.loop import Progress
+    from torchcls.training.loop import Progress
 
     state, param_groups = _state(model, optimizer, scheduler, Progress())
     try:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from torchcls.errors import UserError
-from torchcls.export.artifact import META_KEY, ArtifactInfo, LoadedArtifact, _first_line
+from torchcls.artifacts.artifact import META_KEY, ArtifactInfo, LoadedArtifact, _first_line
 
 BACKENDS = ("xnnpack", "portable")
 META_METHOD = f"{META_KEY}_metadata"

@@ -18,11 +18,11 @@ from typing import Any
 import torch
 
 from torchcls.errors import UserError
-from torchcls.export.artifact import AOTIArtifact, ArtifactInfo, LoadedArtifact, OnnxArtifact
-from torchcls.export.build import BUILDERS, DTYPES, SUFFIX, capture
-from torchcls.export.edge import check_edge_options, edge_build, finish_parity
-from torchcls.export.parity import DEFAULT_MIN_AGREEMENT, held_out_images, measure_parity
-from torchcls.train.checkpoint import atomic_write, load_model, resolve_checkpoint, run_dir_of
+from torchcls.artifacts.artifact import AOTIArtifact, ArtifactInfo, LoadedArtifact, OnnxArtifact
+from torchcls.artifacts.build import BUILDERS, DTYPES, SUFFIX, capture
+from torchcls.artifacts.edge import check_edge_options, edge_build, finish_parity
+from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, held_out_images, measure_parity
+from torchcls.checkpoint.files import atomic_write, load_model, resolve_checkpoint, run_dir_of
 
 LOADERS: dict[str, type[LoadedArtifact]] = {"aoti": AOTIArtifact, "onnx": OnnxArtifact}
 
@@ -45,7 +45,7 @@ def export(checkpoint: str | Path, target: str = "aoti", precision: str = "fp32"
     Raises UserError (and writes no artifact) when top-1 agreement with eager is below
     `min_agreement` (default 0.999 for fp32, 0.99 for bf16).
     --target executorch (a .pte program) takes `quantize` (none|int8), `backend` (xnnpack|portable)
-    and `calibration_images` (int8); see torchcls.export.edge.
+    and `calibration_images` (int8); see torchcls.artifacts.edge.
     """
     check_edge_options(target, quantize, backend, calibration_images)
     _check_options(target, precision, max_batch, min_agreement, parity_images)

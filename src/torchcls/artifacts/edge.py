@@ -1,6 +1,6 @@
 """`torchcls export --target executorch`: the options only the edge target has (--quantize,
 --backend, --calibration-images), plugged into the shared export flow (capture → build → parity →
-atomic publish in torchcls.export.exporter) as one builder plus its loader.
+atomic publish in torchcls.artifacts.exporter) as one builder plus its loader.
 
 The builder adds its lowering report to parity.json under "executorch": which ops the XNNPACK
 delegate runs, which are left to portable kernels (named), the program size, and for int8 the
@@ -16,10 +16,10 @@ from typing import Any, Callable
 import torch
 
 from torchcls.errors import UserError
-from torchcls.export.artifact import ArtifactInfo
-from torchcls.export.executorch import BACKENDS, ExecuTorchArtifact, _require_executorch, lower
-from torchcls.export.quantize import INT8_MIN_AGREEMENT, QUANTIZE, calibration_images
-from torchcls.train.checkpoint import CheckpointMeta
+from torchcls.artifacts.artifact import ArtifactInfo
+from torchcls.artifacts.executorch import BACKENDS, ExecuTorchArtifact, _require_executorch, lower
+from torchcls.artifacts.quantize import INT8_MIN_AGREEMENT, QUANTIZE, calibration_images
+from torchcls.checkpoint.files import CheckpointMeta
 
 
 @dataclass
@@ -66,7 +66,7 @@ def edge_build(meta: CheckpointMeta, precision: str, quantize: str | None, backe
 
     def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, **extra: str) -> dict[str, Any]:
         if calib is not None:
-            from torchcls.export.quantize import quantize_int8
+            from torchcls.artifacts.quantize import quantize_int8
 
             dynamic = ({0: torch.export.Dim("batch", min=1, max=info.max_batch)},) if info.max_batch >= 2 else None
             ep = quantize_int8(ep, calib, dynamic, batch=min(32, info.max_batch))

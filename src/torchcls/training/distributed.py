@@ -30,7 +30,7 @@ from torch import nn
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
-from torchcls.train.rundir import RunDir
+from torchcls.training.rundir import RunDir
 
 FAULT_STEP_ENV, FAULT_RANK_ENV = "TORCHCLS_FAULT_STEP", "TORCHCLS_FAULT_RANK"
 
@@ -126,7 +126,7 @@ class Session:
         return [fault]
 
     def close(self) -> None:
-        from torchcls.train import dcp
+        from torchcls.checkpoint import dcp
 
         dcp.wait_pending(self)
         if self.active and dist.is_initialized():
@@ -211,7 +211,7 @@ def _generation_store(store: dist.Store, world: int) -> dist.Store:
 def _agree_on_name(s: Session, cfg: Config) -> None:
     """Rank 0's default run name (it contains the time) is everyone's."""
     if cfg.run.name is None:
-        from torchcls.train.rundir import default_name
+        from torchcls.training.rundir import default_name
 
         cfg.run.name = default_name(cfg)
         if s.restart_count > 0:
@@ -224,7 +224,7 @@ def _agree_on_name(s: Session, cfg: Config) -> None:
 
 def _prepare_restart(s: Session, cfg: Config) -> None:
     """torchrun restarted every rank after one failed: resume from the last checkpoint if there is one."""
-    from torchcls.train import dcp
+    from torchcls.checkpoint import dcp
 
     path = Path(cfg.run.out_dir) / cfg.run.name
     if cfg.run.resume:

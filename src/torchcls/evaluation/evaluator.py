@@ -15,7 +15,7 @@ from torchcls.config import Config, DataConfig
 from torchcls.data import eval_dataset, make_loader
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
-from torchcls.train.checkpoint import load_model, resolve_checkpoint, run_dir_of
+from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 
 SPLITS = ("val", "test", "train", "all")
 
@@ -94,7 +94,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent)
     out.mkdir(parents=True, exist_ok=True)
     if exits is not None:  # early-exit models: exits taken, FLOPs, latency, accuracy-vs-compute curve
-        from torchcls.early_exit_eval import exit_report
+        from torchcls.evaluation.early_exit import exit_report
 
         result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), out, exits)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
@@ -125,7 +125,7 @@ def _early_exit_setup(model, meta, data_cfg: DataConfig, seed: int, device, batc
         return {}
     if target_accuracy is None and target_compute is None:
         return {}
-    from torchcls.early_exit_eval import calibrate_on
+    from torchcls.evaluation.early_exit import calibrate_on
 
     val, _ = eval_dataset(data_cfg, meta.preprocess, "val", seed)  # the training data's held-out part
     if len(val) == 0:

@@ -15,8 +15,8 @@ from torch import nn
 from torchcls.config import Config
 from torchcls.data import eval_dataset
 from torchcls.errors import UserError
-from torchcls.export.artifact import LoadedArtifact
-from torchcls.train.checkpoint import CheckpointMeta
+from torchcls.artifacts.artifact import LoadedArtifact
+from torchcls.checkpoint.files import CheckpointMeta
 
 DEFAULT_MIN_AGREEMENT = {"fp32": 0.999, "bf16": 0.99}
 

@@ -2,11 +2,11 @@
 that maps a float32 NCHW *normalised* batch to float32 logits, plus `info` (class names,
 preprocessing, batch bound, precision) read from the artifact itself, never from a training config.
 
-Where the metadata lives (written by torchcls.export):
+Where the metadata lives (written by torchcls.artifacts):
 - `.pt2` (AOTInductor package): the package's metadata (`aot_inductor.metadata`), key `torchcls`
   = the ArtifactInfo JSON, plus flat `torchcls.*` keys that the C++ runner (cpp/) reads.
 - `.onnx`: the model's `metadata_props`, key `torchcls` = the same JSON.
-- `.safetensors` or a run dir (eager): the checkpoint's own metadata (torchcls.train.checkpoint).
+- `.safetensors` or a run dir (eager): the checkpoint's own metadata (torchcls.checkpoint.files).
 Runtimes do not enforce the batch bound (AOTInductor silently accepts larger batches), so every
 input is checked here first.
 """
@@ -98,7 +98,7 @@ class EagerArtifact(LoadedArtifact):
     """The checkpoint itself, run by PyTorch eager (needs the model code)."""
 
     def __init__(self, path: str | Path):
-        from torchcls.train.checkpoint import load_model, resolve_checkpoint, run_dir_of
+        from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 
         ckpt = resolve_checkpoint(path)
         self.model, meta = load_model(ckpt)
@@ -178,11 +178,11 @@ def load_artifact(path: str | Path) -> LoadedArtifact:
 
 def _load_executorch(path: Path) -> LoadedArtifact:
     # Hook for the ExecuTorch exporter (a separate issue): it provides
-    # torchcls.export.executorch.ExecuTorchArtifact(path), a LoadedArtifact subclass.
+    # torchcls.artifacts.executorch.ExecuTorchArtifact(path), a LoadedArtifact subclass.
     try:
-        from torchcls.export.executorch import ExecuTorchArtifact  # type: ignore[import-not-found]
+        from torchcls.artifacts.executorch import ExecuTorchArtifact  # type: ignore[import-not-found]
     except ModuleNotFoundError as e:
-        if e.name != "torchcls.export.executorch":
+        if e.name != "torchcls.artifacts.executorch":
             raise
         raise UserError(f"{path}: this torchcls has no ExecuTorch runtime support yet; use a .pt2 or .onnx "
                         "artifact") from None

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchcls.train.distributed import Session, sync_buffers
+from torchcls.training.distributed import Session, sync_buffers
 
 
 def _padded_share(order: list[int], rank: int, world: int) -> list[int]:

@@ -1,6 +1,6 @@
 """From an eager model to an artifact file: one torch.export capture with a dynamic batch dimension,
 then AOTInductor (`.pt2`) or the ONNX dynamo exporter (`.onnx`), each with the torchcls metadata
-embedded (see torchcls.export.artifact for where it lives in each format).
+embedded (see torchcls.artifacts.artifact for where it lives in each format).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from torchcls.errors import UserError
-from torchcls.export.artifact import META_KEY, ArtifactInfo
+from torchcls.artifacts.artifact import META_KEY, ArtifactInfo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

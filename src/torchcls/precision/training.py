@@ -21,7 +21,7 @@ from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import summary
 from torchcls.precision.hardware import describe_device, require_bf16, require_fp16
-from torchcls.train.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
+from torchcls.precision.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
 
 # fp8 runs the layers it does not convert (attention, norms, small linears) under bf16 autocast.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}

@@ -1,0 +1,1 @@
+"""Checkpoints: safetensors weights with their metadata, weights-only training state, sharded DCP."""
