@@ -24,7 +24,6 @@ from torchcls.console import console
 from torchcls.errors import UserError
 
 PARALLEL = ("ddp", "fsdp2")
-RESULT_FILES = ("bench_memory.json", "bench_memory.md", "bench_memory.png")
 
 
 @dataclass
