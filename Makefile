@@ -22,7 +22,9 @@ $(VENV)/.installed-test: pyproject.toml | $(PY)
 demo: $(VENV)/.installed-demo
 	$(VENV)/bin/torchcls demo
 
+# ruff first: a lint error (unused/undefined name, import order, an over-long function) fails fast.
 test: $(VENV)/.installed-test fashion-mnist
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 
 # The real Fashion-MNIST files from Debian, used by tests and benchmarks: installed
