@@ -1,5 +1,8 @@
 """Parity of an artifact against the eager fp32 model on held-out images of the checkpoint's own data.
 
+`compare` is the one parity function of torchcls (export, inference quantization, benchmarks): it takes
+two logit tensors, so it is light to import and knows nothing of artifacts.
+
 The numbers (max |Δlogit|, top-1 agreement, n, and both accuracies) go to parity.json beside the
 artifact; an artifact below the agreement threshold is never called finished.
 """
@@ -7,16 +10,16 @@ artifact; an artifact below the agreement threshold is never called finished.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from torchcls.config import Config
-from torchcls.data import eval_dataset
 from torchcls.errors import UserError
-from torchcls.artifacts.artifact import LoadedArtifact
-from torchcls.checkpoint.files import CheckpointMeta
+
+if TYPE_CHECKING:  # light to import: compare() is used by quantization and the benchmarks
+    from torchcls.artifacts.artifact import LoadedArtifact
+    from torchcls.checkpoint.files import CheckpointMeta
 
 DEFAULT_MIN_AGREEMENT = {"fp32": 0.999, "bf16": 0.99}
 
@@ -25,6 +28,9 @@ def held_out_images(meta: CheckpointMeta, limit: int, data: str | None = None,
                     root: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `limit` images, evenly spread over the held-out split the checkpoint was validated on
     (the official test split for fashion-mnist), preprocessed exactly as at evaluation."""
+    from torchcls.config import Config
+    from torchcls.data import eval_dataset
+
     cfg = Config.from_dict(meta.config, origin="checkpoint metadata")
     data_cfg = cfg.data
     if data is not None:
@@ -42,6 +48,28 @@ def held_out_images(meta: CheckpointMeta, limit: int, data: str | None = None,
     return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
 
 
+def compare(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
+    """Parity figures of `candidate` logits against `reference` logits for the same images: max and mean
+    |Δlogit|, top-1 agreement, n, and both accuracies when `labels` are given. The only parity function:
+    export, quantization and the benchmarks all report these keys."""
+    if reference.shape != candidate.shape or reference.ndim != 2 or len(reference) == 0:
+        raise UserError(f"parity compares two (N, classes) logit tensors with N >= 1; got {tuple(reference.shape)} "
+                        f"and {tuple(candidate.shape)}")
+    ref, out = reference.detach().float().cpu(), candidate.detach().float().cpu()
+    diff = (ref - out).abs()
+    result: dict[str, Any] = {
+        "max_abs_diff": diff.max().item(),
+        "mean_abs_diff": diff.mean().item(),
+        "top1_agreement": (ref.argmax(1) == out.argmax(1)).float().mean().item(),
+        "n": len(ref),
+    }
+    if labels is not None:
+        labels = labels.cpu()
+        result["eager_accuracy"] = (ref.argmax(1) == labels).float().mean().item()
+        result["artifact_accuracy"] = (out.argmax(1) == labels).float().mean().item()
+    return result
+
+
 @torch.inference_mode()
 def measure_parity(eager: nn.Module, artifact: LoadedArtifact, images: torch.Tensor, labels: torch.Tensor,
                    min_agreement: float) -> dict[str, Any]:
@@ -52,16 +80,5 @@ def measure_parity(eager: nn.Module, artifact: LoadedArtifact, images: torch.Ten
         x = images[start:start + chunk]
         ref.append(eager(x).float())
         out.append(artifact(x))
-    ref_logits, art_logits = torch.cat(ref), torch.cat(out)
-    agree = (ref_logits.argmax(1) == art_logits.argmax(1)).float().mean().item()
-    diff = (ref_logits - art_logits).abs()
-    return {
-        "max_abs_diff": diff.max().item(),
-        "mean_abs_diff": diff.mean().item(),
-        "top1_agreement": agree,
-        "n": len(images),
-        "eager_accuracy": (ref_logits.argmax(1) == labels).float().mean().item(),
-        "artifact_accuracy": (art_logits.argmax(1) == labels).float().mean().item(),
-        "min_agreement": min_agreement,
-        "passed": agree >= min_agreement,
-    }
+    result = compare(torch.cat(ref), torch.cat(out), labels)
+    return result | {"min_agreement": min_agreement, "passed": result["top1_agreement"] >= min_agreement}
