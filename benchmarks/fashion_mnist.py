@@ -74,7 +74,7 @@ def main() -> None:
             per_epoch.append({"epoch": step // steps_per_epoch, "train_s": round(trained, 1),
                               "test_top1": round((logits.argmax(1) == targets).float().mean().item(), 4)})
 
-        cfg.train.save_every = steps_per_epoch  # last.safetensors is current when the callback runs
+        cfg.checkpoint.save_every = steps_per_epoch  # last.safetensors is current when the callback runs
         train(cfg, callbacks=[test_after_epoch])
         total = time.perf_counter() - t_start - excluded
     reached = next((e for e in per_epoch if e["test_top1"] >= TARGET), None)

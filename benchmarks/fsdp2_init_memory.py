@@ -28,17 +28,17 @@ def worker(args: argparse.Namespace) -> None:
     from torchcls.training.parallel import parallelize
 
     cfg = Config()
-    cfg.train.parallel, cfg.data.batch_size = "fsdp2", int(os.environ["WORLD_SIZE"])
+    cfg.parallel.parallel, cfg.data.batch_size = "fsdp2", int(os.environ["WORLD_SIZE"])
     session = distributed.setup(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     build = lambda: create_model(ModelSpec(args.model, 1000, 3, 224))  # noqa: E731
     torch.manual_seed(0)
     if args.from_rank0:  # what `torchcls train --parallel fsdp2` does
         model, weights = rank0_init.build_on_meta(build, session.rank)
-        model = parallelize(model, cfg.train, device)
-        rank0_init.materialize(model, weights, device, cfg.train)
+        model = parallelize(model, cfg.parallel, device)
+        rank0_init.materialize(model, weights, device, cfg.parallel)
     else:  # --no-fsdp-init-from-rank0
-        model = parallelize(build().to(device), cfg.train)
+        model = parallelize(build().to(device), cfg.parallel)
     shard = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
     mem = peak_memory()
     peak = mem.get("cuda_peak_allocated_bytes", mem["peak_rss_bytes"])

@@ -1,3 +1,4 @@
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ def test_toml_roundtrip_and_cli_override(tmp_path: Path):
     ("[optim]\nlearning_rate = 0.1\n", "unknown option 'learning_rate'"),
     ("[nope]\nx = 1\n", "unknown section [nope]"),
     ("[train]\nprecision = 'fp64'\n", "precision must be one of"),
+    ("[precision]\nprecision = 'fp64'\n", "precision must be one of"),
     ("[train\nepochs = 1\n", "not valid TOML"),
 ])
 def test_bad_config_files_are_named(tmp_path: Path, text: str, message: str):
@@ -39,3 +41,86 @@ def test_bad_config_files_are_named(tmp_path: Path, text: str, message: str):
 
 def test_int_accepted_for_float_option():
     assert Config.from_dict({"optim": {"lr": 1}}).optim.lr == 1.0
+
+
+# The [train] section as the code wrote it before [precision], [parallel] and [checkpoint] were
+# split off (a literal copy of what Config.save_toml wrote then, non-default values throughout).
+OLD_TRAIN_SECTION = """\
+[train]
+epochs = 3
+seed = 7
+precision = "bf16"
+fp8_recipe = "rowwise"
+fp8_backend = "torchao"
+fp8_emulate = true
+fp8_min_dim = 64
+fp8_compile = false
+fp8_fsdp_all_gather = false
+nonfinite = "skip"
+channels_last = true
+compile = false
+parallel = "ddp"
+sync_bn = false
+fsdp_param_dtype = "bf16"
+fsdp_reduce_dtype = "bf16"
+reshard_after_forward = false
+fsdp_cpu_offload = false
+fsdp_init_from_rank0 = false
+async_checkpoint = true
+dist_timeout = 60
+device = "cpu"
+threads = 2
+save_every = 5
+tensorboard = false
+progress = false
+memory_report = false
+memory_snapshot = false
+"""
+
+
+def test_old_config_with_everything_under_train_still_loads(tmp_path: Path):
+    path = tmp_path / "config.toml"
+    path.write_text("[data]\nsource = \"mnist-5k\"\n\n" + OLD_TRAIN_SECTION + "\n[run]\nname = \"old\"\n")
+    cfg = load_toml(path)
+    assert (cfg.train.epochs, cfg.train.seed, cfg.train.channels_last, cfg.train.threads) == (3, 7, True, 2)
+    assert (cfg.precision.precision, cfg.precision.fp8_recipe, cfg.precision.fp8_emulate) == ("bf16", "rowwise", True)
+    assert (cfg.precision.fp8_min_dim, cfg.precision.fp8_compile, cfg.precision.nonfinite) == (64, False, "skip")
+    assert (cfg.parallel.parallel, cfg.parallel.fsdp_param_dtype, cfg.parallel.dist_timeout) == ("ddp", "bf16", 60)
+    assert (cfg.parallel.reshard_after_forward, cfg.parallel.fsdp_init_from_rank0) == (False, False)
+    assert (cfg.checkpoint.save_every, cfg.checkpoint.async_checkpoint) == (5, True)
+
+    # written back, it uses the new sections only, and reads back the same
+    cfg.save_toml(tmp_path / "new.toml")
+    raw = tomllib.loads((tmp_path / "new.toml").read_text())
+    assert "precision" not in raw["train"] and raw["precision"]["precision"] == "bf16"
+    assert raw["parallel"]["parallel"] == "ddp" and raw["checkpoint"]["save_every"] == 5
+    assert load_toml(tmp_path / "new.toml") == cfg
+    # the config stored inside an old checkpoint's metadata is the same dict: Config.from_dict reads it
+    assert Config.from_dict(tomllib.loads(path.read_text())) == cfg
+
+
+def test_moved_options_still_checked_in_their_old_section(tmp_path: Path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[train]\nparallel = 'mpi'\n")
+    with pytest.raises(UserError, match=r"\[parallel\] parallel must be one of none, ddp, fsdp2"):
+        load_toml(path)
+
+
+def test_every_cli_flag_keeps_its_name(capsys):
+    """The flags of `torchcls train` before the split, each still accepted."""
+    old_train_flags = ["--epochs", "--seed", "--precision", "--fp8-recipe", "--fp8-backend", "--fp8-emulate",
+                       "--fp8-min-dim", "--fp8-compile", "--fp8-fsdp-all-gather", "--nonfinite", "--channels-last",
+                       "--compile", "--parallel", "--sync-bn", "--fsdp-param-dtype", "--fsdp-reduce-dtype",
+                       "--reshard-after-forward", "--fsdp-cpu-offload", "--fsdp-init-from-rank0",
+                       "--async-checkpoint", "--dist-timeout", "--device", "--threads", "--save-every",
+                       "--tensorboard", "--progress", "--memory-report", "--memory-snapshot"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    help_text = capsys.readouterr().out
+    for flag in old_train_flags:
+        assert flag in help_text, flag
+    args = build_parser().parse_args(["train", "--precision", "bf16", "--parallel", "ddp", "--save-every", "4",
+                                      "--no-fsdp-init-from-rank0", "--epochs", "2"])
+    cfg = config_from_args(args)
+    assert (cfg.precision.precision, cfg.parallel.parallel, cfg.checkpoint.save_every) == ("bf16", "ddp", 4)
+    assert cfg.parallel.fsdp_init_from_rank0 is False and cfg.train.epochs == 2

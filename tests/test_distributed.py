@@ -239,7 +239,7 @@ def test_bad_distributed_input(runs, tmp_path, monkeypatch):
     from torchcls.training.distributed import Session
 
     cfg = tiny_config(runs.data, tmp_path, "bad")
-    cfg.train.parallel = "fsdp2"
+    cfg.parallel.parallel = "fsdp2"
     with pytest.raises(UserError, match="needs processes started by torchrun"):
         train(cfg)
     monkeypatch.setenv("RANK", "0")
@@ -251,7 +251,7 @@ def test_bad_distributed_input(runs, tmp_path, monkeypatch):
     with pytest.raises(UserError, match="--batch-size 8 is the global batch and must be divisible by the world "
                                         "size 3"):
         train(cfg)
-    cfg.train.parallel = "none"
+    cfg.parallel.parallel = "none"
     with pytest.raises(UserError, match="started with 3 processes .* but --parallel none"):
         train(cfg)
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -295,7 +295,7 @@ class _WithScratchBuffer(torch.nn.Module):
 def test_rank0_init_gives_a_seeded_builds_weights_buffers_and_rng(tmp_path):
     import torch.distributed as dist
 
-    from torchcls.config import TrainConfig
+    from torchcls.config import ParallelConfig
     from torchcls.training import rank0_init
     from torchcls.training.parallel import parallelize
 
@@ -304,7 +304,7 @@ def test_rank0_init_gives_a_seeded_builds_weights_buffers_and_rng(tmp_path):
     rng_after_build = torch.get_rng_state()
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        cfg = TrainConfig(parallel="fsdp2")
+        cfg = ParallelConfig(parallel="fsdp2")
         torch.manual_seed(3)
         model, weights = rank0_init.build_on_meta(_WithScratchBuffer, rank=0)
         assert model.fc.weight.is_meta and weights.buffers.keys() == {"scale"}

@@ -65,7 +65,7 @@ def test_existing_run_needs_resume_and_resume_needs_a_run(tmp_path, shapes_dir):
 
 def test_bf16_channels_last_and_sgd_train(tmp_path, shapes_dir):
     cfg = tiny_config(shapes_dir, tmp_path, "bf16", epochs=1)
-    cfg.train.precision, cfg.train.channels_last, cfg.optim.optimizer = "bf16", True, "sgd"
+    cfg.precision.precision, cfg.train.channels_last, cfg.optim.optimizer = "bf16", True, "sgd"
     result = train(cfg)
     model, _ = load_model(result.last_checkpoint)
     assert all(p.dtype == torch.float32 for p in model.parameters())  # fp32 master weights

@@ -2,8 +2,9 @@
 
 Each field carries its help text (and choices) in `metadata`; the CLI builds its
 flags from these dataclasses, so an option is declared exactly once. A config is
-loaded from TOML (sections named like the dataclass fields of `Config`), then
-overridden by CLI flags, and the resolved result is written into the run dir.
+loaded from TOML (sections named like the dataclass fields of `Config`; options that
+moved out of [train] are still read there, see MOVED), then overridden by CLI flags,
+and the resolved result is written into the run dir.
 """
 
 from __future__ import annotations
@@ -71,8 +72,27 @@ class OptimConfig:
 
 @dataclass
 class TrainConfig:
+    """The run itself: length, seed, device, compile, logging."""
+
     epochs: int = opt(5, "training epochs")
     seed: int = opt(0, "seed for init, data split, data order and augmentation")
+    channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")
+    compile: bool = opt(False, "torch.compile the model for training (reports graph breaks)")
+    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
+    threads: int = opt(0, "intra-op CPU threads (0 = torch default)")
+    tensorboard: bool = opt(False, "also log scalars to TensorBoard (needs the 'tensorboard' package)")
+    progress: bool = opt(True, "show a progress bar")
+    memory_report: bool = opt(False, "write allocator.json: on CUDA the caching allocator's stats per step (allocated "
+                              "vs reserved, fragmentation, alloc retries, OOMs) with advice; on CPU the profiler's "
+                              "memory events over steps 3-5 and peak RSS")
+    memory_snapshot: bool = opt(False, "also write memory_snapshot.pickle for https://pytorch.org/memory_viz "
+                                "(CUDA only; implies --memory-report)")
+
+
+@dataclass
+class PrecisionConfig:
+    """Training precision (autocast, FP8) and what to do with a non-finite step."""
+
     precision: str = opt("fp32", "training precision: fp32; bf16 autocast (CPU and GPU); fp16 autocast with a "
                          "gradient scaler (CUDA); fp8 linears via torchao/TransformerEngine (GPU with compute "
                          "capability >= 8.9, or --fp8-emulate); master weights stay fp32",
@@ -92,8 +112,12 @@ class TrainConfig:
                                     "torchao tensorwise recipe only")
     nonfinite: str = opt("stop", "on a NaN/Inf loss or gradient norm: stop with a checkpoint and a message, or "
                          "skip the step (logged; stops after 10 in a row)", choices=("stop", "skip"))
-    channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")
-    compile: bool = opt(False, "torch.compile the model for training (reports graph breaks)")
+
+
+@dataclass
+class ParallelConfig:
+    """Processes started by torchrun: DDP or FSDP2, and the process group."""
+
     parallel: str = opt("none", "parallelism across processes started by torchrun: none (one process), ddp "
                         "(replicated weights), fsdp2 (sharded parameters, gradients and optimizer state)",
                         choices=("none", "ddp", "fsdp2"))
@@ -109,19 +133,16 @@ class TrainConfig:
     fsdp_init_from_rank0: bool = opt(True, "fsdp2: only rank 0 builds the whole model (on the CPU); every rank "
                                      "builds it on the meta device, shards it and receives its shards' weights "
                                      "from rank 0")
-    async_checkpoint: bool = opt(False, "ddp/fsdp2: write sharded (DCP) checkpoints in a background thread")
     dist_timeout: int = opt(300, "ddp/fsdp2: seconds before joining the process group or a collective gives up "
                             "with an error instead of hanging")
-    device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
-    threads: int = opt(0, "intra-op CPU threads (0 = torch default)")
+
+
+@dataclass
+class CheckpointConfig:
+    """When and how checkpoints are written."""
+
     save_every: int = opt(0, "also checkpoint every N steps (0 = at epoch ends only)")
-    tensorboard: bool = opt(False, "also log scalars to TensorBoard (needs the 'tensorboard' package)")
-    progress: bool = opt(True, "show a progress bar")
-    memory_report: bool = opt(False, "write allocator.json: on CUDA the caching allocator's stats per step (allocated "
-                              "vs reserved, fragmentation, alloc retries, OOMs) with advice; on CPU the profiler's "
-                              "memory events over steps 3-5 and peak RSS")
-    memory_snapshot: bool = opt(False, "also write memory_snapshot.pickle for https://pytorch.org/memory_viz "
-                                "(CUDA only; implies --memory-report)")
+    async_checkpoint: bool = opt(False, "ddp/fsdp2: write sharded (DCP) checkpoints in a background thread")
 
 
 @dataclass
@@ -154,6 +175,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
     governance: GovernanceConfig = field(default_factory=GovernanceConfig)
 
@@ -169,7 +193,7 @@ class Config:
             if not isinstance(values, dict):
                 raise UserError(f"{origin}: [{section}] must be a table of options")
             for key, value in values.items():
-                set_option(cfg, section, key, value, origin)
+                set_option(cfg, moved_section(section, key), key, value, origin)
         return cfg
 
     def save_toml(self, path: Path) -> None:
@@ -178,8 +202,23 @@ class Config:
         path.write_text(tomli_w.dumps(clean))
 
 
-SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig, "run": RunConfig,
-                             "governance": GovernanceConfig}
+SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
+                             "precision": PrecisionConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
+                             "run": RunConfig, "governance": GovernanceConfig}
+
+# Options that once lived in [train] and moved to their own section. Config files written before
+# the split, and the config stored inside older checkpoints, still load: the key is read into
+# its new section (writing uses the new sections only).
+MOVED: dict[tuple[str, str], str] = {
+    ("train", f.name): section
+    for section, cls in (("precision", PrecisionConfig), ("parallel", ParallelConfig), ("checkpoint", CheckpointConfig))
+    for f in dataclasses.fields(cls)
+}
+
+
+def moved_section(section: str, key: str) -> str:
+    """The section an option lives in now (`section` unless the option moved out of it)."""
+    return MOVED.get((section, key), section)
 
 
 def load_toml(path: str | Path) -> Config:

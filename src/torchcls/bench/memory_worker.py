@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> None:
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = Config()
-    cfg.train.parallel, cfg.data.batch_size = args.parallel, args.batch * world
+    cfg.parallel.parallel, cfg.data.batch_size = args.parallel, args.batch * world
     session = distributed.setup(cfg)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> None:
                 torch.randint(0, args.classes, (args.batch,), device=device))
 
     per_sample = activation_bytes(model, *batch()) / args.batch  # before sharding: same on every rank
-    model = parallelize(model, cfg.train)
+    model = parallelize(model, cfg.parallel)
     optimizer = build_optimizer(model, cfg.optim)
     gc.collect()
     before = {"rss_before_steps_bytes": psutil.Process().memory_info().rss}

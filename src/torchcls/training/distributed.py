@@ -140,7 +140,7 @@ def launched_by_torchrun() -> bool:
 def setup(cfg: Config) -> Session:
     """Join the process group torchrun prepared (or return an inactive session), and decide
     whether this is an elastic restart that must resume."""
-    tc = cfg.train
+    tc = cfg.parallel
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if tc.parallel == "none":
         if world > 1:
@@ -165,8 +165,8 @@ def setup(cfg: Config) -> Session:
         raise UserError("--fsdp-cpu-offload keeps FSDP2 shards in host memory while computing on a GPU: it needs "
                         "--parallel fsdp2 and CUDA (here parameters already live in host memory)")
     session = Session(True, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")),
-                      int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), tc.parallel, tc.async_checkpoint)
-    _init_process_group(session, tc.device, tc.dist_timeout)
+                      int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), tc.parallel, cfg.checkpoint.async_checkpoint)
+    _init_process_group(session, cfg.train.device, tc.dist_timeout)
     if not session.is_main:
         console.quiet = True  # only rank 0 prints (and writes) anything; errors still go to stderr
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process

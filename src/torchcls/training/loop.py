@@ -8,6 +8,7 @@ resumed run ends with the same weights as an uninterrupted one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -98,17 +99,18 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold)
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
-    from_rank0 = rank0_init.applies(cfg.train, gov.has_model_hooks)
+    from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
     if from_rank0:  # FSDP2: no rank holds the whole model on its device
         model, rank0_weights = rank0_init.build_on_meta(lambda: create_model(spec), session.rank)
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
     else:
         model = create_model(spec).to(device, memory_format=memory_format)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
-    precision = apply_precision(model, cfg.train, device, run)  # before parallelize: FP8 swaps Linear layers
-    model = parallelize(model, cfg.train, device)
+    # before parallelize: FP8 swaps Linear layers
+    precision = apply_precision(model, _precision_options(cfg), device, run)
+    model = parallelize(model, cfg.parallel, device)
     if from_rank0:
-        rank0_init.materialize(model, rank0_weights, device, cfg.train)
+        rank0_init.materialize(model, rank0_weights, device, cfg.parallel)
     optimizer = build_optimizer(model, cfg.optim)
 
     seed = cfg.train.seed
@@ -192,7 +194,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
                                   "lr": scheduler.get_last_lr()[0]}
                         run.log(record)
                         _tb(writer, record)
-                    if cfg.train.save_every and p.step % cfg.train.save_every == 0:
+                    if cfg.checkpoint.save_every and p.step % cfg.checkpoint.save_every == 0:
                         checkpoint(p)
                     for cb in (*callbacks, *session.callbacks()):
                         cb(p.step)
@@ -237,6 +239,14 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         write_report(run.path)
     gov.finish(_result(run, p))  # redacted sample outputs, stamped checkpoints, audit record
     return _result(run, p)
+
+
+def _precision_options(cfg: Config):
+    # apply_precision still reads compile and parallel beside the [precision] options.
+    import types
+
+    return types.SimpleNamespace(**dataclasses.asdict(cfg.precision), compile=cfg.train.compile,
+                                 parallel=cfg.parallel.parallel)
 
 
 def _result(run: RunDir, p: Progress, interrupted: bool = False) -> TrainResult:

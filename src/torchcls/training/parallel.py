@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchcls.config import TrainConfig
+from torchcls.config import ParallelConfig
 from torchcls.console import console
 from torchcls.errors import UserError
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: keep the parameters' own dtype (fp32)
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, device: torch.device | None = None) -> nn.Module:
+def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device | None = None) -> nn.Module:
     """`device`: where training runs, needed when the model is still on the meta device."""
     if cfg.parallel == "none":
         return model
@@ -45,7 +45,7 @@ def apply_ddp(model: nn.Module) -> nn.Module:
     return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if on_gpu else None)
 
 
-def apply_fsdp2(model: nn.Module, cfg: TrainConfig, device: torch.device) -> nn.Module:
+def apply_fsdp2(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchcls.config import TrainConfig
+from torchcls.config import ParallelConfig, PrecisionConfig
 from torchcls.console import console
 
 
@@ -28,11 +28,11 @@ class Rank0Weights:
     buffers: dict[str, torch.Tensor] | None  # non-persistent buffers: not in the state dict, still needed
 
 
-def applies(cfg: TrainConfig, has_model_hooks: bool) -> bool:
+def applies(cfg: ParallelConfig, precision: PrecisionConfig, has_model_hooks: bool) -> bool:
     # A governance model hook runs once on a real model and may change its weights, so such runs
     # keep building the whole model on every rank.
     # TransformerEngine's layers choose their own device when built, so they are left out too.
-    te = cfg.precision == "fp8" and cfg.fp8_backend == "te"
+    te = precision.precision == "fp8" and precision.fp8_backend == "te"
     return cfg.parallel == "fsdp2" and cfg.fsdp_init_from_rank0 and not has_model_hooks and not te
 
 
@@ -53,7 +53,7 @@ def build_on_meta(build: Callable[[], nn.Module], rank: int) -> tuple[nn.Module,
     return model, source
 
 
-def materialize(model: nn.Module, source: Rank0Weights, device: torch.device, cfg: TrainConfig) -> None:
+def materialize(model: nn.Module, source: Rank0Weights, device: torch.device, cfg: ParallelConfig) -> None:
     """Allocate each rank's shards of the sharded meta model and fill them with rank 0's weights
     (then dropped, so rank 0 does not keep the whole model for the rest of the run)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
