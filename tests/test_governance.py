@@ -172,8 +172,7 @@ def test_restricted_samples_never_leave_a_governed_run(runs):
 
 
 def test_strip_exif_removes_gps(tmp_path):
-    from torchcls.governance.builtin_hooks import strip_exif
-    from torchcls.governance.hooks import SampleInfo
+    from torchcls.governance.hooks import SampleInfo, strip_exif
     from torchcls.governance.isolate import isolate
 
     src = gps_jpeg(tmp_path / "photo.jpg", color=(10, 200, 30))
@@ -236,7 +235,8 @@ def test_policy_violation_stops_training_before_data_is_read(case, dataset, tmp_
     assert "training refused" in str(err.value)
     assert calls == [] and SEEN["n"] == 0
     assert not (tmp_path / "runs" / "refused").exists()  # no metrics, no checkpoint, no report
-    refused = AuditLog(tmp_path / "runs" / "_governance" / "audit.jsonl").find(kind="refused")
+    log = AuditLog(tmp_path / "runs" / "_governance" / "audit.jsonl")
+    refused = [rec for _, rec, _ in log.records() if rec and rec["kind"] == "refused"]
     assert len(refused) == 1 and any(message in r for r in refused[0]["reasons"])
 
 

@@ -1,6 +1,7 @@
 """Artifacts carry their lineage id; exporters register what they produce.
 
-Checkpoints (safetensors) get the id in their metadata under `torchcls.lineage`. Any other file
+Checkpoints (safetensors) get the id in their metadata under `torchcls.lineage`, written when they
+are saved (`Governance.checkpoint_metadata()`). Any other file
 (an AOTInductor package, a .pte, an .onnx) gets a sidecar `<file>.lineage.json`. Either way the
 audit log holds the artifact's SHA-256, so a changed byte is caught by `torchcls verify`.
 """
@@ -20,7 +21,8 @@ LINEAGE_KEY = "torchcls.lineage"
 
 
 def stamp_checkpoint(path: Path, lineage: dict[str, Any]) -> None:
-    """Rewrite a safetensors file with `lineage` added to its metadata (atomic; tensors unchanged)."""
+    """Rewrite a safetensors file with `lineage` added to its metadata (atomic; tensors unchanged).
+    Only for checkpoints saved without it; a trainer stamps its checkpoints at save time."""
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 

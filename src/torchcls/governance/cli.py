@@ -38,6 +38,9 @@ def add_governance_commands(sub) -> None:
     p.add_argument("artifact", help="a checkpoint or exported artifact")
     p.add_argument("--policy", help="check against this policy TOML (default: the policy recorded for the run)")
     p.add_argument("--audit-log", help="audit log (default: from the artifact's lineage, or OUT_DIR/_governance)")
+    p.add_argument("--rehash", action=argparse.BooleanOptionalAction, default=True,
+                   help="re-read and hash every data file (the default); --no-rehash trusts the hash cache "
+                   "(OUT_DIR/_governance/hash_cache.sqlite) for files whose size, mtime and inode are unchanged")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_verify)
 
@@ -66,7 +69,7 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from torchcls.governance.verification import verify
 
-    res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log)
+    res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log, rehash=args.rehash)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
     else:

@@ -12,6 +12,9 @@ Four stages, each a plain function registered under a name (policies require hoo
 
 User hooks: decorate a function with `@hook("blur-faces", "file")` in an importable module and
 pass `--hooks strip-exif,mypkg.faces:blur_faces`; the policy then names "blur-faces".
+
+Built-in hooks (registered at the end of this module): strip-exif (file stage) and redact-samples
+(output stage).
 """
 
 from __future__ import annotations
@@ -19,9 +22,12 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torchcls.errors import UserError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 STAGES = ("file", "tensor", "output", "model")
 
@@ -69,8 +75,6 @@ def hook(name: str, stage: str) -> Callable[[Callable], Callable]:
 
 def resolve_hooks(spec: str | None) -> list[Hook]:
     """'strip-exif,redact-samples,pkg.mod:fn' -> hooks, in that order."""
-    import torchcls.governance.builtin_hooks  # noqa: F401  (registers the built-in hooks)
-
     hooks = []
     for entry in (e.strip() for e in (spec or "").split(",")):
         if not entry:
@@ -111,3 +115,58 @@ def run_output_hooks(hooks: list[Hook], item: OutputItem) -> OutputItem | None:
 
 def redacted(item: OutputItem, value: Any) -> OutputItem:
     return replace(item, value=value, redacted=True)
+
+
+class HookedImages:
+    """An ImageSet whose `load` passes every sample through the tensor hooks (picklable for workers)."""
+
+    def __init__(self, base, hooks: list[Hook], infos: list[SampleInfo]):
+        self.base, self.hooks, self.infos = base, hooks, infos
+
+    def load(self, i: int):
+        x = self.base.load(i)
+        for h in self.hooks:
+            x = h.fn(x, self.infos[i])
+        return x
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+    def __getattr__(self, name: str):
+        if name in ("base", "hooks", "infos"):  # not yet set while unpickling
+            raise AttributeError(name)
+        return getattr(self.base, name)
+
+
+# --- built-in hooks ------------------------------------------------------------------------------
+
+
+@hook("strip-exif", "file")
+def strip_exif(im: Image.Image, info: SampleInfo) -> Image.Image:
+    """A copy with only the pixels: EXIF (GPS, camera, time), XMP, ICC and text chunks are dropped.
+
+    The EXIF orientation is applied first, so the model sees the same upright image as without
+    the hook; the copy is rebuilt from raw pixels, so no metadata can ride along.
+    """
+    from PIL import Image, ImageOps
+
+    im = ImageOps.exif_transpose(im)
+    clean = Image.frombytes(im.mode, im.size, im.tobytes())
+    if im.mode == "P":
+        clean.putpalette(im.getpalette())
+        if "transparency" in im.info:  # part of the pixels' meaning, not metadata
+            clean.info["transparency"] = im.info["transparency"]
+    return clean
+
+
+@hook("redact-samples", "output")
+def redact_samples(item: OutputItem) -> OutputItem:
+    """Restricted samples: images become a flat grey tile, file names become a hash prefix."""
+    if not item.sample.restricted:
+        return item
+    if item.kind == "sample_image":
+        import torch
+
+        return redacted(item, torch.full_like(item.value, 128))
+    tag = item.sample.sha256[:16] if item.sample.sha256 else f"#{item.sample.index}"
+    return redacted(item, f"[redacted sample sha256:{tag}]")

@@ -1,12 +1,16 @@
-"""Does the data on disk still match its manifest? Re-hash and compare, naming every difference."""
+"""Does the data on disk still match its manifest? Re-hash and compare, naming every difference.
+
+"The data" is what torchcls.data lists (data_files): at training time the files the run will read,
+resolved with the run's own --root, so a manifest cannot vouch for files other than the trained ones.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-from torchcls.governance.digest import sha256_file
-from torchcls.governance.manifest import BUILTIN_META, csv_rows, folder_files, source_id
+from torchcls.governance.hashcache import HashCache
+from torchcls.governance.manifest import BUILTIN_META, source_id
 
 
 def record_path(manifest: dict[str, Any], record: dict[str, Any]) -> Path:
@@ -14,43 +18,62 @@ def record_path(manifest: dict[str, Any], record: dict[str, Any]) -> Path:
     return url if url.is_absolute() else Path(manifest["tc:root"]) / url
 
 
-def check_data(manifest: dict[str, Any]) -> list[str]:
-    """Problems found (empty = the files are exactly the ones hashed); each names the file."""
+def check_data(manifest: dict[str, Any], files: list[Path] | None = None,
+               cache: HashCache | None = None) -> list[str]:
+    """Problems found (empty = the files are exactly the ones hashed); each names the file.
+
+    `files`: the files a run reads (data_files with the run's --root); default: the manifest's own
+    source listed from its root. `cache` spares re-reading files unchanged since they were hashed."""
+    cache = cache or HashCache(None)
+    problems = _check_packed(manifest, cache)
     if manifest["tc:source"] in BUILTIN_META:
-        return _check_packed(manifest)
-    problems = []
+        return problems
+    present = []
     for r in manifest["tc:records"]:
         p = record_path(manifest, r)
         if not p.is_file():
             problems.append(f"{p}: missing (listed in the manifest)")
-        elif p.stat().st_size != r["contentSize"] or sha256_file(p) != r["sha256"]:
+        elif p.stat().st_size != r["contentSize"]:
+            problems.append(f"{p}: content changed (its size differs from the manifest)")
+        else:
+            present.append((p, r))
+    for (p, r), (digest, _) in zip(present, cache.hash_files([p for p, _ in present])):
+        if digest != r["sha256"]:
             problems.append(f"{p}: content changed (SHA-256 differs from the manifest)")
-    problems += [f"{p}: not in the manifest (added after it was written)" for p in _unlisted(manifest)]
+    problems += [f"{p}: not in the manifest (added after it was written, or read from another --root "
+                 "than the manifest's)" for p in _unlisted(manifest, files)]
     return problems
 
 
-def _check_packed(manifest: dict[str, Any]) -> list[str]:
-    problems = []
-    for d in manifest["distribution"]:
+def _check_packed(manifest: dict[str, Any], cache: HashCache) -> list[str]:
+    """The distribution's files with a hash: a built-in set's packed files, a CSV's own file."""
+    problems, present = [], []
+    for d in manifest.get("distribution", []):
+        if "sha256" not in d:
+            continue
         p = Path(manifest["tc:root"]) / d["contentUrl"]
         if not p.is_file():
             problems.append(f"{p}: missing (listed in the manifest)")
-        elif sha256_file(p) != d["sha256"]:
+        else:
+            present.append((p, d))
+    for (p, d), (digest, _) in zip(present, cache.hash_files([p for p, _ in present])):
+        if digest != d["sha256"]:
             problems.append(f"{p}: content changed (SHA-256 differs from the manifest)")
     return problems
 
 
-def _unlisted(manifest: dict[str, Any]) -> list[Path]:
-    """Files the data source would now read that the manifest does not list."""
+def _unlisted(manifest: dict[str, Any], files: list[Path] | None) -> list[Path]:
+    """Files the data source reads that the manifest does not list."""
     src = Path(manifest["tc:source"])
+    if files is None:
+        if not src.exists():
+            return []
+        from torchcls.data.files import data_files
+
+        files = data_files(str(src), manifest["tc:root"])
     listed = {record_path(manifest, r).resolve() for r in manifest["tc:records"]}
-    if src.is_dir():
-        current = [f.resolve() for f, _ in folder_files(src)]
-    elif src.is_file():
-        current = [p for p, _, _ in csv_rows(src, Path(manifest["tc:root"]))]
-    else:
-        return []
-    return [p for p in current if p not in listed]
+    listed |= {src.resolve()}  # a CSV is checked as a distribution file, not a record
+    return [p for p in files if p.resolve() not in listed]
 
 
 def describes(manifest: dict[str, Any], source: str) -> bool:

@@ -108,6 +108,3 @@ class AuditLog:
                                                 "expected: records were removed or reordered"))
             prev_hash, expected_seq = rec.get("hash"), expected_seq + 1
         return problems
-
-    def find(self, **match: Any) -> list[dict[str, Any]]:
-        return [rec for _, rec, _ in self.records() if rec and all(rec.get(k) == v for k, v in match.items())]

