@@ -6,6 +6,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from torchcls.options import DemoOptions as _D  # the defaults, declared once
 from torchcls.config import Config
 from torchcls.console import console
 
@@ -20,7 +21,7 @@ def demo_config(out_dir: str = "runs", name: str = "demo", epochs: int | None = 
     return cfg
 
 
-def demo(out_dir: str = "runs", name: str = "demo", epochs: int | None = None) -> dict[str, Any]:
+def demo(out_dir: str = _D.out_dir, name: str = _D.name, epochs: int | None = None) -> dict[str, Any]:
     from torchcls.evaluation import evaluate
     from torchcls.training import train
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from torchcls.options import ExplainOptions as _D  # the defaults, declared once
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
@@ -33,9 +34,9 @@ class Explanation:
     exit: int | None  # early-exit models: the exit the image left at
 
 
-def explain(checkpoint: str | Path, images: list[str | Path], method: str = "integrated-gradients",
-            target: str | None = None, out_dir: str | Path | None = None, steps: int = 32,
-            on_bad_file: str = "error") -> list[Explanation]:
+def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.method,
+            target: str | None = None, out_dir: str | Path | None = None, steps: int = _D.steps,
+            on_bad_file: str = _D.on_bad_file) -> list[Explanation]:
     """Write one attribution PNG per image into out_dir (default: <run dir>/explain)."""
     if method not in METHODS:
         raise UserError(f"--method {method}: choose one of {', '.join(METHODS)}")

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from torchcls.options import PredictOptions as _D  # the defaults, declared once
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.devices import resolve_device
@@ -43,8 +44,8 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 
 
 @torch.no_grad()
-def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = 5, device: str = "auto",
-            on_bad_file: str = "error", batch_size: int = 64) -> Predictions:
+def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.topk, device: str = _D.device,
+            on_bad_file: str = _D.on_bad_file, batch_size: int = 64) -> Predictions:
     if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime, on CPU
         model = load_artifact(checkpoint)
         meta, dev, batch_size = model.info, torch.device("cpu"), min(batch_size, model.info.max_batch)

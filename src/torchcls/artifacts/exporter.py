@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from torchcls.options import ExportOptions as _D  # the defaults, declared once
 from torchcls.errors import UserError
 from torchcls.artifacts.artifact import AOTIArtifact, ArtifactInfo, LoadedArtifact, OnnxArtifact
 from torchcls.artifacts.build import BUILDERS, DTYPES, SUFFIX, capture
@@ -35,8 +36,9 @@ class ExportResult:
     info: ArtifactInfo
 
 
-def export(checkpoint: str | Path, target: str = "aoti", precision: str = "fp32", max_batch: int = 64,
-           out: str | Path | None = None, min_agreement: float | None = None, parity_images: int = 500,
+def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.precision,
+           max_batch: int = _D.max_batch, out: str | Path | None = None, min_agreement: float | None = None,
+           parity_images: int = _D.parity_images,
            data: str | None = None, root: str | None = None, quantize: str | None = None,
            backend: str | None = None, calibration_images: int | None = None) -> ExportResult:
     """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package or ONNX model.

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
 from torchcls.config import Config, DataConfig
 from torchcls.data import eval_dataset, make_loader
 from torchcls.devices import resolve_device
@@ -57,8 +58,8 @@ def classification_metrics(logits: torch.Tensor, targets: torch.Tensor, classes:
 
 
 def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None = None, split: str | None = None,
-             out_dir: str | Path | None = None, batch_size: int = 256, workers: int = 2,
-             device: str = "auto", on_bad_file: str = "error", threshold: float | None = None,
+             out_dir: str | Path | None = None, batch_size: int = _D.batch_size, workers: int = _D.workers,
+             device: str = _D.device, on_bad_file: str = _D.on_bad_file, threshold: float | None = None,
              target_accuracy: float | None = None, target_compute: float | None = None) -> dict[str, Any]:
     """Evaluate `checkpoint` (a .safetensors file or a run dir) and write eval.json + confusion.png.
 

@@ -1,0 +1,34 @@
+"""How the CLI shows results: the evaluation summary and the prediction table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+
+def evaluation_lines(r: dict[str, Any]) -> list[str]:
+    lines = [f"{r['data']} [{r['split']}]: top1 {r['top1']:.4f}  top5 {r['top5']:.4f}  n {r['n']}  "
+             f"macro-F1 {r['macro_f1']:.4f}  ECE {r['ece']:.4f}", f"wrote {Path(r['out_dir']) / 'eval.json'}"]
+    if "early_exit" in r:
+        ee = r["early_exit"]
+        lines.append(
+            f"early exit: threshold {ee['threshold']:.4g}  accuracy {ee['accuracy']:.4f} (backbone "
+            f"{ee['backbone_accuracy']:.4f})  exits {' / '.join(f'{f:.1%}' for f in ee['exit_fractions'])}  "
+            f"{ee['mean_flops'] / 1e6:.2f} MFLOP/image ({ee['relative_compute']:.0%} of the backbone)  "
+            f"{ee['latency_ms_per_sample']:.2f} ms/image (backbone {ee['backbone_latency_ms_per_sample']:.2f})")
+    return lines
+
+
+def print_predictions(preds, topk: int) -> None:
+    from rich.table import Table
+
+    from torchcls.console import console
+
+    table = Table("file", "label", "probability", *(f"#{i}" for i in range(2, topk + 1)))
+    for item in preds.items:
+        top = item["top"]
+        table.add_row(item["file"], top[0]["label"], f"{top[0]['prob']:.3f}",
+                      *(f"{t['label']} {t['prob']:.3f}" for t in top[1:]))
+    console.print(table)
+    for s in preds.skipped:
+        console.print(f"[yellow]skipped {s['file']}: {s['reason']}[/]")

@@ -1,0 +1,282 @@
+"""Options of every command but `train` (whose options are the training config), declared once.
+
+Each dataclass field carries its default, type, help and choices; the CLI generates its flags
+from them (`add_flags`) and the library functions take their keyword defaults from the same
+fields (`ExportOptions.max_batch`, ...), so a default is never written in two places. Light to
+import: `torchcls --help` must not pay for torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+from torchcls.config import opt
+from torchcls.errors import UserError
+
+BAD_FILE_CHOICES = ("error", "skip")
+
+
+def positional(help: str, nargs: str | None = None) -> Any:
+    """A required positional argument (no default)."""
+    return field(default=None, metadata={"help": help, "positional": True, "nargs": nargs})
+
+
+def required(help: str) -> Any:
+    """A required --flag."""
+    return field(default=None, metadata={"help": help, "required": True})
+
+
+@dataclass
+class RuntimeOptions:
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    on_bad_file: str = opt("error", "unreadable images: stop with an error, or skip them and list them",
+                           choices=BAD_FILE_CHOICES)
+
+
+@dataclass
+class EvaluateOptions(RuntimeOptions):
+    """evaluate a checkpoint; writes eval.json and a confusion matrix
+
+    Evaluate a checkpoint on its held-out data (or other data)."""
+    checkpoint: str = positional("a .safetensors checkpoint or a run dir (uses its best checkpoint)")
+    data: str | None = opt(None, "evaluate on other data (built-in name, ImageFolder dir or CSV) instead of the "
+                           "training data's held-out split")
+    root: str | None = opt(None, "fashion-mnist directory, or base for relative CSV paths")
+    split: str | None = opt(None, "which part of the data (default: test where the data has a test split, else "
+                            "val)", choices=("val", "test", "train", "all"))
+    out: str | None = opt(None, "write eval.json here (default: the checkpoint's run dir)")
+    json: bool = opt(False, "print the full result as JSON")
+    threshold: float | None = opt(None, "early-exit models: exit confidence threshold in [0, 1] (default: the one "
+                                  "it was trained with)")
+    target_accuracy: float | None = opt(None, "early-exit models: calibrate the threshold on the validation "
+                                        "split: the cheapest one reaching this accuracy (e.g. 0.9)")
+    target_compute: float | None = opt(None, "early-exit models: calibrate the threshold on the validation split: "
+                                       "the most accurate one whose mean FLOPs stay within this fraction of the "
+                                       "backbone's (e.g. 0.7)")
+    batch_size: int = opt(256, "images per forward pass")
+    workers: int = opt(2, "DataLoader workers")
+
+
+@dataclass
+class PredictOptions(RuntimeOptions):
+    """classify image files or folders
+
+    Top-k labels for images, from a checkpoint, a run dir or an exported artifact."""
+    checkpoint: str = positional("a .safetensors checkpoint, a run dir, or an exported .pt2/.onnx/.pte artifact "
+                                 "(a .pt2 is native code: load only artifacts you trust)")
+    images: list[str] = positional("image files and/or folders (searched recursively)", nargs="+")
+    topk: int = opt(3, "how many labels per image")
+    json: bool = opt(False, "print JSON instead of a table")
+
+
+@dataclass
+class ExplainOptions:
+    """attribution maps: which pixels drove a prediction (PNG overlays)
+
+    Attribution maps with captum for a checkpoint (plain or early-exit model)."""
+    checkpoint: str = positional("a .safetensors checkpoint or a run dir")
+    images: list[str] = positional("image files and/or folders (searched recursively)", nargs="+")
+    method: str = opt("integrated-gradients", "attribution method", choices=("integrated-gradients", "saliency"))
+    target: str | None = opt(None, "class to explain (default: the predicted one)")
+    steps: int = opt(32, "integrated-gradients steps")
+    out: str | None = opt(None, "folder for the PNGs (default: <run dir>/explain)")
+    on_bad_file: str = opt("error", "unreadable images: stop with an error, or skip them", choices=BAD_FILE_CHOICES)
+
+
+@dataclass
+class ExportOptions:
+    """export a checkpoint to an AOTInductor package, ONNX or ExecuTorch, verified against eager
+
+    Export a checkpoint (torch.export with a dynamic batch dimension; the torch.cond form of early-exit
+    models) to an AOTInductor .pt2 package, an ONNX model or an ExecuTorch .pte program that carries its
+    class names and preprocessing, check it against eager on held-out images (parity.json beside it) and
+    refuse to write it when top-1 agreement is below --min-agreement."""
+    checkpoint: str = positional("a .safetensors checkpoint or a run dir")
+    target: str = opt("aoti", "aoti: .pt2 AOTInductor package (runs from Python with torch only, or C++); onnx: "
+                      "ONNX Runtime; executorch: .pte program for the ExecuTorch runtime on devices",
+                      choices=("aoti", "onnx", "executorch"))
+    precision: str = opt("fp32", "weights and compute inside the artifact; inputs and logits stay float32 (bf16 "
+                         "for aoti only)", choices=("fp32", "bf16"))
+    max_batch: int = opt(64, "largest batch the artifact accepts")
+    out: str | None = opt(None, "artifact path (.pt2/.onnx/.pte) or folder (default: "
+                          "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")
+    min_agreement: float | None = opt(None, "least top-1 agreement with eager for the export to succeed "
+                                      "(default: 0.999 for fp32, 0.99 for bf16)")
+    parity_images: int = opt(500, "held-out images for parity")
+    data: str | None = opt(None, "take parity images from this data (same classes) instead of the checkpoint's "
+                           "held-out split")
+    root: str | None = opt(None, "fashion-mnist directory, or base for relative CSV paths")
+    quantize: str | None = opt(None, "executorch: int8 weights and activations (PT2E, XNNPACK quantizer, "
+                               "per-channel), calibrated on training images (default: none)",
+                               choices=("none", "int8"))
+    backend: str | None = opt(None, "executorch: delegate to XNNPACK, or portable kernels only (default: xnnpack)",
+                              choices=("xnnpack", "portable"))
+    calibration_images: int | None = opt(None, "executorch int8: training images used to calibrate activation "
+                                         "ranges (default: up to 256, at least 16)")
+
+
+@dataclass
+class DemoOptions:
+    """train the built-in net on mnist-5k, evaluate and report
+
+    The end-to-end demo: a real model on real digits in a few minutes on a CPU."""
+    out_dir: str = opt("runs", "parent of the run dir")
+    name: str = opt("demo", "run name (an old demo run is replaced)")
+    epochs: int | None = opt(None, "override the demo's epoch count (default: 8)")
+
+
+@dataclass
+class ConsolidateOptions:
+    """merge a sharded (DCP) checkpoint into one safetensors file
+
+    Load a torch.distributed.checkpoint written by any number of ranks into one process and write a
+    single safetensors file (for evaluate, predict, export)."""
+    checkpoint: str = positional("a run dir (uses checkpoints/last.dcp) or a DCP checkpoint dir")
+    out: str | None = opt(None, "output .safetensors (default: checkpoints/consolidated.safetensors)")
+
+
+@dataclass
+class AuditKernelsOptions:
+    """custom ops, fake impls, opcheck, GPU archs of extensions, Triton kernels
+
+    Audit custom operators (dispatch keys, fake impl, autograd, opcheck), the GPU architectures compiled
+    extensions target, Triton kernels, and the custom ops a model's exported graph calls. Exit code 1
+    when a check fails (for CI)."""
+    imports: list[str] | None = opt(None, "import this package first (it registers the ops); repeatable",
+                                    flag="import")
+    model: str | None = opt(None, "a checkpoint or run dir, a model name, or package.module:factory returning a "
+                            "module (or (module, example_input)); its exported graph is searched for custom ops")
+    namespaces: list[str] | None = opt(None, "audit only this op namespace (default: those the imports register, "
+                                       "else all non-PyTorch); repeatable", flag="namespace")
+    out: str | None = opt(None, "write kernel_audit.json/.md here (default: the run dir of --model, else "
+                          "./kernel-audit)")
+    json: bool = opt(False, "print JSON instead of the table")
+
+
+@dataclass
+class BenchCompileOptions:
+    """eager vs torch.compile per backbone, batch, precision and mode
+
+    Latency/throughput of eager vs compiled inference, cold compile time, graph breaks with reasons,
+    recompiles over batch sizes, parity and peak memory; each configuration in its own process. Writes
+    bench_compile.json/.md/.png."""
+    models: str = required("comma-separated model names (timm, tv/..., smallnet), checkpoints, or "
+                           "package.module:factory")
+    batch: str = opt("1,16", "comma-separated batch sizes")
+    precision: str = opt("fp32", "comma-separated: fp32, bf16 (autocast)")
+    modes: str = opt("default", "comma-separated torch.compile modes")
+    device: str = opt("cpu", "cpu or cuda")
+    img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)")
+    repeats: int = opt(10, "interleaved timed calls per side")
+    timeout: int = opt(1800, "seconds per configuration before it is recorded as failed")
+    out: str = opt("bench-compile", "output folder; a run dir puts the results in its report")
+
+    def to_config(self):
+        from torchcls.bench.compile import BenchCompileConfig
+
+        return BenchCompileConfig(split_list(self.models), split_ints(self.batch, "--batch"),
+                                  split_list(self.precision), split_list(self.modes), self.device, self.img_size,
+                                  self.repeats, self.timeout)
+
+
+@dataclass
+class BenchMemoryOptions:
+    """per-rank memory of DDP/FSDP2 training over world sizes, and what fits
+
+    Real torchrun jobs per (parallel, world size): per-rank parameter, gradient, optimizer, activation and
+    peak memory next to the analytic model; for the cluster given by --device-memory, which ranks limit
+    the batch and what per-rank batch or sharding fits. Writes bench_memory.json/.md/.png."""
+    model: str = required("model name (timm, tv/..., smallnet), random init")
+    parallel: str = opt("ddp,fsdp2", "comma-separated: ddp, fsdp2")
+    world_sizes: str = opt("1,2", "comma-separated ranks per job")
+    device_memory: str | None = opt(None, "memory per rank, in rank order, e.g. 80GiB,40GiB (a shorter list "
+                                    "repeats: 80GiB,40GiB at 4 ranks is 80,40,80,40); more entries than the largest "
+                                    "world size adds a projection to that many ranks (default: this machine's GPU, "
+                                    "or its RAM / ranks)")
+    batch: int = opt(2, "images per rank in the measured steps")
+    img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)")
+    steps: int = opt(2, "training steps per job")
+    overhead: str = opt("1GiB", "allowance per rank for the runtime, CUDA context and workspaces in the fit")
+    timeout: int = opt(1800, "seconds per job before it is recorded as failed")
+    out: str = opt("bench-memory", "output folder; a run dir puts the results in its report")
+
+    def to_config(self):
+        from torchcls.bench.memory import BenchMemoryConfig
+        from torchcls.bench.memory_fit import parse_size
+
+        memory = [parse_size(v, "--device-memory") for v in split_list(self.device_memory or "")] or None
+        return BenchMemoryConfig(self.model, split_list(self.parallel), split_ints(self.world_sizes, "--world-sizes"),
+                                 memory, self.batch, self.img_size, self.steps, parse_size(self.overhead, "--overhead"),
+                                 self.timeout)
+
+
+@dataclass
+class ReportOptions:
+    """(re)write RUN_DIR/report.html from every result found in the run dir
+
+    One HTML page with the run's training, evaluation, exports/parity, compile gains, memory and
+    kernel-audit results (each section says 'not run' when absent)."""
+    run_dir: str = positional("a run dir (runs/<name>) or any folder of results")
+
+
+def split_list(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def split_ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in split_list(text)]
+    except ValueError:
+        raise UserError(f"{flag} must be comma-separated integers, got {text!r}") from None
+
+
+def concrete_type(cls: type, f: dataclasses.Field) -> Any:
+    """A field's type with `X | None` reduced to X."""
+    t = typing.get_type_hints(cls)[f.name]
+    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+        t = next(a for a in typing.get_args(t) if a is not type(None))
+    return t
+
+
+def command_help(cls: type) -> tuple[str, str]:
+    """(one-line help, description) of a command, from its options class's docstring."""
+    first, _, rest = (cls.__doc__ or "").partition("\n\n")
+    return first.strip(), " ".join(rest.split()) or first.strip()
+
+
+def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "", suppress_defaults: bool = False) -> None:
+    """One argument per field of `cls`; with `prefix`, values land in args as '<prefix>.<name>'.
+
+    `suppress_defaults`: flags not given stay out of args (so they do not override a TOML file)."""
+    for f in dataclasses.fields(cls):
+        t, meta = concrete_type(cls, f), f.metadata
+        dest = f"{prefix}.{f.name}" if prefix else f.name
+        if meta.get("positional"):
+            parser.add_argument(dest, nargs=meta.get("nargs"), help=meta["help"])
+            continue
+        flag = "--" + (meta.get("flag") or f.name).replace("_", "-")
+        shown = "" if f.default in (None, False) or meta.get("required") else f" (default: {f.default})"
+        default = argparse.SUPPRESS if suppress_defaults else f.default
+        kwargs: dict[str, Any] = dict(dest=dest, default=default, help=meta["help"] + shown)
+        if t is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(t) is list:
+            parser.add_argument(flag, action="append", metavar=f.name.upper().rstrip("S"), **kwargs)
+        else:
+            parser.add_argument(flag, type=t, choices=meta.get("choices"), required=bool(meta.get("required")),
+                                metavar=None if meta.get("choices") else f.name.upper(), **kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The options instance of `cls` that the parsed `args` describe."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def kwargs_of(options: Any, *skip: str) -> dict[str, Any]:
+    """The fields of an options instance as keyword arguments for its library function."""
+    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in skip}
