@@ -7,7 +7,9 @@ import contextlib
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-console = Console(highlight=False)
+# soft_wrap: a line is never broken at the console width. Outside a terminal rich assumes 80
+# columns, which split epoch lines in logs and CI ("val top1 \n98.60%").
+console = Console(highlight=False, soft_wrap=True)
 
 
 class _NoBar:
