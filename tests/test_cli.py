@@ -69,3 +69,6 @@ def test_demo_command_trains_evaluates_and_reports(tmp_path):
     assert ev["data"] == "mnist-5k" and ev["split"] == "val" and ev["n"] == 1000
     assert ev["top1"] > 0.7  # two epochs of real digits already beat chance (10%) by far
     assert "held-out top-1" in r.stdout and (tmp_path / "d" / "report.html").is_file()
+    # Not a terminal: one unbroken line per epoch (rich used to wrap at 80 columns).
+    epochs = [line for line in r.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(epochs) == 2 and all("val top1" in line and line.endswith("img/s") for line in epochs), r.stdout
