@@ -7,6 +7,7 @@ import base64
 import csv
 import io
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -318,6 +319,20 @@ def test_verify_passes_then_catches_each_tampering(runs, capsys, tmp_path):
     finally:
         data_file.write_bytes(original)
     assert main(["verify", str(ckpt)]) == 0
+    # --no-rehash trusts the hash cache for files whose size, mtime and inode are unchanged; a rewrite
+    # that restores the mtime fools it, so verify re-reads every file by default.
+    stat = data_file.stat()
+    os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**10))  # old enough to be cached
+    assert main(["verify", str(ckpt), "--no-rehash"]) == 0
+    stat = data_file.stat()
+    flip_byte(data_file, 50)
+    os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    try:
+        assert main(["verify", str(ckpt), "--no-rehash"]) == 0
+        assert main(["verify", str(ckpt)]) == 1
+        assert "square_5.png: content changed" in capsys.readouterr().out
+    finally:
+        data_file.write_bytes(original)
 
 
 def test_lineage_finds_every_artifact_built_from_a_file(runs, dataset, tmp_path, capsys):
