@@ -45,6 +45,11 @@ class DataConfig:
     workers: int = opt(2, "DataLoader worker processes (0 = load in the main process)")
     on_bad_file: str = opt("error", "what to do with unreadable images: stop with an error, or skip them "
                            "(counted and listed in the report)", choices=("error", "skip"))
+    val_data: str | None = opt(None, "a separate validation set: an ImageFolder directory (its val/ folder if it has "
+                               "train/ val/ test/ folders) or a CSV manifest; replaces --val-fraction. Default: the "
+                               "source's own val/ folder or split=val rows, else --val-fraction")
+    max_pixels: int = opt(64_000_000, "largest image, in pixels, decoded at full size (a guard against "
+                          "decompression bombs; JPEGs far larger than the input decode reduced); 0 = no limit")
 
 
 @dataclass

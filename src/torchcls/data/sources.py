@@ -1,25 +1,27 @@
-"""Where samples come from: built-in real data sets, ImageFolder trees, CSV manifests.
+"""Where samples come from: built-in real data sets, ImageFolder trees (plain or train/val/test),
+CSV manifests (optionally with a `split` column).
 
 Every source becomes an `ImageSet`: class names, integer targets, and a way to load
-sample i as a uint8 CxHxW tensor. File-backed sets decode every file once up front, so
-a bad file is reported (or skipped and counted) before training, never mid-epoch.
+sample i as a uint8 CxHxW tensor. File-backed sets read each file's header only (format
+and size, in parallel threads); a file that fails later, while decoding, is handled by the
+loader per --on-bad-file.
 """
 
 from __future__ import annotations
 
 import csv
 import gzip
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from torchcls.data.images import BadImage, load_image
+from torchcls.data.images import MAX_PIXELS, BadImage, load_image, plan_decode
+from torchcls.data.scan import list_files, scan_headers
+from torchcls.data.splits import SPLIT_NAMES, available_splits, check_same_classes, csv_splits, split_folders
 from torchcls.errors import UserError
 
 FASHION_MNIST_DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
@@ -40,7 +42,10 @@ class ImageSet:
     images: torch.Tensor | None = None  # uint8 (N, H, W) for in-memory built-in sets
     paths: list[Path] | None = None  # for file-backed sets
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
-    has_test_split: bool = False
+    sizes: list[tuple[str, int, int]] | None = None  # (format, width, height) from each file's header
+    origin: str = ""  # where exactly the samples came from, e.g. "imagenet/val" or "m.csv split=val"
+    max_pixels: int = MAX_PIXELS  # --max-pixels
+    min_side: int | None = None  # the shortest side the transform needs: big JPEGs decode reduced
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -51,33 +56,43 @@ class ImageSet:
         return self.images.shape[-1] if self.images is not None else None
 
     def load(self, i: int) -> torch.Tensor:
+        """Sample i as uint8 (C, H, W); BadImage if its file fails to decode."""
         if self.images is not None:
             img = self.images[i].unsqueeze(0)
             return img.expand(3, -1, -1) if self.channels == 3 else img
-        try:
-            return load_image(self.paths[i], self.channels)
-        except BadImage as e:  # validated at build time, so the file changed since
-            raise RuntimeError(f"{self.paths[i]}: {e} (the file changed after the data set was scanned)") from None
-
-    def sample_files(self) -> list[str]:
-        return [str(p) for p in self.paths] if self.paths is not None else []
+        return load_image(self.paths[i], self.channels, self.min_side, self.max_pixels)
 
 
-def open_source(source: str, root: str | None, split: str, channels: int | None, on_bad_file: str) -> ImageSet:
-    """Open `source` (built-in name, directory or CSV) for `split` ('train' or 'test')."""
-    if source == "mnist-5k":
-        return _mnist_5k(channels)
-    if source == "fashion-mnist":
-        return _fashion_mnist(root, split, channels)
+def open_source(source: str, root: str | None, split: str, channels: int | None, on_bad_file: str,
+                max_pixels: int = MAX_PIXELS) -> ImageSet:
+    """Open `split` ('train', 'val', 'test' or 'all') of `source` (built-in name, directory or CSV).
+
+    'train' of a source without splits is all of it; 'all' is all of a source that has no
+    split layout. Files are listed and their headers read; pixels are decoded later."""
+    if source in BUILTIN:
+        if split not in available_splits(source) and split != "all":
+            raise UserError(f"{source} has no separate {split} split; evaluate with --split val "
+                            "(the seeded held-out part of its training data)")
+        if source == "mnist-5k":
+            return _mnist_5k(channels)
+        return _fashion_mnist(root, "test" if split == "test" else "train", channels)
     path = Path(source)
-    if split == "test":
-        raise UserError(f"{source} has no separate test split; evaluate with --split val")
     if path.is_dir():
-        return _image_folder(path, channels or 3, on_bad_file)
+        folders = split_folders(path)
+        if folders is None:
+            if split not in ("train", "all"):
+                raise UserError(f"{source} has no {split}/ folder (it is a plain class-folder tree); use "
+                                "--split val for the seeded held-out part, or lay it out as train/ val/ test/")
+            return _image_folder(path, channels or 3, on_bad_file, max_pixels)
+        if split == "all" or split not in folders:
+            raise UserError(f"{source} holds the splits {', '.join(sorted(folders))}: choose one of them "
+                            f"(asked for '{split}')")
+        return _image_folder(folders[split], channels or 3, on_bad_file, max_pixels)
     if path.suffix.lower() == ".csv":
         if not path.is_file():
             raise UserError(f"CSV manifest {path} does not exist")
-        return _csv_manifest(path, Path(root) if root else path.parent, channels or 3, on_bad_file)
+        return _csv_manifest(path, Path(root) if root else path.parent, channels or 3, on_bad_file, split,
+                             max_pixels)
     raise UserError(f"--data {source!r}: not a built-in data set ({', '.join(BUILTIN)}), "
                     "not an existing directory, and not a .csv manifest")
 
@@ -92,7 +107,7 @@ def _mnist_5k(channels: int | None) -> ImageSet:
         rows = np.loadtxt(f, delimiter=",", dtype=np.uint8)
     images = torch.from_numpy(rows[:, :784].reshape(-1, 28, 28).copy())
     targets = torch.from_numpy(rows[:, 784].astype(np.int64))
-    return ImageSet("mnist-5k", [str(d) for d in range(10)], targets, channels or 1, images=images)
+    return ImageSet("mnist-5k", [str(d) for d in range(10)], targets, channels or 1, images=images, origin="mnist-5k")
 
 
 def _read_idx(path: Path) -> np.ndarray:
@@ -118,55 +133,74 @@ def _fashion_mnist(root: str | None, split: str, channels: int | None) -> ImageS
     images = torch.from_numpy(_read_idx(img_file).copy())
     targets = torch.from_numpy(_read_idx(lbl_file).astype(np.int64))
     return ImageSet("fashion-mnist", list(FASHION_MNIST_CLASSES), targets, channels or 1,
-                    images=images, has_test_split=True)
+                    images=images, origin=f"fashion-mnist {prefix}")
 
 
-def _validate_files(paths: list[Path], channels: int, on_bad_file: str) -> tuple[list[int], list[tuple[str, str]]]:
-    """Decode every file once; return the indices that are good and the (file, reason) of the rest."""
-    def check(p: Path) -> str | None:
-        try:
-            load_image(p, channels)
-            return None
-        except BadImage as e:
-            return str(e)
 
-    # PIL releases the GIL while decoding, so threads give real parallelism here.
-    with ThreadPoolExecutor(max_workers=min(8, (os.cpu_count() or 1) * 2)) as pool:
-        reasons = list(pool.map(check, paths))
-    bad = [(str(p), r) for p, r in zip(paths, reasons) if r is not None]
+def _refuse_or_keep(bad: list[tuple[str, str]], on_bad_file: str, where: str) -> None:
     if bad and on_bad_file == "error":
         listing = "\n".join(f"  {p}: {r}" for p, r in bad[:20]) + ("\n  ..." if len(bad) > 20 else "")
-        raise UserError(f"{len(bad)} unreadable image file(s):\n{listing}\n"
+        raise UserError(f"{where}: {len(bad)} unreadable image file(s):\n{listing}\n"
                         "Fix or remove them, or pass --on-bad-file skip to leave them out (they are listed in the report).")
-    return [i for i, r in enumerate(reasons) if r is None], bad
 
 
-def _finish(name: str, classes: list[str], paths: list[Path], labels: list[int], channels: int,
-            on_bad_file: str, pre_skipped: list[tuple[str, str]]) -> ImageSet:
-    good, bad = _validate_files(paths, channels, on_bad_file)
-    skipped = pre_skipped + bad
+def _finish(name: str, origin: str, classes: list[str], paths: list[Path], labels: list[int], channels: int,
+            on_bad_file: str, pre_skipped: list[tuple[str, str]], max_pixels: int) -> ImageSet:
+    """Read every file's header (never its pixels); bad ones are refused or skipped per --on-bad-file."""
+    headers = scan_headers(paths)
+    bad = pre_skipped + [(str(p), h) for p, h in zip(paths, headers) if isinstance(h, str)]
+    _refuse_or_keep(bad, on_bad_file, origin)
+    good = [i for i, h in enumerate(headers) if not isinstance(h, str)]
     if not good:
-        raise UserError(f"{name}: no readable images ({len(skipped)} skipped)")
+        raise UserError(f"{origin}: no readable images ({len(bad)} skipped)")
     return ImageSet(name, classes, torch.tensor([labels[i] for i in good], dtype=torch.int64), channels,
-                    paths=[paths[i] for i in good], skipped=skipped)
+                    paths=[paths[i] for i in good], skipped=bad, sizes=[headers[i] for i in good],
+                    origin=origin, max_pixels=max_pixels)
 
 
-def _image_folder(root: Path, channels: int, on_bad_file: str) -> ImageSet:
+def apply_size_limits(images: ImageSet, min_side: int, on_bad_file: str) -> ImageSet:
+    """Set the size the transform needs and refuse, from the headers alone, the files the decoder would.
+
+    Cheap arithmetic per file: an oversized or extreme-aspect image is reported at start-up,
+    not met by a worker mid-epoch."""
+    images.min_side = min_side
+    if images.sizes is None:
+        return images
+    bad, keep = [], []
+    for i, (fmt, w, h) in enumerate(images.sizes):
+        try:
+            plan_decode(fmt, w, h, min_side, images.max_pixels)
+            keep.append(i)
+        except BadImage as e:
+            bad.append((str(images.paths[i]), str(e)))
+    if not bad:
+        return images
+    _refuse_or_keep(bad, on_bad_file, images.origin)
+    if not keep:
+        raise UserError(f"{images.origin}: no usable images ({len(bad)} refused by their size)")
+    idx = torch.tensor(keep, dtype=torch.int64)
+    return replace(images, targets=images.targets[idx], paths=[images.paths[i] for i in keep],
+                   sizes=[images.sizes[i] for i in keep], skipped=images.skipped + bad)
+
+
+def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) -> ImageSet:
     class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not class_dirs:
         raise UserError(f"{root}: no class folders. An ImageFolder directory holds one sub-folder per class "
                         "(e.g. cats/, dogs/) with that class's images inside")
-    paths, labels = [], []
+    paths, labels, problems = [], [], []
     for label, d in enumerate(class_dirs):
-        files = sorted(f for f in d.rglob("*") if f.is_file() and not f.name.startswith("."))
-        if not files:
+        listing = list_files(d)
+        problems += listing.problems
+        if not listing.files and not listing.problems:
             raise UserError(f"class folder {d} is empty: add images of class '{d.name}' or remove the folder")
-        paths += files
-        labels += [label] * len(files)
-    return _finish(str(root), [d.name for d in class_dirs], paths, labels, channels, on_bad_file, [])
+        paths += listing.files
+        labels += [label] * len(listing.files)
+    return _finish(str(root), str(root), [d.name for d in class_dirs], paths, labels, channels, on_bad_file,
+                   problems, max_pixels)
 
 
-def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str) -> ImageSet:
+def _csv_rows(csv_path: Path) -> tuple[list[dict[str, str]], bool]:
     with csv_path.open(newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None or not {"path", "label"} <= set(reader.fieldnames):
@@ -175,24 +209,40 @@ def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str) -
         rows = list(reader)
     if not rows:
         raise UserError(f"{csv_path}: no rows below the header")
-    entries, skipped, problems = [], [], []
+    return rows, "split" in reader.fieldnames
+
+
+def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, split: str,
+                  max_pixels: int) -> ImageSet:
+    rows, has_split = _csv_rows(csv_path)
+    entries, problems = [], []
     for line, row in enumerate(rows, start=2):
         rel, label = (row["path"] or "").strip(), (row["label"] or "").strip()
+        row_split = (row.get("split") or "").strip() if has_split else "train"
         if not rel or not label:
             problems.append(f"  line {line}: empty path or label")
-            continue
-        p = Path(rel) if Path(rel).is_absolute() else base / rel
-        if not p.is_file():
-            skipped.append((str(p), f"listed on line {line} of {csv_path.name} but missing"))
-            continue
-        entries.append((p, label))
+        elif row_split not in SPLIT_NAMES:
+            problems.append(f"  line {line}: split '{row_split}' is not one of {', '.join(SPLIT_NAMES)}")
+        elif row_split == split or split == "all":
+            entries.append((Path(rel) if Path(rel).is_absolute() else base / rel, label, line))
     if problems:
         raise UserError(f"{csv_path}: {len(problems)} bad row(s):\n" + "\n".join(problems[:20]))
-    if skipped and on_bad_file == "error":
-        listing = "\n".join(f"  {p}" for p, _ in skipped[:20])
-        raise UserError(f"{csv_path}: {len(skipped)} listed file(s) do not exist (paths are relative to {base}):\n"
+    classes = sorted({(row["label"] or "").strip() for row in rows})
+    origin = f"{csv_path} split={split}" if has_split else str(csv_path)
+    if not entries:
+        raise UserError(f"{csv_path}: no rows with split '{split}' (its split column holds "
+                        f"{', '.join(sorted(csv_splits(csv_path)))})")
+    if has_split:
+        check_same_classes(classes, sorted({lbl for _, lbl, _ in entries}), origin, "of the whole CSV")
+    missing = [(str(p), f"listed on line {line} of {csv_path.name} but "
+                        + ("a broken symlink" if p.is_symlink() else "missing")) for p, _, line in entries
+               if not p.is_file()]
+    if missing and on_bad_file == "error":
+        listing = "\n".join(f"  {p}" for p, _ in missing[:20])
+        raise UserError(f"{csv_path}: {len(missing)} listed file(s) do not exist (paths are relative to {base}):\n"
                         f"{listing}\nFix the paths, pass --root to change the base, or --on-bad-file skip")
-    classes = sorted({label for _, label in entries})
+    gone = {p for p, _ in missing}
+    entries = [(p, lbl) for p, lbl, _ in entries if str(p) not in gone]
     index = {c: i for i, c in enumerate(classes)}
-    return _finish(str(csv_path), classes, [p for p, _ in entries], [index[lbl] for _, lbl in entries],
-                   channels, on_bad_file, skipped)
+    return _finish(str(csv_path), origin, classes, [p for p, _ in entries], [index[lbl] for _, lbl in entries],
+                   channels, on_bad_file, missing, max_pixels)
