@@ -1,0 +1,293 @@
+"""Batches straight from a uint8 image cache: no per-sample Python, no worker processes.
+
+For data that fits in memory (the built-in sets, and any ImageSet decoded once at the
+model's input size) a batch is one gather from a (N, C, S, S) uint8 tensor, then the
+augmentation preset applied to the whole batch as tensor ops on the training device,
+then one float conversion that also normalises. On 28x28 digits the per-sample
+transforms.v2 pipeline in worker processes costs more than the model step; here the
+data costs a few hundred microseconds a batch.
+
+Order and randomness are those of the map-style path: the loader's own generator is
+seeded from (seed, epoch) exactly as `loaders.reseed` seeds the DataLoader's, and the
+permutation is drawn the way a shuffling DataLoader draws it, so with `augment="none"`
+the batches are identical to the map-style loader's. Augmentation parameters are drawn
+for the whole global batch on every rank, so rank r of W serves positions r, r+W, ...
+(as training/sharding.py does) and global batch k is the same images, augmented the same
+way, whatever the world size. `state_dict()` holds (epoch, batches served, generator
+state): a resumed loader starts at the next batch without touching earlier ones.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torchvision.transforms.v2 import functional as TF
+
+from torchcls.data.images import BadImage
+from torchcls.data.loaders import Preprocess
+from torchcls.data.sources import ImageSet
+from torchcls.errors import UserError
+
+AUGMENTS = ("none", "light", "flip", "standard")
+MODES = ("auto", "on", "off")
+RRC_SCALE, RRC_RATIO = (0.35, 1.0), (3 / 4, 4 / 3)  # the map-style RandomResizedCrop's ranges
+
+
+def epoch_seed(seed: int, epoch: int) -> int:
+    return seed * 100_003 + epoch  # the same formula as loaders.reseed: both paths draw the same order
+
+
+def cache_bytes(images: ImageSet, pre: Preprocess) -> int:
+    """Bytes of the uint8 cache of `images` at the model's input size."""
+    return len(images) * _cache_channels(images, pre) * pre.img_size ** 2
+
+
+def use_in_memory(mode: str, limit_mb: float, images: ImageSet, pre: Preprocess) -> bool:
+    """Whether to batch from a cache: auto = when it fits in `limit_mb`; on = always (refused if it does not fit)."""
+    if mode not in MODES:
+        raise UserError(f"--in-memory must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "off":
+        return False
+    need_mb = cache_bytes(images, pre) / 2 ** 20
+    if need_mb <= limit_mb:
+        return True
+    if mode == "on":
+        raise UserError(f"--in-memory on: {images.name} decoded at {pre.img_size} px needs {need_mb:,.0f} MB, more "
+                        f"than --memory-limit-mb {limit_mb:g}. Raise the limit, lower --img-size, or use "
+                        "--in-memory auto to fall back to the streaming loader")
+    return False
+
+
+def _cache_channels(images: ImageSet, pre: Preprocess) -> int:
+    # A grey built-in set shown as RGB is cached with one channel and expanded per batch.
+    return 1 if images.images is not None else pre.channels
+
+
+def build_cache(images: ImageSet, pre: Preprocess, threads: int = 0) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+    """Decode every sample once, resized and centre-cropped to the input size (as the map-style eval transform).
+
+    Returns the uint8 (N, C, S, S) cache and the (file, reason) of samples that failed to
+    decode; their rows stay zero and `memory_loaders` leaves them out.
+    """
+    size = pre.img_size
+    if images.images is not None:  # built-in sets: already a uint8 (N, H, W) tensor
+        cache = images.images.unsqueeze(1)
+        if cache.shape[-1] != size or cache.shape[-2] != size:
+            cache = torch.cat([_fit(chunk, size) for chunk in cache.split(4096)])
+        return cache.contiguous(), []
+    cache = torch.zeros(len(images), pre.channels, size, size, dtype=torch.uint8)
+
+    def decode(i: int) -> tuple[str, str] | None:
+        try:
+            cache[i] = _fit(images.load(i), size)
+            return None
+        except (BadImage, OSError, RuntimeError, ValueError) as e:  # the scan read headers only, or it changed
+            return str(images.paths[i]), str(e)
+
+    # Pillow releases the GIL while decoding, so threads decode in parallel.
+    with ThreadPoolExecutor(max_workers=threads or min(8, (os.cpu_count() or 1) * 2)) as pool:
+        bad = [r for r in pool.map(decode, range(len(images))) if r is not None]
+    return cache, bad
+
+
+def _fit(img: torch.Tensor, size: int) -> torch.Tensor:
+    return TF.center_crop(TF.resize(img, size, antialias=True), size)
+
+
+class InMemoryLoader:
+    """A loader over rows of a uint8 cache: `for x, y in loader` gives float32 normalised x and int64 y.
+
+    `batch_size` is the global batch; each of `world` ranks gets batch_size // world of it.
+    `train=True` shuffles and augments; `train=False` keeps the order (padded by wrapping
+    around so all ranks run equally many steps, like the sharded samplers).
+    """
+
+    def __init__(self, cache: torch.Tensor, targets: torch.Tensor, pre: Preprocess, batch_size: int, *,
+                 train: bool, augment: str = "none", seed: int = 0, indices: torch.Tensor | None = None,
+                 rank: int = 0, world: int = 1, device: torch.device | str = "cpu"):
+        if augment not in AUGMENTS:
+            raise UserError(f"--augment must be one of {', '.join(AUGMENTS)}, got {augment!r}")
+        if batch_size < world or batch_size % world:
+            raise UserError(f"--batch-size {batch_size} must be a multiple of the world size {world}")
+        self.cache, self.targets, self.pre = cache, targets, pre
+        self.rows = indices if indices is not None else torch.arange(len(cache))
+        self.n = len(self.rows)  # distinct samples (validation masks the wrap-around padding with it)
+        self.batch_size, self.train, self.augment, self.seed = batch_size, train, augment if train else "none", seed
+        self.rank, self.world, self.device = rank, world, torch.device(device)
+        mean, std = torch.tensor(pre.mean), torch.tensor(pre.std)
+        # One fused multiply-add does ToDtype(scale=True) and Normalize: x/255 - mean over std.
+        self._scale = (1 / (255 * std)).view(1, -1, 1, 1).to(self.device)
+        self._bias = (-mean / std).view(1, -1, 1, 1).to(self.device)
+        self._epoch, self._resume, self._live = 0, None, None
+
+    def __len__(self) -> int:
+        return math.ceil(self._padded_n() / self.batch_size)
+
+    def _padded_n(self) -> int:
+        return math.ceil(self.n / self.world) * self.world
+
+    def set_epoch(self, epoch: int) -> None:
+        """Serve `epoch` from its start, unless a loaded state is mid-way through this same epoch."""
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            return
+        self._epoch, self._resume = epoch, None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self._live is not None:  # mid-iteration: where the running epoch is
+            epoch, position, gen = self._live
+            return {"epoch": epoch, "position": position, "generator": gen.get_state() if gen else None,
+                    "n": self.n, "batch_size": self.batch_size}
+        if self._resume is not None:
+            return dict(self._resume)
+        return {"epoch": self._epoch, "position": 0, "generator": None, "n": self.n, "batch_size": self.batch_size}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state.get("n"), state.get("batch_size")) != (self.n, self.batch_size):
+            raise UserError(f"the data loader state is for {state.get('n')} samples in global batches of "
+                            f"{state.get('batch_size')}, but this run has {self.n} in batches of {self.batch_size}: "
+                            "resume with the same data and --batch-size")
+        self._epoch, self._resume, self._live = state["epoch"], dict(state), None
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch, resume = self._epoch, self._resume
+        self._resume = None
+        order, gen = self._order(epoch)
+        start = 0
+        if resume is not None and resume["position"]:
+            start = resume["position"]
+            if gen is not None:
+                gen.set_state(resume["generator"])
+        self._live = (epoch, start, gen)
+        try:
+            for k in range(start, len(self)):
+                positions = order[k * self.batch_size:(k + 1) * self.batch_size]
+                params = self._draw(len(positions), gen)  # for the global batch: same on every rank
+                mine = slice(self.rank, None, self.world)
+                rows = self.rows[positions[mine]]
+                x = self._augment(self.cache[rows].to(self.device, non_blocking=True),
+                                  {key: v[mine] for key, v in params.items()})
+                y = self.targets[rows].to(self.device, non_blocking=True)
+                self._live = (epoch, k + 1, gen)
+                yield x, y
+            self._epoch = epoch + 1  # a completed pass moves on, so a plain `for epoch` loop reshuffles
+        finally:
+            self._live = None
+
+    def _order(self, epoch: int) -> tuple[torch.Tensor, torch.Generator | None]:
+        if not self.train:
+            order = torch.arange(self.n)
+            gen = None
+        else:
+            gen = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
+            # A DataLoader draws its workers' base seed from its generator before the sampler's
+            # permutation; drawing it too keeps the order identical to the map-style path.
+            torch.empty((), dtype=torch.int64).random_(generator=gen)
+            order = torch.randperm(self.n, generator=gen)
+        pad = self._padded_n() - self.n  # wrap around, as the sharded samplers do
+        return torch.cat([order, order[:pad]]) if pad else order, gen
+
+    def _draw(self, b: int, gen: torch.Generator | None) -> dict[str, torch.Tensor]:
+        """Random parameters of one global batch, drawn on the CPU from the loader's generator."""
+        size, p = self.pre.img_size, max(1, self.pre.img_size // 8)
+        if self.augment == "none":
+            return {}
+        if self.augment in ("light", "flip"):
+            params = {"shift": torch.randint(0, 2 * p + 1, (b, 2), generator=gen)}
+            if self.augment == "flip":
+                params["flip"] = torch.rand(b, generator=gen) < 0.5
+            return params
+        return {"box": _resized_crop_boxes(b, size, gen), "flip": torch.rand(b, generator=gen) < 0.5}
+
+    def _augment(self, u8: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.pre.channels != u8.shape[1]:
+            u8 = u8.expand(-1, self.pre.channels, -1, -1)
+        if "shift" in params:
+            flip = params.get("flip")
+            u8 = shift_flip(u8, params["shift"].to(self.device), flip, max(1, self.pre.img_size // 8))
+        x = u8.float()
+        if "box" in params:
+            x = resized_crop_flip(x, params["box"].to(self.device), params["flip"].to(self.device))
+        return x.mul_(self._scale).add_(self._bias)
+
+
+def shift_flip(u8: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor | None, pad: int) -> torch.Tensor:
+    """RandomCrop(size, padding=pad) then an optional horizontal flip, per sample, as one gather.
+
+    `shift` (B, 2) holds each crop's (top, left) in the zero-padded image, in [0, 2*pad].
+    """
+    b, c, h, w = u8.shape
+    padded = F.pad(u8, (pad, pad, pad, pad))  # zeros, like RandomCrop's default fill
+    wp = w + 2 * pad
+    rows = shift[:, :1] + torch.arange(h, device=u8.device)  # (B, H)
+    cols = shift[:, 1:] + torch.arange(w, device=u8.device)  # (B, W)
+    if flip is not None:
+        cols = torch.where(flip.to(u8.device)[:, None], cols.flip(1), cols)
+    index = (rows[:, :, None] * wp + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
+    return padded.reshape(b, c, -1).gather(2, index).view(b, c, h, w)
+
+
+def _resized_crop_boxes(b: int, size: int, gen: torch.Generator | None) -> torch.Tensor:
+    """(B, 4) boxes (top, left, height, width) drawn as RandomResizedCrop draws them on a size x size image."""
+    area, tries = size * size, 10
+    target = area * torch.empty(b, tries).uniform_(*RRC_SCALE, generator=gen)
+    log_ratio = torch.empty(b, tries).uniform_(math.log(RRC_RATIO[0]), math.log(RRC_RATIO[1]), generator=gen)
+    aspect = log_ratio.exp()
+    w = (target * aspect).sqrt().round()
+    h = (target / aspect).sqrt().round()
+    ok = (w > 0) & (w <= size) & (h > 0) & (h <= size)
+    first = ok.float().argmax(1)  # the first try that fits, as torchvision takes it
+    pick = torch.arange(b)
+    w, h = w[pick, first], h[pick, first]
+    w = torch.where(ok.any(1), w, torch.full_like(w, size))  # the fallback on a square image: all of it
+    h = torch.where(ok.any(1), h, torch.full_like(h, size))
+    top = (torch.rand(b, generator=gen) * (size - h + 1)).floor()
+    left = (torch.rand(b, generator=gen) * (size - w + 1)).floor()
+    return torch.stack([top, left, h, w], dim=1)
+
+
+def resized_crop_flip(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
+    """Crop each image to its box and resize it back to the full size (bilinear), mirrored where `flip`.
+
+    One grid_sample for the whole batch; a flip is a negative horizontal scale.
+    """
+    b, _, h, w = x.shape
+    top, left, bh, bw = box.unbind(1)
+    # The crop is axis-aligned, so the grid is separable: build it from two 1-D ramps
+    # (affine_grid's batched matmul costs more than the sampling itself on small images).
+    ramp_x = (2 * torch.arange(w, device=x.device) + 1) / w - 1  # output pixel centres in [-1, 1]
+    ramp_y = (2 * torch.arange(h, device=x.device) + 1) / h - 1
+    scale_x = torch.where(flip, -bw / w, bw / w)
+    gx = scale_x[:, None] * ramp_x + ((2 * left + bw) / w - 1)[:, None]  # (B, W): box centre + scaled ramp
+    gy = (bh / h)[:, None] * ramp_y + ((2 * top + bh) / h - 1)[:, None]  # (B, H)
+    grid = torch.stack(torch.broadcast_tensors(gx[:, None, :], gy[:, :, None]), dim=-1)
+    # "border" clamps at the image edge as a resize does, instead of blending in zeros.
+    return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, val_idx: torch.Tensor,
+                   batch_size: int, augment: str, seed: int, *, on_bad_file: str = "error",
+                   val_batch_size: int | None = None,
+                   rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
+                   ) -> tuple[InMemoryLoader, InMemoryLoader, list[tuple[str, str]]]:
+    """The train and validation loaders over one shared cache; also the files that failed to decode."""
+    cache, bad = build_cache(images, pre)
+    if bad and on_bad_file == "error":
+        listing = "\n".join(f"  {f}: {r}" for f, r in bad[:20]) + ("\n  ..." if len(bad) > 20 else "")
+        raise UserError(f"{len(bad)} image file(s) failed to decode while caching them in memory:\n{listing}\n"
+                        "Fix or remove them, or pass --on-bad-file skip to leave them out (they are listed in the report)")
+    if bad:
+        bad_files = {f for f, _ in bad}
+        good = torch.tensor([str(p) not in bad_files for p in images.paths])
+        train_idx, val_idx = train_idx[good[train_idx]], val_idx[good[val_idx]]
+    common = dict(seed=seed, rank=rank, world=world, device=device)
+    train = InMemoryLoader(cache, images.targets, pre, batch_size, train=True, augment=augment,
+                           indices=train_idx, **common)
+    val = InMemoryLoader(cache, images.targets, pre, val_batch_size or batch_size, train=False,
+                         indices=val_idx, **common)
+    return train, val, bad
