@@ -154,6 +154,7 @@ def test_lineage_id_is_known_at_begin_and_finish_rewrites_no_stamped_checkpoint(
     gov.finish(SimpleNamespace(steps=0, val_top1=None))
     assert (ckpts / "last.safetensors").stat().st_ino == inode  # not rewritten
     assert read_lineage(ckpts / "last.safetensors") == gov.lineage == read_lineage(ckpts / "best.safetensors")
+    assert "4 read, 0 unchanged since hashed" in (run / "report.html").read_text()  # new files: all read
     record = json.loads((run / "lineage.json").read_text())
     log = governance.AuditLog(record["audit_log"])
     run_rec = next(r for _, r, _ in log.records() if r and r.get("run_id") == gov.lineage_id)

@@ -49,9 +49,6 @@ class HashCache:
         self._store([(*keys[i], digest) for i, digest in fresh.items() if now - keys[i][2] > FRESH_NS])
         return [(fresh[i] if i in fresh else known[k[0]][3], k[1]) for i, k in enumerate(keys)]
 
-    def sha256(self, path: Path) -> str:
-        return self.hash_files([path])[0][0]
-
     def stats(self) -> dict[str, int]:
         return {"hits": self.hits, "misses": self.misses}
 

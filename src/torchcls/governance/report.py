@@ -24,6 +24,9 @@ def governance_html(run_dir: Path) -> str:
             ("sensitivity tags", ", ".join(m.get("tags") or []) or "none"),
             ("sample images", json.dumps(s.get("samples"))),
             ("file names redacted", s.get("redacted_file_names", 0))]
+    if s.get("hash_cache"):
+        c = s["hash_cache"]
+        rows.append(("data files hashed", f"{c['misses']} read, {c['hits']} unchanged since hashed (hash cache)"))
     if s.get("audit_record"):
         a = s["audit_record"]
         rows.append(("audit record", f"seq {a['seq']}, hash {a['hash'][:16]}…"))

@@ -23,6 +23,7 @@ from typing import Any
 from torchcls.config import Config, DataConfig
 from torchcls.errors import UserError
 from torchcls.governance.artifacts import LINEAGE_KEY, read_lineage, stamp_checkpoint
+from torchcls.governance.digest import sha256_file
 from torchcls.governance.environment import code_version, package_versions
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.hooks import Hook, HookedImages, SampleInfo, by_stage, resolve_hooks
@@ -199,7 +200,7 @@ class Governance:
                 stamp_checkpoint(path, self.lineage)  # saved by a trainer that did not stamp it at save time
             if path.is_file() and not path.name.startswith("."):
                 kind = "checkpoint" if path.suffix == ".safetensors" else "training-state"
-                artifacts.append({"path": str(path.resolve()), "sha256": self.hashes.sha256(path),
+                artifacts.append({"path": str(path.resolve()), "sha256": sha256_file(path),
                                   "artifact_kind": kind})
         record = self.audit.append("run", {
             "run_id": self.run_id, "run_dir": str(run.resolve()), "resumed": cfg.run.resume,
