@@ -1,0 +1,229 @@
+"""The shell examples in README.md and docs/*.md run as shown, and name only commands and flags that exist.
+
+Marking an example as tested: put the HTML comment `<!-- test: cheap -->` on its own line right
+before a ```bash fence (blank lines between are allowed). GitHub does not render the comment.
+
+    <!-- test: cheap -->
+    ```bash
+    torchcls train --data mnist-5k --epochs 1 --name digits
+    torchcls evaluate runs/digits   # expect: top1
+    ```
+
+- The cheap blocks run in reading order (README.md first, then docs/*.md by name), each block as one
+  `bash -e -o pipefail` script, all in one fresh temporary directory, so a later block (or a doc
+  page) uses the runs an earlier one wrote, as a reader following the README would: README's tour
+  trains `runs/digits`, and the pages may use it. The project's .venv/bin is first on PATH and
+  `.venv` is linked into that directory, so `torchcls ...` and `.venv/bin/python ...` work as
+  written. Each block must exit with code 0.
+- `# expect: TEXT` at the end of a line (or on its own line) in a cheap block: the block's
+  combined stdout and stderr must contain TEXT.
+- Mark cheap only what runs in seconds to about a minute, so that all cheap blocks together stay
+  under about four minutes on a 2-core CPU. Examples that need a GPU, several processes, a
+  server or a long run stay unmarked; the command/flag check below still covers them.
+
+Every `torchcls COMMAND [SUBCOMMAND]` in a code block or inline code span of the docs must be a
+command of the CLI, and every `--flag` after it must appear in that command's `--help`; an inline
+code span that starts with `--` (an option list) must name flags of some command. So the docs cannot
+drift from the parser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+TORCHCLS = str(VENV_BIN / "torchcls")
+MARKER = "<!-- test: cheap -->"
+BLOCK_TIMEOUT_S = 600
+
+# flags of other programs that the docs show on their own (torchrun, pip, pytest, cmake)
+OTHER_TOOLS_FLAGS = {"--standalone", "--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-backend",
+                     "--rdzv-endpoint", "--rdzv-id", "--build", "--timeout"}
+
+
+def doc_files() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int  # 1-based line of the opening fence
+    lang: str
+    text: str
+    cheap: bool
+
+
+def blocks(path: Path) -> list[Block]:
+    """The fenced code blocks of a Markdown file, with whether the cheap marker precedes them."""
+    found, lines = [], path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)(```+)\s*([\w-]*)", lines[i])
+        if not fence:
+            i += 1
+            continue
+        end = next((j for j in range(i + 1, len(lines)) if lines[j].strip().startswith(fence.group(2))), len(lines))
+        before = next((lines[j].strip() for j in range(i - 1, -1, -1) if lines[j].strip()), "")
+        found.append(Block(path, i + 1, fence.group(3), "\n".join(lines[i + 1:end]), before == MARKER))
+        i = end + 1
+    return found
+
+
+def expectations(script: str) -> list[str]:
+    return [m.group(1).strip() for m in re.finditer(r"#\s*expect:\s*(.+)$", script, re.MULTILINE)]
+
+
+def run_block(block: Block, workdir: Path) -> None:
+    env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+           "TMPDIR": str(workdir / ".tmp"), "TORCHINDUCTOR_CACHE_DIR": str(workdir / ".inductor"),
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    env.pop("PYTHONPATH", None)
+    result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=workdir, env=env,
+                            capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    output = result.stdout + result.stderr
+    where = f"{block.path.relative_to(REPO)}:{block.line}"
+    assert result.returncode == 0, f"{where}: exit code {result.returncode}\n{block.text}\n--- output ---\n{output[-4000:]}"
+    for text in expectations(block.text):
+        assert text in output, f"{where}: expected {text!r} in the output\n--- output ---\n{output[-4000:]}"
+
+
+def _cheap_files() -> list[Path]:
+    return [p for p in doc_files() if any(b.cheap for b in blocks(p))]
+
+
+@pytest.fixture(scope="module")
+def docs_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One directory for every doc file's examples, in reading order (see the module docstring)."""
+    workdir = tmp_path_factory.mktemp("docs")
+    (workdir / ".tmp").mkdir()
+    (workdir / ".venv").symlink_to(VENV_BIN.parent)
+    return workdir
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", _cheap_files(), ids=lambda p: p.name)
+def test_cheap_examples_run(path: Path, docs_workdir: Path):
+    for block in blocks(path):
+        if block.cheap:
+            assert block.lang in ("bash", "sh", "shell"), f"{path.name}:{block.line}: only shell blocks can be cheap"
+            run_block(block, docs_workdir)
+
+
+def test_the_cheap_marker_is_found(tmp_path: Path):
+    doc = tmp_path / "x.md"
+    doc.write_text(f"{MARKER}\n\n```bash\necho hi  # expect: hi\n```\n\n```bash\nfalse\n```\n```python\nx\n```\n")
+    found = blocks(doc)
+    assert [(b.lang, b.cheap, b.line) for b in found] == [("bash", True, 3), ("bash", False, 7), ("python", False, 10)]
+    assert expectations(found[0].text) == ["hi"]
+    assert _cheap_files(), "no doc example is marked cheap: the docs are not tested"
+
+
+# --- commands and flags shown in the docs exist ---
+
+@cache
+def help_text(command: tuple[str, ...]) -> str:
+    result = subprocess.run([TORCHCLS, *command, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, f"torchcls {' '.join(command)} --help failed:\n{result.stderr[-2000:]}"
+    return result.stdout
+
+
+def subcommands(command: tuple[str, ...]) -> set[str]:
+    """Commands listed under 'positional arguments' (argparse indents each by 4 spaces)."""
+    text = help_text(command)
+    section = text.split("positional arguments:", 1)[1].split("\noptions:", 1)[0] if "positional arguments:" in text else ""
+    return {m.group(1) for m in re.finditer(r"^ {4}([a-z][a-z0-9-]*)\b", section, re.MULTILINE)}
+
+
+def flags(command: tuple[str, ...]) -> set[str]:
+    return set(re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", help_text(command)))
+
+
+def all_flags() -> set[str]:
+    found = set()
+    for name in subcommands(()):
+        found |= flags((name,))
+        for sub in subcommands((name,)):
+            found |= flags((name, sub))
+    return found
+
+
+def code_segments(path: Path) -> list[tuple[int, str]]:
+    """(line, text) of every shell line (backslash continuations joined) and inline code span."""
+    segments = []
+    for block in blocks(path):
+        if block.lang == "python":
+            continue
+        joined = re.sub(r"\\\n\s*", " ", block.text)
+        segments += [(block.line, line) for line in joined.splitlines()]
+    in_fence, paragraph = False, []
+    for n, line in enumerate([*path.read_text().splitlines(), ""], 1):
+        if line.lstrip().startswith("```"):
+            in_fence = not in_fence
+        elif not in_fence and line.strip():
+            paragraph.append((n, line))
+        elif paragraph:
+            # a paragraph about a benchmark script shows that script's own flags, not torchcls's
+            if not any("benchmarks/" in text for _, text in paragraph):
+                segments += [(k, span) for k, text in paragraph for span in re.findall(r"`([^`]+)`", text)]
+            paragraph = []
+    return segments
+
+
+INVOCATION = re.compile(r"(?<![\w./-])(?:\S*/)?torchcls\s+((?:[a-z][a-z0-9-]*\s*){1,2})")
+
+
+def check_segment(text: str) -> list[str]:
+    """What in one line of docs is not in the parser."""
+    text = text.split(" #", 1)[0] if not text.lstrip().startswith("#") else ""
+    if re.match(r"\s*(from|import)\s", text):
+        return []
+    problems = []
+    for m in INVOCATION.finditer(text):
+        words = m.group(1).split()
+        if words[0] not in subcommands(()):
+            problems.append(f"unknown command 'torchcls {words[0]}'")
+            continue
+        command = (words[0],)
+        if subcommands(command):
+            if len(words) < 2 or words[1] not in subcommands(command):
+                problems.append(f"unknown command 'torchcls {' '.join(words)}'")
+                continue
+            command = (words[0], words[1])
+        rest = re.split(r"\s(?:\||;|&&|&|>|<)", text[m.end():], maxsplit=1)[0]
+        problems += [f"'torchcls {' '.join(command)}' has no {flag}"
+                     for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", rest) if flag not in flags(command)]
+    if text.startswith("--") and not INVOCATION.search(text):
+        problems += [f"no torchcls command has {flag}" for flag in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)", text)
+                     if flag not in all_flags() and flag not in OTHER_TOOLS_FLAGS]
+    return problems
+
+
+@pytest.mark.slow
+def test_documented_commands_and_flags_exist():
+    assert "--epochs" in all_flags()  # every command's and sub-command's --help runs
+    problems = []
+    for path in doc_files():
+        for line, segment in code_segments(path):
+            problems += [f"{path.relative_to(REPO)}:{line}: {p}  (in: {segment.strip()[:100]})"
+                         for p in check_segment(segment)]
+    assert not problems, "the docs name commands or flags the CLI does not have:\n" + "\n".join(problems)
+
+
+def test_flag_checker_catches_drift():
+    assert check_segment("torchcls train --data mnist-5k --epochs 1") == []
+    assert check_segment("torchcls train --epoch 1") == ["'torchcls train' has no --epoch"]
+    assert check_segment("torchcls trian --epochs 1") == ["unknown command 'torchcls trian'"]
+    assert check_segment("torchcls bench compile --models a | grep --count x") == []
+    assert check_segment("torchcls bench speed") == ["unknown command 'torchcls bench speed'"]
+    assert check_segment("--data --root --no-such-flag") == ["no torchcls command has --no-such-flag"]
+    assert check_segment("from torchcls import load_artifact") == []
