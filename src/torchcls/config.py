@@ -48,8 +48,16 @@ class DataConfig:
     val_data: str | None = opt(None, "a separate validation set: an ImageFolder directory (its val/ folder if it has "
                                "train/ val/ test/ folders) or a CSV manifest; replaces --val-fraction. Default: the "
                                "source's own val/ folder or split=val rows, else --val-fraction")
+    image_column: str = opt("image", "--data hf:PATH: the column holding the images (datasets Image feature, "
+                            "encoded bytes or file paths)")
+    label_column: str = opt("label", "--data hf:PATH: the column holding the labels (ClassLabel, integer or string)")
     max_pixels: int = opt(64_000_000, "largest image, in pixels, decoded at full size (a guard against "
                           "decompression bombs; JPEGs far larger than the input decode reduced); 0 = no limit")
+    in_memory: str = opt("auto", "decode the data once into a uint8 cache at the input size and build batches from "
+                         "it with whole-batch augmentation, no worker processes: auto = when the cache fits in "
+                         "--memory-limit-mb; on = always (refused if it does not fit); off = the per-sample loader",
+                         choices=("auto", "on", "off"))
+    memory_limit_mb: int = opt(4096, "largest in-memory cache (MB, per process) that --in-memory auto/on builds")
 
 
 @dataclass

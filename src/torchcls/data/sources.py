@@ -64,11 +64,14 @@ class ImageSet:
 
 
 def open_source(source: str, root: str | None, split: str, channels: int | None, on_bad_file: str,
-                max_pixels: int = MAX_PIXELS) -> ImageSet:
+                max_pixels: int = MAX_PIXELS, image_column: str = "image", label_column: str = "label") -> ImageSet:
     """Open `split` ('train', 'val', 'test' or 'all') of `source` (built-in name, directory or CSV).
 
     'train' of a source without splits is all of it; 'all' is all of a source that has no
     split layout. Files are listed and their headers read; pixels are decoded later."""
+    if source.startswith("hf:"):  # a local Hugging Face data set; an ImageSet-compatible view of its table
+        from torchcls.data.hf import open_hf
+        return open_hf(source, split, channels, image_column, label_column, max_pixels)
     if source in BUILTIN:
         if split not in available_splits(source) and split != "all":
             raise UserError(f"{source} has no separate {split} split; evaluate with --split val "

@@ -1,0 +1,226 @@
+"""Local Hugging Face data sets (`--data hf:PATH`): a `save_to_disk` folder or Parquet file(s).
+
+Nothing is downloaded (HF_DATASETS_OFFLINE=1 before `datasets` is imported). The Arrow table is
+memory-mapped and each image is decoded only when a sample is loaded, so opening a million-row
+set costs the labels column alone. Class names come from the label column's ClassLabel feature
+when it has one, else from the sorted string labels, else '0', '1', ...
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchcls.data import images as image_files
+from torchcls.errors import UserError
+
+PREFIX = "hf:"
+# Our split names -> the names a DatasetDict may use for them.
+_SPLIT_ALIASES = {"val": ("val", "validation", "valid"), "train": ("train",), "test": ("test",)}
+
+
+def is_hf_source(source: str) -> bool:
+    return source.startswith(PREFIX)
+
+
+@dataclass
+class HFImageSet:
+    """ImageSet-compatible view of an Arrow table: name, classes, targets, channels, images, paths, skipped."""
+
+    name: str
+    classes: list[str]
+    targets: torch.Tensor
+    channels: int
+    location: tuple[str, str, str | None]  # (kind, path, split) to reopen the table in another process
+    image_column: str
+    images: None = None
+    paths: None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    has_test_split: bool = False
+    sizes: None = None
+    origin: str = ""
+    max_pixels: int = image_files.MAX_PIXELS
+    min_side: int | None = None  # set by the loader, as for ImageSet: big JPEGs decode reduced
+    _column: Any = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    @property
+    def side(self) -> int | None:
+        return None
+
+    def __getstate__(self) -> dict:
+        # Workers reopen the memory-mapped table instead of receiving a pickled copy of the data.
+        return {**self.__dict__, "_column": None}
+
+    def load(self, i: int) -> torch.Tensor:
+        if self._column is None:
+            self._column = _open_table(*self.location).column(self.image_column)
+        value = self._column[i].as_py()
+        try:
+            data = _image_bytes(value, self.image_column)
+            return decode_bytes(data, self.channels, self.min_side, self.max_pixels)
+        except image_files.BadImage as e:
+            raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
+
+    def sample_files(self) -> list[str]:
+        return []
+
+
+def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
+           max_pixels: int = image_files.MAX_PIXELS) -> torch.Tensor:
+    """Image file bytes (a shard member, an Arrow cell) -> uint8 (channels, H, W), by the rules of images.load_image (reduced JPEG
+    decoding, --max-pixels, the resize bound); raises images.BadImage with the reason."""
+    import numpy as np
+    from PIL import Image, ImageOps, UnidentifiedImageError
+    if not data:
+        raise image_files.BadImage("empty file (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data)) as im:
+            scale = image_files.plan_decode(im.format, im.width, im.height, min_side, max_pixels)
+            if scale > 1:
+                im.draft("L" if channels == 1 else "RGB", (im.width // scale, im.height // scale))
+            im.load()
+            im = image_files.normalize_mode(ImageOps.exif_transpose(im), channels)
+    except image_files.BadImage:
+        raise
+    except UnidentifiedImageError:
+        raise image_files.BadImage("not an image (unrecognised format)") from None
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
+        raise image_files.BadImage(f"truncated or corrupted: {e}") from None
+    t = torch.from_numpy(np.asarray(im).copy())
+    return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+
+
+def _image_bytes(value: Any, column: str) -> bytes:
+    """A cell of the image column -> encoded image bytes (HF Image struct, raw bytes or a file path)."""
+    if isinstance(value, dict):  # the datasets Image feature: {"bytes": ..., "path": ...}
+        if value.get("bytes"):
+            return value["bytes"]
+        value = value.get("path")
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    if isinstance(value, str) and value:
+        try:
+            return Path(value).read_bytes()
+        except OSError as e:
+            raise image_files.BadImage(f"image file {value} named in column '{column}' is unreadable: {e}") from None
+    raise image_files.BadImage(f"column '{column}' holds no image here ({type(value).__name__})")
+
+
+def _open_table(kind: str, path: str, split: str | None):
+    os.environ["HF_DATASETS_OFFLINE"] = "1"  # never reach for the Hub, whatever the folder says
+    if kind == "parquet":
+        import pyarrow.parquet as pq
+        files = _parquet_files(Path(path))
+        tables = [pq.read_table(f, memory_map=True) for f in files]
+        if len(tables) == 1:
+            return tables[0]
+        import pyarrow as pa
+        return pa.concat_tables(tables)
+    ds = _load_from_disk(Path(path), split)
+    return ds.data.table
+
+
+def _parquet_files(path: Path) -> list[Path]:
+    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    if not files:
+        raise UserError(f"hf:{path}: no .parquet files in this folder")
+    return files
+
+
+def _load_from_disk(path: Path, split: str | None):
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    try:
+        import datasets
+    except ModuleNotFoundError:
+        raise UserError("--data hf:... needs the 'datasets' package: pip install 'torchcls[hf]'") from None
+    try:
+        ds = datasets.load_from_disk(str(path))
+    except (FileNotFoundError, ValueError) as e:
+        raise UserError(f"hf:{path}: not a Hugging Face save_to_disk folder ({e})") from None
+    if isinstance(ds, datasets.DatasetDict):
+        names = [n for n in _SPLIT_ALIASES.get(split, (split,)) if n in ds]
+        if not names:
+            raise UserError(f"hf:{path} has the splits {', '.join(ds)}; it has no '{split}' split")
+        ds = ds[names[0]]
+    elif split not in (None, "train", "all"):
+        raise UserError(f"hf:{path} is a single data set with no separate {split} split; "
+                        "evaluate with --split val (the seeded held-out part)")
+    return ds.flatten_indices() if ds._indices is not None else ds
+
+
+def hf_splits(path: str) -> set[str]:
+    """The splits (train, val, test) a save_to_disk DatasetDict folder holds; {'train'} for anything else."""
+    path = path[len(PREFIX):] if is_hf_source(path) else path
+    listing = Path(path) / "dataset_dict.json"
+    if not listing.is_file():
+        return {"train"}
+    names = set(json.loads(listing.read_text()).get("splits", []))
+    return {ours for ours, theirs in _SPLIT_ALIASES.items() if names & set(theirs)}
+
+
+def _hf_features(kind: str, path: Path, table: Any) -> dict:
+    """The `datasets` feature descriptions (ClassLabel names live there), if the files carry them."""
+    if kind == "parquet":
+        meta = (table.schema.metadata or {}).get(b"huggingface")
+        return json.loads(meta).get("info", {}).get("features", {}) if meta else {}
+    info = path / "dataset_info.json"
+    return json.loads(info.read_text()).get("features", {}) if info.is_file() else {}
+
+
+def _labels(table: Any, column: str, feature: dict, name: str) -> tuple[list[str], torch.Tensor]:
+    import pyarrow.types as pat
+    col = table.column(column)
+    if pat.is_integer(col.type):
+        values = col.to_numpy()
+        if (values < 0).any():
+            raise UserError(f"{name}: column '{column}' has negative labels; classes must be 0, 1, ...")
+        names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
+        top = int(values.max()) if len(values) else -1
+        classes = list(names) if names else [str(c) for c in range(top + 1)]
+        if top >= len(classes):
+            raise UserError(f"{name}: label {top} in column '{column}' but the ClassLabel has {len(classes)} names")
+        return classes, torch.from_numpy(values.astype("int64"))
+    if pat.is_string(col.type) or pat.is_large_string(col.type):
+        values = col.to_pylist()
+        classes = sorted(set(values))
+        index = {c: i for i, c in enumerate(classes)}
+        return classes, torch.tensor([index[v] for v in values], dtype=torch.int64)
+    raise UserError(f"{name}: label column '{column}' has type {col.type}; use integer or string labels "
+                    "(or name another column with --label-column)")
+
+
+def open_hf(path: str, split: str = "train", channels: int | None = None, image_column: str = "image",
+            label_column: str = "label", max_pixels: int = image_files.MAX_PIXELS) -> HFImageSet:
+    """Open `hf:PATH` (the prefix is optional here) for `split`; images decode lazily by row."""
+    path = path[len(PREFIX):] if is_hf_source(path) else path
+    root, name = Path(path), f"{PREFIX}{path}"
+    if not root.exists():
+        raise UserError(f"--data {name}: {root} does not exist (a save_to_disk folder or .parquet file(s))")
+    kind = "parquet" if root.suffix == ".parquet" or (root.is_dir() and any(root.glob("*.parquet"))) else "disk"
+    has_test = False
+    if kind == "disk":
+        ds = _load_from_disk(root, split)
+        table, folder = ds.data.table, Path(ds.cache_files[0]["filename"]).parent if ds.cache_files else root
+        has_test = "test" in hf_splits(path)
+    else:
+        if split not in ("train", "all"):
+            raise UserError(f"{name}: Parquet files have no separate {split} split; evaluate with --split val")
+        table, folder = _open_table(kind, path, None), root
+    found = table.column_names
+    missing = [c for c in (image_column, label_column) if c not in found]
+    if missing:
+        raise UserError(f"{name}: no column {', '.join(repr(c) for c in missing)}; the columns are "
+                        f"{', '.join(found)}. Name the right ones with --image-column and --label-column")
+    features = _hf_features(kind, folder, table)
+    classes, targets = _labels(table, label_column, features.get(label_column, {}), name)
+    return HFImageSet(name, classes, targets, channels or 3, (kind, path, split if kind == "disk" else None),
+                      image_column, has_test_split=has_test, origin=f"{name} {split}", max_pixels=max_pixels)

@@ -1,0 +1,353 @@
+"""WebDataset tar shards: write them from any source, describe them in `index.json`, open and check them.
+
+A shard is a plain tar whose members are grouped into samples by key (`000000042.jpg`,
+`000000042.cls`), the layout timm, OpenCLIP and DataComp read. Image files are stored as
+their original bytes (no re-encode); in-memory sets (mnist-5k, fashion-mnist) as PNG.
+`index.json` lists every shard with its sample count, size and SHA-256, plus the classes,
+so a governance manifest can cite the data by hash and a reader knows the counts without
+reading the tars.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+from torchcls.errors import UserError
+
+if TYPE_CHECKING:
+    from torchcls.data.sources import ImageSet
+
+INDEX = "index.json"
+FORMAT = "torchcls-webdataset-index"
+IMAGE_EXTS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "gif", "tif", "tiff", "webp")
+_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = up to the first dot
+_BRACE = re.compile(r"\{\d+\.\.\d+\}")
+
+
+@dataclass(frozen=True)
+class Shard:
+    path: Path
+    samples: int
+    bytes: int
+    sha256: str | None  # None for shards found without an index
+
+
+@dataclass
+class ShardSet:
+    """Shards that together form one data set; what a streaming loader needs to split an epoch."""
+
+    name: str
+    classes: list[str]
+    shards: list[Shard]
+    channels: int = 3
+    side: int | None = None  # fixed square size of every image, when the writer knew it
+    source: str | None = None  # what the shards were written from (e.g. mnist-5k), from the index
+    index: Path | None = None
+    class_counts: list[int] | None = None
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # skipped when the shards were written
+
+    def __len__(self) -> int:
+        return sum(s.samples for s in self.shards)
+
+    @property
+    def files(self) -> list[Path]:
+        return [s.path for s in self.shards]
+
+    def sample_files(self) -> list[str]:
+        return [str(p) for p in self.files]
+
+
+# ---------------------------------------------------------------- writing
+
+class _HashingFile:
+    """A write-only file that hashes and counts what passes through (tarfile's stream mode only writes)."""
+
+    def __init__(self, path: Path):
+        self.f: BinaryIO = path.open("wb")
+        self.sha, self.size = hashlib.sha256(), 0
+
+    def write(self, data: bytes) -> int:
+        self.sha.update(data)
+        self.size += len(data)
+        return self.f.write(data)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+def _sample_bytes(images: ImageSet, i: int) -> tuple[bytes, str]:
+    """Sample i as (file bytes, extension): the file itself, or a PNG of an in-memory image."""
+    if images.images is not None:
+        from PIL import Image
+        buf = io.BytesIO()
+        Image.fromarray(images.images[i].numpy()).save(buf, format="PNG")
+        return buf.getvalue(), "png"
+    path = Path(images.paths[i])
+    ext = path.suffix.lower().lstrip(".")
+    if ext not in IMAGE_EXTS:  # keep the true format visible to other readers
+        from PIL import Image
+        with Image.open(path) as im:
+            ext = (im.format or "img").lower()
+    return path.read_bytes(), ext
+
+
+def write_shards(source: str | ImageSet, out_dir: str | Path, shard_size_bytes: int = 1_000_000_000, *,
+                 prefix: str = "train", max_count: int = 100_000, shuffle: bool = True, seed: int = 0,
+                 root: str | None = None, channels: int | None = None, on_bad_file: str = "error") -> ShardSet:
+    """Write `source` (a --data value or an ImageSet) as WebDataset shards plus index.json into `out_dir`.
+
+    Samples are written in a seeded random order (`shuffle`), so every shard mixes the classes
+    and a streaming reader only needs to shuffle shards and small blocks. Everything is written
+    under a temporary name and renamed at the end: `out_dir` either holds a complete set or nothing.
+    """
+    import torch
+    from webdataset import TarWriter
+
+    if isinstance(source, str):
+        from torchcls.data.sources import open_source
+        images = open_source(source, root, "train", channels, on_bad_file)
+    else:
+        images = source
+    out = Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not empty; remove it or choose another folder")
+    if shard_size_bytes <= 0 or max_count <= 0:
+        raise UserError(f"--shard-size must be positive (got {shard_size_bytes} bytes, {max_count} samples)")
+    if not re.fullmatch(r"[A-Za-z0-9_-]+", prefix):
+        raise UserError(f"shard prefix {prefix!r}: use letters, digits, '-' and '_' only")
+    order = (torch.randperm(len(images), generator=torch.Generator().manual_seed(seed)) if shuffle
+             else torch.arange(len(images))).tolist()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        shards = _write_tars(images, order, tmp, prefix, shard_size_bytes, max_count, TarWriter)
+        counts = torch.bincount(images.targets, minlength=len(images.classes)).tolist()
+        index = {"format": FORMAT, "version": 1, "source": images.name, "classes": list(images.classes),
+                 "channels": images.channels, "image_size": images.side, "num_samples": len(order),
+                 "class_counts": counts, "shuffled": shuffle, "seed": seed,
+                 "skipped": [list(s) for s in images.skipped],
+                 "shards": [{"name": s.path.name, "samples": s.samples, "bytes": s.bytes, "sha256": s.sha256}
+                            for s in shards]}
+        (tmp / INDEX).write_text(json.dumps(index, indent=1))
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return open_shards(str(out))
+
+
+def _write_tars(images: ImageSet, order: list[int], tmp: Path, prefix: str, max_bytes: int, max_count: int,
+                tar_writer: type) -> list[Shard]:
+    shards: list[Shard] = []
+    sink = writer = None
+    count = 0
+
+    def close() -> None:
+        writer.close()
+        sink.close()
+        path = tmp / f"{prefix}-{len(shards):06d}.tar"
+        shards.append(Shard(path, count, path.stat().st_size, sink.sha.hexdigest()))
+
+    for n, i in enumerate(order):
+        if writer is None:
+            sink = _HashingFile(tmp / f"{prefix}-{len(shards):06d}.tar")
+            # Fixed mtime and owner: the same data always gives the same bytes, so the same hashes.
+            writer, count = tar_writer(sink, encoder=False, mtime=0, user="torchcls", group="torchcls"), 0
+        data, ext = _sample_bytes(images, i)
+        writer.write({"__key__": f"{n:09d}", ext: data, "cls": str(int(images.targets[i])).encode()})
+        count += 1
+        if sink.size + len(data) >= max_bytes or count >= max_count:
+            close()
+            writer = None
+    if writer is not None:
+        close()
+    return shards
+
+
+# ---------------------------------------------------------------- reading
+
+def split_name(name: str) -> tuple[str, str] | None:
+    """A tar member name -> (sample key, field extension), by webdataset's rule; None for no extension."""
+    m = _KEY_EXT.match(name)
+    return (m.group(1), m.group(2)) if m else None
+
+
+def iter_members(tf: tarfile.TarFile, shard: Path, file_size: int) -> Iterator[tuple[str, dict[str, tarfile.TarInfo]]]:
+    """Group a tar's members into samples (key, {ext: member}) reading headers only.
+
+    A member whose data would end past the end of the file means the shard was cut short.
+    """
+    key, fields = None, {}
+    while True:
+        try:
+            m = tf.next()
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise UserError(f"shard {shard}: unreadable tar ({e}); it is truncated or not a tar file. "
+                            "Re-copy or re-write it (torchcls data shard)") from None
+        if m is None:
+            break
+        if m.offset_data + m.size > file_size:
+            raise UserError(f"shard {shard} is truncated: member {m.name} ends at byte "
+                            f"{m.offset_data + m.size:,} of a {file_size:,}-byte file. Re-copy or re-write it")
+        parts = split_name(m.name) if m.isfile() else None
+        if parts is None:
+            continue
+        if parts[0] != key and key is not None:
+            yield key, fields
+            fields = {}
+        key = parts[0]
+        fields[parts[1]] = m
+    if key is not None:
+        yield key, fields
+
+
+def open_tar(path: Path) -> tarfile.TarFile:
+    try:
+        return tarfile.open(path, mode="r:")
+    except (tarfile.TarError, OSError) as e:
+        raise UserError(f"shard {path}: cannot open as a tar ({e}). Re-copy or re-write it") from None
+
+
+def is_shard_source(source: str) -> bool:
+    """True for a folder with index.json or only .tar files, a .tar file, or a brace pattern of .tar files."""
+    if _BRACE.search(source) or source.endswith(".tar"):
+        return True
+    path = Path(source)
+    if not path.is_dir():
+        return False
+    if (path / INDEX).is_file():
+        return True
+    entries = [p for p in path.iterdir() if not p.name.startswith(".")]
+    return bool(entries) and all(p.is_file() and p.suffix == ".tar" for p in entries)
+
+
+def _expand(source: str) -> list[Path]:
+    from braceexpand import braceexpand
+    paths = [Path(p) for p in braceexpand(source)]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        raise UserError(f"--data {source}: {len(missing)} of {len(paths)} shard(s) not found, e.g. {missing[0]}")
+    return paths
+
+
+def _read_index(path: Path) -> dict:
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path}: unreadable shard index ({e}); re-write the shards (torchcls data shard)") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), list):
+        raise UserError(f"{path} is not a torchcls shard index (no '\"format\": \"{FORMAT}\"'); "
+                        "remove it to have the shards scanned instead")
+    return index
+
+
+def open_shards(source: str, verify: bool = False) -> ShardSet:
+    """Open shards from a folder, a .tar file or a brace pattern (`shards/train-{000000..000099}.tar`).
+
+    With an index.json next to the shards, counts and classes come from it and each shard's size
+    is checked against it (a cut-short copy is caught at once); `verify` also re-hashes every shard.
+    Without one, every shard's headers are read to count its samples (labels become class names '0'..).
+    """
+    path = Path(source)
+    if path.is_dir():
+        folder, chosen = path, None
+        if not (path / INDEX).is_file():
+            chosen = sorted(p for p in path.iterdir() if p.suffix == ".tar" and not p.name.startswith("."))
+    else:
+        chosen = _expand(source)
+        folder = chosen[0].parent
+    index_path = folder / INDEX
+    if index_path.is_file():
+        shardset = _from_index(index_path, source, chosen)
+        if shardset is not None:
+            _check_files(shardset, verify)
+            return shardset
+    if not chosen:
+        raise UserError(f"--data {source}: no .tar shards found")
+    return _scan(source, chosen)
+
+
+def _from_index(index_path: Path, source: str, chosen: list[Path] | None) -> ShardSet | None:
+    index = _read_index(index_path)
+    entries = {e["name"]: e for e in index["shards"]}
+    names = [p.name for p in chosen] if chosen is not None else list(entries)
+    if any(n not in entries for n in names):
+        return None  # shards the index does not describe: scan them instead
+    shards = [Shard(index_path.parent / n, int(entries[n]["samples"]), int(entries[n]["bytes"]),
+                    entries[n].get("sha256")) for n in names]
+    whole = chosen is None or len(names) == len(entries)
+    return ShardSet(source, list(index["classes"]), shards, int(index.get("channels") or 3),
+                    index.get("image_size"), index.get("source"), index_path,
+                    index.get("class_counts") if whole else None,
+                    [tuple(s) for s in index.get("skipped", [])])
+
+
+def _check_files(shardset: ShardSet, verify: bool) -> None:
+    for s in shardset.shards:
+        if not s.path.is_file():
+            raise UserError(f"shard {s.path} is listed in {shardset.index} but missing")
+        size = s.path.stat().st_size
+        if size == 0:
+            raise UserError(f"shard {s.path} is empty (0 bytes); re-copy or re-write it")
+        if size != s.bytes:
+            raise UserError(f"shard {s.path} has {size:,} bytes but {shardset.index} records {s.bytes:,}: "
+                            "it is truncated or was changed. Re-copy it or re-write the shards")
+    if verify:
+        verify_shards(shardset)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify_shards(shardset: ShardSet) -> dict[str, str]:
+    """Re-hash every shard and compare with the index; returns {shard name: sha256}. For governance and --data."""
+    hashes, bad = {}, []
+    for s in shardset.shards:
+        hashes[s.path.name] = digest = sha256_file(s.path)
+        if s.sha256 is not None and digest != s.sha256:
+            bad.append(f"  {s.path}: sha256 {digest[:16]}... but the index records {s.sha256[:16]}...")
+    if bad:
+        raise UserError(f"{len(bad)} shard(s) disagree with {shardset.index}:\n" + "\n".join(bad) +
+                        "\nThe files were changed or corrupted after writing; re-copy them or re-write the shards")
+    return hashes
+
+
+def _scan(source: str, paths: list[Path]) -> ShardSet:
+    """Count samples and collect labels of shards that have no index (headers and .cls members only)."""
+    shards, top = [], -1
+    for p in paths:
+        size = p.stat().st_size
+        if size == 0:
+            raise UserError(f"shard {p} is empty (0 bytes); re-copy or re-write it")
+        with open_tar(p) as tf:
+            n = 0
+            for key, fields in iter_members(tf, p, size):
+                n += 1
+                if "cls" in fields:
+                    raw = tf.extractfile(fields["cls"]).read()
+                    top = max(top, int(raw)) if raw.strip().isdigit() else top
+        if n == 0:
+            raise UserError(f"shard {p} holds no samples")
+        shards.append(Shard(p, n, size, None))
+    if top < 1:
+        raise UserError(f"--data {source}: the shards carry no integer .cls labels (or only one class)")
+    return ShardSet(source, [str(c) for c in range(top + 1)], shards)

@@ -1,0 +1,274 @@
+"""Stream WebDataset shards for training: each sample once per epoch over all ranks and workers,
+a seeded order, and an exact mid-epoch resume that never decodes a sample twice.
+
+How an epoch is laid out (all of it a function of seed, epoch, rank, world, workers, batch size):
+1. The shards are put in a seeded order for the epoch; their samples, concatenated, form one
+   stream of N positions (the counts come from the index, nothing is read to know them).
+2. Rank r takes the contiguous range [N*r/world, N*(r+1)/world): sizes differ by at most one, so
+   every rank runs the same number of steps whenever that is possible at all.
+3. Within a rank, workers take contiguous runs of whole batches, so each worker's batches are
+   full except the rank's very last one.
+4. A worker reads its range sequentially in blocks of `block` samples (raw bytes only) and
+   yields each block in a seeded permutation. Its state is one number, the positions consumed;
+   resuming seeks to the block (tar headers only) and skips, without decoding, what was used.
+Augmentation randomness is seeded per sample from (seed, epoch, position), so a resumed run
+draws the same crops and flips as an uninterrupted one, whatever process decodes the sample.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import tarfile
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from torchcls.data import images as image_files
+from torchcls.data.hf import decode_bytes
+from torchcls.data.shards import IMAGE_EXTS, ShardSet, iter_members, open_tar
+from torchcls.errors import UserError
+
+Transform = Callable[[torch.Tensor], torch.Tensor]
+
+
+class BadShardSample(Exception):
+    """A sample that cannot be used, under --on-bad-file error; str() names the shard and key."""
+
+
+def epoch_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    if not shuffle:
+        return list(range(num_shards))
+    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    return torch.randperm(num_shards, generator=g).tolist()
+
+
+def rank_range(n: int, rank: int, world: int) -> tuple[int, int]:
+    return n * rank // world, n * (rank + 1) // world
+
+
+def worker_range(n: int, rank: int, world: int, worker: int, workers: int, batch_size: int) -> tuple[int, int]:
+    """The stream positions [lo, hi) that one worker of one rank reads in an epoch."""
+    lo, hi = rank_range(n, rank, world)
+    batches = math.ceil((hi - lo) / batch_size)
+    first, last = batches * worker // workers, batches * (worker + 1) // workers
+    return min(lo + first * batch_size, hi), min(lo + last * batch_size, hi)
+
+
+class ShardStream(IterableDataset):
+    """The per-rank streaming dataset; a torchdata `Stateful` (state_dict/load_state_dict) in each worker."""
+
+    def __init__(self, shardset: ShardSet, *, batch_size: int, seed: int, rank: int, world: int,
+                 transform: Transform | None, on_bad_file: str, channels: int | None = None,
+                 shuffle: bool = True, block: int = 1000, min_side: int | None = None,
+                 max_pixels: int = image_files.MAX_PIXELS):
+        if not 0 <= rank < world:
+            raise UserError(f"rank {rank} is outside a world of {world} process(es)")
+        self.files = [(str(s.path), s.samples) for s in shardset.shards]
+        self.num_samples = sum(n for _, n in self.files)
+        self.num_classes = len(shardset.classes)
+        self.batch_size, self.seed, self.rank, self.world = batch_size, seed, rank, world
+        self.transform, self.on_bad_file = transform, on_bad_file
+        self.channels = channels or shardset.channels
+        self.min_side, self.max_pixels = min_side, max_pixels
+        self.shuffle, self.block = shuffle, max(1, block) if shuffle else 1
+        self.epoch, self._pos, self._resume, self._workers = 0, 0, False, 1
+        self.skipped: list[list[str]] = []
+
+    # -- torchdata Stateful: called in the worker after every batch, so it must be cheap
+    def state_dict(self) -> dict[str, Any]:
+        return {"epoch": self.epoch, "pos": self._pos, "skipped": list(self.skipped),
+                "layout": [self.rank, self.world, self._workers, self.batch_size, self.num_samples]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self._pos, self.skipped = int(state["epoch"]), int(state["pos"]), list(state["skipped"])
+        self._resume, self._saved_layout = True, list(state["layout"])
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, int]]:
+        info = get_worker_info()
+        worker, self._workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        layout = [self.rank, self.world, self._workers, self.batch_size, self.num_samples]
+        if self._resume and self._saved_layout != layout:
+            raise UserError(f"the saved data-loader state was made with rank, world, workers, batch size, samples "
+                            f"= {self._saved_layout}, this run has {layout}; resume with the same --workers, "
+                            "--batch-size, process count and data")
+        start, self._resume = (self._pos if self._resume else 0), False
+        self._pos = start
+        if not start:
+            self.skipped = []
+        lo, hi = worker_range(self.num_samples, self.rank, self.world, worker, self._workers, self.batch_size)
+        return self._samples(lo, hi, start)
+
+    def _samples(self, lo: int, hi: int, start: int) -> Iterator[tuple[torch.Tensor, int]]:
+        first = start // self.block * self.block
+        raw = self._read(lo + first, hi)
+        for b in range(lo + first, hi, self.block):
+            chunk = list(itertools.islice(raw, min(self.block, hi - b)))
+            if len(chunk) < min(self.block, hi - b):
+                raise UserError(f"the shards of this data set hold fewer samples than their index records "
+                                f"(stream position {b + len(chunk)}); re-write them or remove the stale index.json")
+            perm = self._permutation(b, len(chunk))
+            skip = start - first if b == lo + first else 0
+            for j in range(skip, len(chunk)):
+                self._pos = b - lo + j + 1  # consumed, whether it is used or skipped as bad
+                item = self._make(chunk[perm[j]], b + perm[j])
+                if item is not None:
+                    yield item
+
+    def _permutation(self, block_start: int, n: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(n))
+        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + block_start)
+        return torch.randperm(n, generator=g).tolist()
+
+    def _read(self, pos: int, hi: int) -> Iterator[tuple[str, str, dict[str, bytes]]]:
+        """Raw samples (shard, key, {ext: bytes}) from stream position `pos` on, reading only what is used."""
+        order = epoch_order(len(self.files), self.seed, self.epoch, self.shuffle)
+        base = 0
+        for s in order:
+            path, count = self.files[s]
+            if base + count <= pos:
+                base += count
+                continue
+            skip = max(0, pos - base)
+            with open_tar(path) as tf:
+                for n, (key, members) in enumerate(iter_members(tf, path, os.path.getsize(path))):
+                    if base + n >= hi:
+                        return
+                    if n >= skip:  # before: headers read to find the way, data never touched
+                        yield path, key, {ext: _member_bytes(tf, m, path) for ext, m in members.items()}
+            base += count
+
+    def _make(self, raw: tuple[str, str, dict[str, bytes]], position: int) -> tuple[torch.Tensor, int] | None:
+        shard, key, fields = raw
+        try:
+            image, label = self._decode(fields)
+        except (image_files.BadImage, ValueError) as e:
+            if self.on_bad_file == "error":
+                raise BadShardSample(f"shard {shard}: sample {key}: {e}. Fix or re-write the shard, or pass "
+                                     "--on-bad-file skip to leave such samples out (they are counted and listed)")
+            self.skipped.append([shard, key, str(e)])
+            return None
+        if self.transform is not None:
+            # The CPU generator alone (torch.manual_seed also records stacks for lazy CUDA seeding,
+            # ~3 ms a call), restored afterwards so the caller's random stream is untouched.
+            gen = torch.default_generator
+            saved = gen.get_state()
+            gen.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + position)
+            try:
+                image = self.transform(image)
+            finally:
+                gen.set_state(saved)
+        return image, label
+
+    def _decode(self, fields: dict[str, bytes]) -> tuple[torch.Tensor, int]:
+        label_raw = fields.get("cls")
+        ext = next((e for e in fields if e.lower() in IMAGE_EXTS), None)
+        if ext is None or label_raw is None:
+            raise ValueError(f"needs an image ({'/'.join(IMAGE_EXTS[:3])}...) and a .cls label; has "
+                             f"{', '.join('.' + e for e in fields) or 'nothing'}")
+        text = label_raw.decode("utf-8", "replace").strip()
+        if not text.isdigit() or int(text) >= self.num_classes:
+            raise ValueError(f"label {text!r} is not a class index in 0..{self.num_classes - 1}")
+        return decode_bytes(fields[ext], self.channels, self.min_side, self.max_pixels), int(text)
+
+
+def _member_bytes(tf: tarfile.TarFile, member: tarfile.TarInfo, shard: str) -> bytes:
+    # A plain seek + read: tarfile's extractfile wrapper costs more than the read of a small image.
+    tf.fileobj.seek(member.offset_data)
+    data = tf.fileobj.read(member.size)
+    if len(data) != member.size:
+        raise UserError(f"shard {shard} is truncated inside member {member.name}; re-copy or re-write it")
+    return data
+
+
+def _clean_message(e: BaseException) -> str:
+    """The user's message from an exception a DataLoader worker re-raised with its traceback appended."""
+    msg = str(e)
+    for marker in ("BadShardSample: ", "UserError: "):
+        if "Original Traceback" in msg and marker in msg:
+            return msg.rsplit(marker, 1)[1].strip()
+    return msg
+
+
+class ShardLoader:
+    """Batches of (images, targets) for one rank; `state_dict()` mid-epoch, `load_state_dict()` in a new
+    loader, and the next batches are those the uninterrupted loader would have given.
+
+    Call `set_epoch(e)` before each epoch (a loaded state carries its own epoch). Workers are not
+    persistent: each epoch's layout is handed to freshly started workers.
+    """
+
+    def __init__(self, dataset: ShardStream, workers: int, pin_memory: bool | None = None):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+        self.dataset = dataset
+        with warnings.catch_warnings():  # torchdata 0.11 calls the deprecated torch.set_vital
+            warnings.filterwarnings("ignore", message=".*set_vital.*")
+            self.loader = StatefulDataLoader(
+                dataset, batch_size=dataset.batch_size, num_workers=workers, snapshot_every_n_steps=1,
+                pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
+        self._skipped: list[list[str]] = []
+
+    def __len__(self) -> int:
+        """Batches this rank yields per epoch (the same on every rank unless N < world * batches)."""
+        lo, hi = rank_range(self.dataset.num_samples, self.dataset.rank, self.dataset.world)
+        return math.ceil((hi - lo) / self.dataset.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.dataset.epoch = epoch
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        it = iter(self.loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            except (BadShardSample, UserError) as e:
+                raise UserError(_clean_message(e)) from None
+            yield batch
+        self._skipped = _collect_skipped(self.loader.state_dict()) if self.loader.num_workers else \
+            list(self.dataset.skipped)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    @property
+    def skipped(self) -> list[list[str]]:
+        """[shard, key, reason] of each bad sample left out in the last complete epoch (--on-bad-file skip)."""
+        return list(self._skipped)
+
+
+def _collect_skipped(state: Any) -> list[list[str]]:
+    if isinstance(state, dict):
+        if "skipped" in state and "pos" in state:
+            return list(state["skipped"])
+        return [s for v in state.values() for s in _collect_skipped(v)]
+    return []
+
+
+def shard_loader(shardset: ShardSet, batch_size: int, workers: int, seed: int, rank: int = 0, world: int = 1,
+                 transform: Transform | None = None, on_bad_file: str = "error", *, shuffle: bool = True,
+                 block: int = 1000, channels: int | None = None, min_side: int | None = None,
+                 max_pixels: int = image_files.MAX_PIXELS) -> ShardLoader:
+    """A resumable streaming loader over `shardset` for one rank of `world` (use in place of a map-style loader).
+
+    `shuffle=False` reads the samples in the order they were written (for validation, or to compare
+    with an in-order folder run); `block` is how many samples' raw bytes a worker holds to shuffle.
+    `min_side` and `max_pixels` decode as image files do (reduced big JPEGs, --max-pixels).
+    """
+    if batch_size < 1:
+        raise UserError(f"--batch-size must be at least 1, got {batch_size}")
+    if on_bad_file not in ("error", "skip"):
+        raise UserError(f"--on-bad-file must be 'error' or 'skip', got {on_bad_file!r}")
+    dataset = ShardStream(shardset, batch_size=batch_size, seed=seed, rank=rank, world=world, transform=transform,
+                          on_bad_file=on_bad_file, channels=channels, shuffle=shuffle, block=block,
+                          min_side=min_side, max_pixels=max_pixels)
+    return ShardLoader(dataset, workers)
