@@ -16,6 +16,7 @@ from torchcls.data import build_data, make_loader
 from torchcls.data.inmemory import (
     InMemoryLoader,
     build_cache,
+    bundle_loaders,
     memory_loaders,
     resized_crop_flip,
     shift_flip,
@@ -237,3 +238,18 @@ def test_refusals_name_the_option(mnist, digits):
     assert not use_in_memory("off", 4096, mnist.images, mnist.preprocess)
     with pytest.raises(UserError, match="same data and --batch-size"):
         loader(digits, batch=16).load_state_dict(loader(digits, batch=32).state_dict())
+
+
+def test_bundle_loaders_follow_the_data_config(mnist):
+    cfg = DataConfig()
+    cfg.batch_size, cfg.augment, cfg.in_memory, cfg.memory_limit_mb = 64, "flip", "off", 4096
+    assert bundle_loaders(mnist, cfg, seed=0) is None
+    cfg.in_memory = "auto"
+    train, val, bad = bundle_loaders(mnist, cfg, seed=0, val_batch_size=256)
+    assert not bad and (train.n, val.n) == (len(mnist.train), len(mnist.val))
+    assert len(train) == -(-len(mnist.train) // 64) and train.augment == "flip" and val.augment == "none"
+    x, y = next(iter(val))
+    assert x.shape == (256, 1, 28, 28) and torch.equal(y, mnist.images.targets[mnist.val.indices[:256]])
+    cfg.in_memory, cfg.memory_limit_mb = "on", 1
+    with pytest.raises(UserError, match="--memory-limit-mb 1"):
+        bundle_loaders(mnist, cfg, seed=0)

@@ -50,17 +50,21 @@ def cache_bytes(images: ImageSet, pre: Preprocess) -> int:
 
 def use_in_memory(mode: str, limit_mb: float, images: ImageSet, pre: Preprocess) -> bool:
     """Whether to batch from a cache: auto = when it fits in `limit_mb`; on = always (refused if it does not fit)."""
+    return _wanted(mode, limit_mb, cache_bytes(images, pre), images.name, pre)
+
+
+def _wanted(mode: str, limit_mb: float, need_bytes: int, name: str, pre: Preprocess) -> bool:
     if mode not in MODES:
         raise UserError(f"--in-memory must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "off":
         return False
-    need_mb = cache_bytes(images, pre) / 2 ** 20
+    need_mb = need_bytes / 2 ** 20
     if need_mb <= limit_mb:
         return True
     if mode == "on":
-        raise UserError(f"--in-memory on: {images.name} decoded at {pre.img_size} px needs {need_mb:,.0f} MB, more "
+        raise UserError(f"--in-memory on: {name} decoded at {pre.img_size} px needs {need_mb:,.0f} MB, more "
                         f"than --memory-limit-mb {limit_mb:g}. Raise the limit, lower --img-size, or use "
-                        "--in-memory auto to fall back to the streaming loader")
+                        "--in-memory auto to fall back to the per-sample loader")
     return False
 
 
@@ -272,22 +276,55 @@ def resized_crop_flip(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor) ->
 
 def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, val_idx: torch.Tensor,
                    batch_size: int, augment: str, seed: int, *, on_bad_file: str = "error",
-                   val_batch_size: int | None = None,
+                   val_images: ImageSet | None = None, val_batch_size: int | None = None,
                    rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
                    ) -> tuple[InMemoryLoader, InMemoryLoader, list[tuple[str, str]]]:
-    """The train and validation loaders over one shared cache; also the files that failed to decode."""
+    """The train and validation loaders (over one shared cache unless `val_images` is a separate set).
+
+    Also returns the (file, reason) of the files that failed to decode; under
+    on_bad_file="skip" they are left out of both loaders, under "error" they stop the run.
+    """
+    cache, train_idx, bad = _cache_rows(images, pre, train_idx, on_bad_file)
+    if val_images is None or val_images is images:
+        val_cache, val_idx = cache, _drop(val_idx, images, bad)
+    else:
+        val_cache, val_idx, val_bad = _cache_rows(val_images, pre, val_idx, on_bad_file)
+        bad = bad + val_bad
+    common = dict(seed=seed, rank=rank, world=world, device=device)
+    train = InMemoryLoader(cache, images.targets, pre, batch_size, train=True, augment=augment,
+                           indices=train_idx, **common)
+    val = InMemoryLoader(val_cache, (val_images or images).targets, pre, val_batch_size or batch_size, train=False,
+                         indices=val_idx, **common)
+    return train, val, bad
+
+
+def bundle_loaders(bundle: Any, cfg: Any, seed: int, *, rank: int = 0, world: int = 1,
+                   device: torch.device | str = "cpu", val_batch_size: int | None = None,
+                   ) -> tuple[InMemoryLoader, InMemoryLoader, list[tuple[str, str]]] | None:
+    """In-memory loaders for a `build_data` DataBundle under DataConfig `cfg`, or None when --in-memory says no."""
+    train_set, val_set = bundle.train.images, bundle.val.images
+    sets = [train_set] if val_set is train_set else [train_set, val_set]
+    need = sum(cache_bytes(s, bundle.preprocess) for s in sets)
+    if not _wanted(cfg.in_memory, cfg.memory_limit_mb, need, " + ".join(s.name for s in sets), bundle.preprocess):
+        return None
+    return memory_loaders(train_set, bundle.preprocess, bundle.train.indices, bundle.val.indices, cfg.batch_size,
+                          cfg.augment, seed, on_bad_file=cfg.on_bad_file, val_images=val_set,
+                          val_batch_size=val_batch_size, rank=rank, world=world, device=device)
+
+
+def _cache_rows(images: ImageSet, pre: Preprocess, idx: torch.Tensor, on_bad_file: str,
+                ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
     cache, bad = build_cache(images, pre)
     if bad and on_bad_file == "error":
         listing = "\n".join(f"  {f}: {r}" for f, r in bad[:20]) + ("\n  ..." if len(bad) > 20 else "")
         raise UserError(f"{len(bad)} image file(s) failed to decode while caching them in memory:\n{listing}\n"
                         "Fix or remove them, or pass --on-bad-file skip to leave them out (they are listed in the report)")
-    if bad:
-        bad_files = {f for f, _ in bad}
-        good = torch.tensor([str(p) not in bad_files for p in images.paths])
-        train_idx, val_idx = train_idx[good[train_idx]], val_idx[good[val_idx]]
-    common = dict(seed=seed, rank=rank, world=world, device=device)
-    train = InMemoryLoader(cache, images.targets, pre, batch_size, train=True, augment=augment,
-                           indices=train_idx, **common)
-    val = InMemoryLoader(cache, images.targets, pre, val_batch_size or batch_size, train=False,
-                         indices=val_idx, **common)
-    return train, val, bad
+    return cache, _drop(idx, images, bad), bad
+
+
+def _drop(idx: torch.Tensor, images: ImageSet, bad: list[tuple[str, str]]) -> torch.Tensor:
+    if not bad:
+        return idx
+    bad_files = {f for f, _ in bad}
+    good = torch.tensor([str(p) not in bad_files for p in images.paths])
+    return idx[good[idx]]
