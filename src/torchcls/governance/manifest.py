@@ -158,19 +158,18 @@ def _file_object(path: Path, name: str, url: str, digest: tuple[str, int], kind:
 def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, list, list]:
     """Records for the files of a folder or CSV, exactly the files training lists (data_files), with the
     CSV's own hash in the distribution (it holds the labels)."""
-    from torchcls.data.files import data_files
-    from torchcls.data.sources import open_source
+    from torchcls.data.files import data_files, open_splits
 
     is_csv = path.suffix.lower() == ".csv"
     base = (Path(root) if root else path.parent).resolve() if is_csv else path.resolve()
-    images = open_source(str(path), root, "train", None, "skip")
-    missing = [f for f, _ in images.skipped if not Path(f).is_file()]
+    splits = open_splits(str(path), root)
+    missing = sorted({f for s in splits for f, _ in s.skipped if not Path(f).is_file()})
     if missing and is_csv:
         raise UserError(f"{path}: {len(missing)} listed file(s) do not exist, so they cannot be hashed: "
                         + ", ".join(missing[:5]))
-    files = data_files(str(path), root, images=images)
+    files = data_files(str(path), root, splits=splits)
     digests = cache.hash_files(files)
-    labels = {str(Path(p).resolve()): images.classes[int(t)] for p, t in zip(images.paths, images.targets)}
+    labels = {str(Path(p).resolve()): s.classes[int(t)] for s in splits for p, t in zip(s.paths, s.targets)}
     columns = csv_columns(path, base) if is_csv else {}
     records = []
     for f, d in zip(files[:-1] if is_csv else files, digests):
@@ -184,9 +183,11 @@ def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, 
 
 
 def _folder_class(f: Path, base: Path) -> str | None:
-    """The class of a file a folder scan skipped: its top folder under the data set's root."""
-    rel = Path(_relative(f, base))
-    return rel.parts[0] if not rel.is_absolute() and len(rel.parts) > 1 else None
+    """The class of a file a folder scan skipped: its folder under the root (or under a split folder)."""
+    parts = Path(_relative(f, base)).parts
+    if len(parts) > 2 and parts[0] in ("train", "val", "test"):
+        return parts[1]
+    return parts[0] if len(parts) > 1 and not Path(parts[0]).is_absolute() else None
 
 
 def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, Any]]]:
