@@ -1,5 +1,8 @@
 """Every odd image file has a defined outcome: converted correctly, or a BadImage with the reason."""
 
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -7,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from torchcls.data.images import MAX_PIXELS, BadImage, load_image
+from torchcls.data.images import MAX_PIXELS, BadImage, load_image, plan_decode
 
 
 def _save(tmp_path: Path, name: str, im: Image.Image, **kw) -> Path:
@@ -89,3 +92,57 @@ def test_decompression_bomb_rejected_without_decoding(tmp_path):
     assert p.stat().st_size < 200_000  # tiny file, huge image
     with pytest.raises(BadImage, match="decompression bomb"):
         load_image(p, 3)
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def test_108_megapixel_jpeg_decodes_reduced(tmp_path):
+    p = tmp_path / "huge.jpg"
+    # Made in another process, so that building it does not count in this process's peak memory.
+    subprocess.run([sys.executable, "-c", "import sys; from PIL import Image, ImageDraw; im = Image.new('L', (120, 90));"
+                    "ImageDraw.Draw(im).ellipse((20, 10, 100, 80), fill=200);"
+                    "im.resize((12000, 9000)).save(sys.argv[1], quality=5)", str(p)], check=True)
+    assert p.stat().st_size < 3_000_000
+    with pytest.raises(BadImage, match="above the --max-pixels limit of 64,000,000"):
+        load_image(p, 3)  # no target size known: the limit applies
+    before = _peak_rss_mb()
+    t = load_image(p, 3, min_side=224)  # 1/8 DCT scaling: 1500x1125 is still >= 224
+    assert t.shape == (3, 1125, 1500) and t.dtype == torch.uint8
+    assert _peak_rss_mb() - before < 200  # a full decode would need 324 MB for the RGB pixels alone
+    assert 150 < float(t[0, 560, 750]) < 250 and float(t[0, 5, 5]) < 50  # the picture, not noise
+    assert load_image(p, 1, min_side=1200).shape == (1, 2250, 3000)  # 1/4: the smallest scale >= 1200
+
+
+def test_extreme_aspect_ratio_refused_before_any_resize(tmp_path):
+    p = _save(tmp_path, "strip.png", Image.new("L", (2_000_000, 4), 128))
+    assert p.stat().st_size < 100_000
+    before = _peak_rss_mb()
+    with pytest.raises(BadImage, match=r"2000000x4 pixels \(aspect ratio 1:500000\): resizing it to 224 px"):
+        load_image(p, 3, min_side=224)
+    assert _peak_rss_mb() - before < 200
+    with pytest.raises(BadImage, match="crop it into tiles first"):
+        plan_decode("PNG", 2_000_000, 4, 28)
+    assert plan_decode("PNG", 1000, 100, 224) == 1  # a 10:1 panorama is fine
+
+
+def test_max_pixels_zero_means_no_limit():
+    assert plan_decode("PNG", 20_000, 20_000, None, max_pixels=0) == 1
+    with pytest.raises(BadImage, match="--max-pixels"):
+        plan_decode("PNG", 20_000, 20_000, None)
+
+
+def test_16bit_extremes_round_correctly(tmp_path):
+    arr = np.array([[0, 257, 65535, 32767]], dtype=np.uint16)
+    t = load_image(_save(tmp_path, "e.png", Image.fromarray(arr)), 1)
+    assert t[0, 0].tolist() == [0, 1, 255, 127]
+
+
+def test_turbo_and_pillow_decode_the_same_pixels(tmp_path):
+    p = _save(tmp_path, "n.jpg", Image.effect_noise((64, 48), 40).convert("RGB"), quality=90)
+    fast = load_image(p, 3)  # libjpeg-turbo (torchvision)
+    with Image.open(p) as im:
+        slow = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
+    assert fast.shape == slow.shape == (3, 48, 64)
+    assert (fast.int() - slow.int()).abs().max() <= 2

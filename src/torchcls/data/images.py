@@ -14,6 +14,7 @@ so the start-up scan and the decoder in training, predict and serve refuse the s
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -127,6 +128,16 @@ def _decode_turbo(path: Path, channels: int) -> torch.Tensor | None:
         raise BadImage(f"truncated or corrupted: {str(e).rsplit(', ', 1)[-1]}") from None
 
 
+def _check_entry(path: Path) -> None:
+    """The reasons a path is no image file at all, named before trying to open it."""
+    if path.is_symlink() and not path.exists():
+        raise BadImage(f"broken symlink (points to {os.readlink(path)}, which does not exist)")
+    if path.is_dir():
+        raise BadImage("a directory, not an image file")
+    if path.stat().st_size == 0:
+        raise BadImage("empty file (0 bytes)")
+
+
 def load_image(path: str | Path, channels: int, min_side: int | None = None,
                max_pixels: int = MAX_PIXELS) -> torch.Tensor:
     """Decode `path` to a uint8 tensor of shape (channels, H, W), or raise BadImage.
@@ -135,8 +146,7 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
     smallest DCT scale still at least that size, and extreme aspect ratios are refused."""
     path = Path(path)
     try:
-        if path.stat().st_size == 0:
-            raise BadImage("empty file (0 bytes)")
+        _check_entry(path)
         with Image.open(path) as im:
             scale = plan_decode(im.format, im.width, im.height, min_side, max_pixels)
             if im.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
@@ -170,8 +180,7 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
 def read_header(path: Path) -> tuple[str, int, int]:
     """(format, width, height) from the header alone, never the pixels; BadImage if unidentifiable."""
     try:
-        if path.stat().st_size == 0:
-            raise BadImage("empty file (0 bytes)")
+        _check_entry(path)
         with Image.open(path) as im:
             return im.format or "?", im.width, im.height
     except BadImage:

@@ -5,6 +5,7 @@ calibration error (torchmetrics), written to eval.json plus a confusion-matrix P
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,9 @@ import torch
 
 from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
 from torchcls.config import Config, DataConfig
-from torchcls.data import eval_dataset, make_loader
+from torchcls.data import eval_dataset, make_loader, read_skips
+from torchcls.data.skips import skip_log_path
+from torchcls.data.splits import available_splits
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
@@ -71,26 +74,29 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     model, meta = load_model(path)
     train_cfg = Config.from_dict(meta.config, origin=f"{path} metadata")
     data_cfg: DataConfig = replace(train_cfg.data, on_bad_file=on_bad_file)
-    if data is not None:
-        data_cfg = replace(data_cfg, source=data, root=root)
+    if data is not None:  # other data: the training run's --val-data does not apply to it
+        data_cfg = replace(data_cfg, source=data, root=root, val_data=None)
     elif root is not None:
         data_cfg = replace(data_cfg, root=root)
     split = split or ("test" if data_cfg.source == "fashion-mnist" else "val")
     if split not in SPLITS:
         raise UserError(f"--split {split}: choose one of {', '.join(SPLITS)}")
-    if data is not None and split == "val":
-        split = "all"  # other data than the training data: use all of it
+    if data is not None and split == "val" and "val" not in available_splits(data):
+        split = "all"  # other data than the training data, without a val split of its own: use all of it
     dataset, images = eval_dataset(data_cfg, meta.preprocess, split, train_cfg.train.seed)
     dataset = _align_classes(dataset, images, meta.classes, data_cfg.source)
     loader = make_loader(dataset, batch_size, workers, shuffle=False)
     exits = _early_exit_setup(model, meta, replace(train_cfg.data, on_bad_file=on_bad_file), train_cfg.train.seed, resolve_device(device), batch_size,
                               workers, threshold, target_accuracy, target_compute)
 
-    logits, targets = predict_logits(model, loader, resolve_device(device))
+    with tempfile.TemporaryDirectory(prefix="torchcls-eval-") as tmp:  # files skipped while decoding
+        dataset.skip_log = skip_log_path(tmp)
+        logits, targets = predict_logits(model, loader, resolve_device(device))
+        skipped = images.skipped + [(d["file"], d["reason"]) for d in read_skips(tmp)]
     result = {"checkpoint": str(path), "data": data_cfg.source, "split": split,
               **classification_metrics(logits, targets, meta.classes)}
-    if images.skipped:
-        result["skipped_files"] = [{"file": f, "reason": r} for f, r in images.skipped]
+    if skipped:
+        result["skipped_files"] = [{"file": f, "reason": r} for f, r in skipped]
 
     out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent)
     out.mkdir(parents=True, exist_ok=True)
