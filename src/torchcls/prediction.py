@@ -11,6 +11,7 @@ import torch
 from torchcls.options import PredictOptions as _D  # the defaults, declared once
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
+from torchcls.data.scan import list_files
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.artifacts.artifact import load_artifact
@@ -29,12 +30,13 @@ class Predictions:
 def expand_inputs(inputs: list[str | Path]) -> list[Path]:
     files: list[Path] = []
     for item in map(Path, inputs):
-        if item.is_dir():
-            found = sorted(f for f in item.rglob("*") if f.is_file() and not f.name.startswith("."))
+        if item.is_dir():  # broken symlinks and unreadable entries stay in, so that they are reported
+            listing = list_files(item)
+            found = sorted(listing.files + [Path(p) for p, _ in listing.problems])
             if not found:
                 raise UserError(f"folder {item} holds no files")
             files += found
-        elif item.is_file():
+        elif item.is_file() or item.is_symlink():  # a broken symlink is reported by load_image
             files.append(item)
         else:
             raise UserError(f"{item} does not exist")
@@ -58,7 +60,7 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
     good: list[tuple[Path, torch.Tensor]] = []
     for f in expand_inputs(inputs):
         try:
-            good.append((f, transform(load_image(f, meta.preprocess.channels))))
+            good.append((f, transform(load_image(f, meta.preprocess.channels, meta.preprocess.img_size))))
         except BadImage as e:
             if on_bad_file == "error":
                 raise UserError(f"{f}: {e} (pass --on-bad-file skip to leave it out)") from None

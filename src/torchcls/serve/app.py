@@ -171,7 +171,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
                 f.write(data)
                 f.flush()
                 try:
-                    tensors.append(transform(load_image(f.name, pre.channels)))
+                    tensors.append(transform(load_image(f.name, pre.channels, pre.img_size)))  # bounds the resize
                 except BadImage as e:
                     raise HTTPError(400, f"{fname}: {e}") from None
         return torch.stack(tensors)
