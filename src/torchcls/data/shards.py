@@ -199,6 +199,7 @@ def iter_members(tf: tarfile.TarFile, shard: Path, file_size: int) -> Iterator[t
             raise UserError(f"shard {shard}: unreadable tar ({e}); it is truncated or not a tar file. "
                             "Re-copy or re-write it (torchcls data shard)") from None
         if m is None:
+            _check_end(tf, shard)
             break
         if m.offset_data + m.size > file_size:
             raise UserError(f"shard {shard} is truncated: member {m.name} ends at byte "
@@ -213,6 +214,16 @@ def iter_members(tf: tarfile.TarFile, shard: Path, file_size: int) -> Iterator[t
         fields[parts[1]] = m
     if key is not None:
         yield key, fields
+
+
+def _check_end(tf: tarfile.TarFile, shard: Path) -> None:
+    # tarfile takes a file cut exactly between two members for a finished archive; a real one
+    # ends with a block of zeros (the end-of-archive marker), which a cut-short copy lacks.
+    tf.fileobj.seek(tf.offset)
+    end = tf.fileobj.read(tarfile.BLOCKSIZE)
+    if len(end) < tarfile.BLOCKSIZE or end.strip(b"\0"):
+        raise UserError(f"shard {shard} is truncated: it stops at byte {tf.offset:,} without the tar "
+                        "end-of-archive marker. Re-copy or re-write it")
 
 
 def open_tar(path: Path) -> tarfile.TarFile:

@@ -1,0 +1,254 @@
+"""WebDataset shards: writing (same samples and bytes as the source, index, atomic), streaming
+(each sample once per epoch over ranks x workers, exact mid-epoch resume), and bad shards."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+from conftest import make_image_folder
+from torchcls.data.shards import INDEX, is_shard_source, open_shards, verify_shards, write_shards
+from torchcls.data.sources import ImageSet, open_source
+from torchcls.data.streaming import shard_loader
+from torchcls.errors import UserError
+
+
+def numbered_set(n: int = 300, side: int = 8) -> ImageSet:
+    """An in-memory set whose image i carries i in its first two pixels, so a batch says which samples it holds."""
+    images = torch.zeros(n, side, side, dtype=torch.uint8)
+    ids = torch.arange(n)
+    images[:, 0, 0], images[:, 0, 1] = (ids % 256).to(torch.uint8), (ids // 256).to(torch.uint8)
+    return ImageSet("numbered", [str(c) for c in range(3)], ids % 3, 1, images=images)
+
+
+def ids_of(batch: tuple[torch.Tensor, torch.Tensor]) -> list[int]:
+    images = batch[0]
+    return (images[:, 0, 0, 0].long() + 256 * images[:, 0, 0, 1].long()).tolist()
+
+
+@pytest.fixture
+def numbered_shards(tmp_path: Path):
+    return write_shards(numbered_set(), tmp_path / "shards", shard_size_bytes=20_000)
+
+
+def test_folder_round_trip_keeps_samples_labels_and_bytes(tmp_path: Path):
+    folder = make_image_folder(tmp_path / "shapes", per_class=6)
+    shardset = write_shards(str(folder), tmp_path / "shards", shard_size_bytes=8_000)
+    index = json.loads((tmp_path / "shards" / INDEX).read_text())
+    assert len(shardset.shards) > 1 and index["num_samples"] == 12 == len(shardset)
+    assert index["classes"] == ["circle", "square"] and index["class_counts"] == [6, 6]
+    assert sum(s["samples"] for s in index["shards"]) == 12
+    found, keys = Counter(), []
+    for entry in index["shards"]:
+        path = tmp_path / "shards" / entry["name"]
+        assert entry["bytes"] == path.stat().st_size
+        assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
+        with tarfile.open(path) as tf:
+            members = {m.name: tf.extractfile(m).read() for m in tf.getmembers()}
+        for name, data in members.items():
+            if name.endswith(".png"):
+                key = name[:-4]
+                keys.append(key)
+                found[(index["classes"][int(members[key + ".cls"])], hashlib.sha256(data).hexdigest())] += 1
+    source = open_source(str(folder), None, "train", None, "error")
+    expected = Counter((source.classes[int(t)], hashlib.sha256(Path(p).read_bytes()).hexdigest())
+                       for p, t in zip(source.paths, source.targets))
+    assert found == expected and len(set(keys)) == 12  # the files themselves, no re-encode, unique keys
+    assert is_shard_source(str(tmp_path / "shards")) and not is_shard_source(str(folder))
+    assert verify_shards(shardset).keys() == {s["name"] for s in index["shards"]}
+
+
+def test_in_memory_set_becomes_png_and_decodes_back(numbered_shards):
+    loader = shard_loader(numbered_shards, 50, 0, seed=0, shuffle=False)
+    got = torch.cat([b[0] for b in loader])
+    order = ids_of((got, None))
+    assert sorted(order) == list(range(300))
+    original = numbered_set()
+    assert torch.equal(got[:, 0], original.images[order])
+    assert numbered_shards.channels == 1 and numbered_shards.side == 8 and numbered_shards.source == "numbered"
+
+
+def test_write_is_atomic_and_refuses_a_full_folder(tmp_path: Path):
+    folder = make_image_folder(tmp_path / "shapes", per_class=3)
+    images = open_source(str(folder), None, "train", None, "error")
+    images.paths[-1].unlink()  # gone after the scan: the writer fails half-way
+    with pytest.raises(FileNotFoundError):
+        write_shards(images, tmp_path / "out", shard_size_bytes=1000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]  # no out/, no partial folder
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("x")
+    with pytest.raises(UserError, match="already exists and is not empty"):
+        write_shards(numbered_set(), tmp_path / "full")
+
+
+def test_brace_pattern_and_folder_without_index(numbered_shards, tmp_path: Path):
+    root = Path(numbered_shards.shards[0].path).parent
+    first_two = open_shards(str(root / "train-{000000..000001}.tar"))
+    assert [s.path.name for s in first_two.shards] == ["train-000000.tar", "train-000001.tar"]
+    assert len(first_two) == numbered_shards.shards[0].samples + numbered_shards.shards[1].samples
+    (root / INDEX).unlink()
+    scanned = open_shards(str(root))
+    assert len(scanned) == 300 and scanned.classes == ["0", "1", "2"] and scanned.index is None
+
+
+def epoch_ids(shardset, rank: int, world: int, workers: int, epoch: int) -> list[list[int]]:
+    loader = shard_loader(shardset, 16, workers, seed=3, rank=rank, world=world)
+    loader.set_epoch(epoch)
+    batches = [ids_of(b) for b in loader]
+    assert len(batches) == len(loader)
+    return batches
+
+
+def test_two_ranks_two_workers_see_each_sample_once_per_epoch(numbered_shards):
+    orders = []
+    for epoch in (0, 1):
+        per_rank = [epoch_ids(numbered_shards, rank, 2, 2, epoch) for rank in (0, 1)]
+        seen = [i for batches in per_rank for b in batches for i in b]
+        assert sorted(seen) == list(range(300))  # every sample exactly once across ranks and workers
+        assert len(per_rank[0]) == len(per_rank[1])  # the same number of steps on every rank
+        orders.append(seen)
+    assert orders[0] != orders[1]  # a new order each epoch ...
+    assert epoch_ids(numbered_shards, 1, 2, 2, 1) == epoch_ids(numbered_shards, 1, 2, 2, 1)  # ... and seeded
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_mid_epoch_resume_gives_the_uninterrupted_batches(numbered_shards, workers: int):
+    augment = v2.Compose([v2.RandomCrop(8, padding=2), v2.RandomHorizontalFlip()])
+
+    def loader():
+        ld = shard_loader(numbered_shards, 16, workers, seed=5, rank=1, world=2, transform=augment, block=40)
+        ld.set_epoch(2)
+        return ld
+
+    reference = list(loader())
+    first = loader()
+    it = iter(first)
+    head = [next(it) for _ in range(4)]
+    state = first.state_dict()
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    tail = list(resumed)
+    assert len(head) + len(tail) == len(reference)
+    for got, want in zip(head + tail, reference):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_resume_decodes_only_what_is_left(numbered_shards):
+    decoded = []
+
+    def counting(image: torch.Tensor) -> torch.Tensor:
+        decoded.append(1)
+        return image
+
+    first = shard_loader(numbered_shards, 10, 0, seed=1, transform=counting, block=64)
+    it = iter(first)
+    for _ in range(7):
+        next(it)
+    state = first.state_dict()
+    decoded.clear()
+    resumed = shard_loader(numbered_shards, 10, 0, seed=1, transform=counting, block=64)
+    resumed.load_state_dict(state)
+    assert sum(len(b[1]) for b in resumed) == 300 - 70 == len(decoded)
+
+
+def write_tar(path: Path, samples: list[tuple[str, bytes, bytes]]) -> None:
+    from webdataset import TarWriter
+    with TarWriter(str(path), encoder=False) as w:
+        for key, image, label in samples:
+            w.write({"__key__": key, "png": image, "cls": label})
+
+
+@pytest.fixture
+def shard_with_bad_sample(tmp_path: Path, numbered_shards) -> Path:
+    """One hand-made shard: good PNGs from the numbered set, a truncated PNG and a sample without a label."""
+    good = []
+    with tarfile.open(numbered_shards.shards[0].path) as tf:
+        for m in tf.getmembers():
+            if m.name.endswith(".png"):
+                good.append(tf.extractfile(m).read())
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    samples = [(f"s{i:03d}", data, str(i % 3).encode()) for i, data in enumerate(good[:6])]
+    samples.insert(2, ("broken", good[0][: len(good[0]) // 2], b"1"))
+    write_tar(folder / "part-0.tar", samples)
+    return folder
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_bad_sample_error_names_shard_and_key(shard_with_bad_sample: Path, workers: int):
+    shardset = open_shards(str(shard_with_bad_sample))
+    with pytest.raises(UserError) as err:
+        list(shard_loader(shardset, 4, workers, seed=0, on_bad_file="error"))
+    message = str(err.value)
+    assert "part-0.tar" in message and "broken" in message and "--on-bad-file skip" in message
+    assert "Traceback" not in message
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_bad_sample_skip_leaves_it_out_and_lists_it(shard_with_bad_sample: Path, workers: int):
+    shardset = open_shards(str(shard_with_bad_sample))
+    loader = shard_loader(shardset, 4, workers, seed=0, on_bad_file="skip")
+    assert sum(len(b[1]) for b in loader) == 6
+    assert [(Path(s).name, k) for s, k, _ in loader.skipped] == [("part-0.tar", "broken")]
+
+
+def test_truncated_and_empty_shards_are_named(numbered_shards, tmp_path: Path):
+    shard = numbered_shards.shards[1].path
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UserError, match=f"shard {shard} has .* bytes but .* records"):
+        open_shards(str(shard.parent))
+    (shard.parent / INDEX).unlink()  # without an index the tar itself shows the cut
+    with pytest.raises(UserError, match=f"shard {shard}.*truncated"):
+        open_shards(str(shard.parent))
+    shard.write_bytes(b"")
+    with pytest.raises(UserError, match=f"shard {shard} is empty"):
+        open_shards(str(shard.parent))
+
+
+def test_hashes_that_disagree_with_the_index_are_named(numbered_shards):
+    shard = numbered_shards.shards[2].path
+    data = bytearray(shard.read_bytes())
+    data[600] ^= 0xFF  # same size, different bytes
+    shard.write_bytes(bytes(data))
+    open_shards(str(shard.parent))  # sizes agree: only a verification reads the bytes
+    with pytest.raises(UserError, match=f"1 shard.* disagree.*\n  {shard}: sha256"):
+        open_shards(str(shard.parent), verify=True)
+
+
+RANK_SCRIPT = """
+import json, os, sys
+from torchcls.data.shards import open_shards
+from torchcls.data.streaming import shard_loader
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+loader = shard_loader(open_shards(sys.argv[1]), 16, 2, seed=7, rank=rank, world=world)
+loader.set_epoch(1)
+ids = [int(x) + 256 * int(y) for images, _ in loader for x, y in images[:, 0, 0, :2].tolist()]
+with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:
+    json.dump({"ids": ids, "steps": len(loader)}, f)
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_cover_the_epoch_once(numbered_shards, tmp_path: Path):
+    script = tmp_path / "ranks.py"
+    script.write_text(RANK_SCRIPT)
+    root = str(Path(numbered_shards.shards[0].path).parent)
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", "0", str(script), root, str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert sorted(ranks[0]["ids"] + ranks[1]["ids"]) == list(range(300))
+    assert ranks[0]["steps"] == ranks[1]["steps"]
