@@ -8,8 +8,9 @@ One process per configuration (compiled variants interfere inside one process); 
 processes are prepared first, then measured in interleaved rounds (A B C ... A B C ...), and the
 figures are medians over rounds. Ratios compare against eager and ONNX Runtime measured in the
 same run; "peak" is the machine's fp32 / bf16 matmul GFLOP/s measured in the same run too.
-Top-1 agreement is against eager fp32 on 32 fixed random inputs (random-init nets have
-near-tied logits, so this is a strict test). Prints JSON, then a Markdown table.
+Top-1 agreement and max |Δlogit| (torchcls.artifacts.parity.compare) are against eager fp32 on 32
+fixed random inputs (random-init nets have near-tied logits, so this is a strict test).
+Prints JSON, then a Markdown table.
 
     python benchmarks/inference.py --models resnet18 --quick
     python benchmarks/inference.py            # all five models: long on a CPU (compiles ~1 min each)
@@ -52,15 +53,16 @@ def build_runner(model_name: str, config: str, workdir: Path):
 
         return compile_for_inference(model, torch.randn(1, 3, SIZE, SIZE), "cpu", config.split("_")[1],
                                      max_batch=16, buckets=BATCHES)
-    from torchcls.artifacts.artifact import AOTIArtifact, ArtifactInfo, OnnxArtifact
-    from torchcls.artifacts.build import build_aoti, build_onnx, capture
+    from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.targets import aoti, onnx
+    from torchcls.artifacts.targets.base import ArtifactInfo
 
-    target = "aoti" if config == "aoti" else "onnx"
-    info = ArtifactInfo(model_name, target, [str(i) for i in range(1000)],
+    target = aoti if config == "aoti" else onnx
+    info = ArtifactInfo(model_name, target.TARGET.name, [str(i) for i in range(1000)],
                         Preprocess(SIZE, 3, (0.5,) * 3, (0.5,) * 3), 16, "fp32")
-    path = workdir / f"{model_name}.{'pt2' if target == 'aoti' else 'onnx'}"
-    (build_aoti if target == "aoti" else build_onnx)(capture(model, info), info, path)
-    return AOTIArtifact(path) if target == "aoti" else OnnxArtifact(path)
+    path = workdir / f"{model_name}{target.TARGET.suffix}"
+    target.build(capture(model, info), info, path, {})
+    return target.TARGET.load(path)
 
 
 def worker(model_name: str, config: str) -> None:
@@ -154,6 +156,8 @@ class Worker:
 def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[int, int]) -> list[dict]:
     import torch
 
+    from torchcls.artifacts.parity import compare
+
     workers = []
     try:
         for c in configs:  # prepared one at a time: compiles do not compete with each other
@@ -176,8 +180,8 @@ def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[in
                "b1_ms": statistics.median(samples[(w.config, 1)]) * 1e3,
                "b16_ms": statistics.median(samples[(w.config, 16)]) * 1e3}
         if ref is not None:
-            row["top1_agreement"] = (logits.argmax(1) == ref.argmax(1)).float().mean().item()
-            row["max_abs_diff"] = (logits - ref).abs().max().item()
+            parity = compare(ref, logits)
+            row["top1_agreement"], row["max_abs_diff"] = parity["top1_agreement"], parity["max_abs_diff"]
         rows.append(row)
     return rows
 

@@ -6,8 +6,8 @@ Training: one optimizer step (forward, backward, AdamW) through the same Precisi
 from `torchcls.precision.inference.apply_inference_precision` (fp32, bf16 weights, int8 dynamic),
 eager; with --compile also fp32 and int8 under torch.compile + freezing, where int8 pays.
 Variants are interleaved per round (A B C A B C ...) because this machine's speed drifts;
-figures are medians over rounds. Parity of each inference variant against fp32 eager is
-reported (random-init weights: top-1 agreement is indicative only). Prints JSON, then Markdown.
+figures are medians over rounds. Parity of each inference variant against fp32 eager is reported
+with torchcls.artifacts.parity.compare (random-init weights: top-1 agreement is indicative only). Prints JSON, then Markdown.
 
     python benchmarks/precision.py --rounds 5 --batch-size 8 --img-size 112
 """
@@ -24,9 +24,10 @@ import time
 import torch
 from torch import nn
 
-from torchcls.config import TrainConfig
+from torchcls.artifacts.parity import compare
+from torchcls.config import PrecisionConfig
 from torchcls.models import ModelSpec, create_model
-from torchcls.precision.inference import apply_inference_precision, inference_parity
+from torchcls.precision.inference import apply_inference_precision
 from torchcls.precision.training import apply_precision
 
 CPU = torch.device("cpu")
@@ -41,7 +42,7 @@ def build(name: str, args) -> nn.Module:
 
 def train_step_fn(name: str, precision: str, args, x, y):
     model = build(name, args).train()
-    plan = apply_precision(model, TrainConfig(precision=precision), CPU)
+    plan = apply_precision(model, PrecisionConfig(precision=precision), CPU)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = [0]
 
@@ -95,7 +96,7 @@ def bench_model(name: str, args) -> list[dict]:
     if args.compile:
         import torch._inductor.config as inductor_config
 
-        inductor_config.freezing = True  # STACK.md: without freezing, compiled CPU inference is not faster
+        inductor_config.freezing = True  # without freezing, compiled CPU inference is not faster
         for p in ("fp32", "int8"):
             compiled = torch.compile(apply_inference_precision(reference, p, CPU).model)
             with torch.no_grad():
@@ -105,9 +106,10 @@ def bench_model(name: str, args) -> list[dict]:
             variants[f"{p}+compile"] = compiled
     infer_ms = measure({k: infer_fn(m, x) for k, m in variants.items()}, args.rounds, 1)
     for k, ms in infer_ms.items():
-        parity = inference_parity(reference, variants[k], x)
+        with torch.no_grad():
+            parity = compare(reference(x), variants[k](x))
         rows.append({"model": name, "phase": "inference", "variant": k, "ms": ms,
-                     "speedup_vs_fp32": infer_ms["fp32"] / ms, "max_abs_logit_diff": parity["max_abs_logit_diff"],
+                     "speedup_vs_fp32": infer_ms["fp32"] / ms, "max_abs_logit_diff": parity["max_abs_diff"],
                      "top1_agreement": parity["top1_agreement"]})
     return rows
 

@@ -1,22 +1,28 @@
 """Precision: bf16/fp8-emulated training against fp32, the FP8 layer report, clear errors, the NaN/Inf
-guard, and int8 inference parity. Everything runs on CPU (FP8 through torchao's emulation)."""
+guard, int8 inference parity, the one bf16 inference wrapper and the one parity function.
+Everything runs on CPU (FP8 through torchao's emulation)."""
 
+import ast
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from conftest import tiny_config
-from torchcls.cli import main
-from torchcls.config import TrainConfig
-from torchcls.errors import UserError
-from torchcls.precision.fp8_layers import eligibility
-from torchcls.precision.inference import apply_inference_precision, quantize_for_inference
-from torchcls.training import train
+from torchcls.artifacts.parity import compare
+from torchcls.artifacts.quantize import quantize_for_inference
 from torchcls.checkpoint.files import load_model
-from torchcls.precision.training import NonFiniteLoss, apply_precision
+from torchcls.cli import main
+from torchcls.config import PrecisionConfig
+from torchcls.errors import UserError
+from torchcls.precision.dtypes import DTYPES
+from torchcls.precision.fp8_layers import eligibility
+from torchcls.precision.inference import CastIO, apply_inference_precision
+from torchcls.precision.training import NonFiniteLoss, apply_precision, fp8_wants_compile
+from torchcls.training import train
 
 CPU = torch.device("cpu")
 
@@ -31,7 +37,7 @@ def tiny_vit() -> nn.Module:
                              num_classes=10)
 
 
-def fit(model: nn.Module, cfg: TrainConfig, steps: int = 6) -> list[float]:
+def fit(model: nn.Module, cfg: PrecisionConfig, steps: int = 6) -> list[float]:
     """A few optimizer steps on one fixed batch through the plan apply_precision returns."""
     plan = apply_precision(model, cfg, CPU)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -49,16 +55,16 @@ def fit(model: nn.Module, cfg: TrainConfig, steps: int = 6) -> list[float]:
 
 
 def test_bf16_training_reduces_loss_like_fp32():
-    reference = fit(tiny_vit(), TrainConfig(precision="fp32"))
-    losses = fit(tiny_vit(), TrainConfig(precision="bf16"))
+    reference = fit(tiny_vit(), PrecisionConfig(precision="fp32"))
+    losses = fit(tiny_vit(), PrecisionConfig(precision="bf16"))
     assert losses[-1] < losses[0] - 0.3
     assert max(abs(a - b) for a, b in zip(losses, reference)) < 0.05 * reference[0]
 
 
 def test_fp8_emulated_converts_exactly_the_eligible_layers_and_tracks_fp32():
-    cfg = TrainConfig(precision="fp8", fp8_emulate=True, fp8_min_dim=128)
+    cfg = PrecisionConfig(precision="fp8", fp8_emulate=True, fp8_min_dim=128)
     model = tiny_vit()
-    reference = fit(tiny_vit(), TrainConfig(precision="fp32"))
+    reference = fit(tiny_vit(), PrecisionConfig(precision="fp32"))
     losses = fit(model, cfg)
     eligible = {f"blocks.{i}.{n}" for i in range(2) for n in ("attn.qkv", "mlp.fc1", "mlp.fc2")}
     assert {n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear"} == eligible
@@ -75,12 +81,12 @@ def test_fp8_emulated_converts_exactly_the_eligible_layers_and_tracks_fp32():
 
 def test_fp8_rowwise_emulated_steps_and_cnn_layers_are_reported_not_converted():
     model = tiny_vit()
-    losses = fit(model, TrainConfig(precision="fp8", fp8_emulate=True, fp8_recipe="rowwise", fp8_min_dim=128), 2)
+    losses = fit(model, PrecisionConfig(precision="fp8", fp8_emulate=True, fp8_recipe="rowwise", fp8_min_dim=128), 2)
     assert all(math.isfinite(v) for v in losses)
     assert sum(type(m).__name__ == "Float8Linear" for m in model.modules()) == 6
     from torchcls.models.smallnet import SmallNet
 
-    report = apply_precision(SmallNet(10, 1), TrainConfig(precision="fp8", fp8_emulate=True), CPU).report["fp8"]
+    report = apply_precision(SmallNet(10, 1), PrecisionConfig(precision="fp8", fp8_emulate=True), CPU).report["fp8"]
     convs = [d for d in report["layers"] if d["type"] == "Conv2d"]
     assert convs and not any(d["converted"] for d in convs) and report["converted"] == 0
 
@@ -88,9 +94,11 @@ def test_fp8_rowwise_emulated_steps_and_cnn_layers_are_reported_not_converted():
 def test_fp8_fsdp_all_gather_refuses_a_model_with_no_fp8_layer():
     from torchcls.models.smallnet import SmallNet
 
-    cfg = TrainConfig(precision="fp8", fp8_emulate=True, parallel="fsdp2", fp8_fsdp_all_gather=True)
+    cfg = PrecisionConfig(precision="fp8", fp8_emulate=True, fp8_fsdp_all_gather=True)
     with pytest.raises(UserError, match="no layer that FP8 converts.*torchao.s size rule.*lower --fp8-min-dim"):
-        apply_precision(SmallNet(10, 1), cfg, CPU)
+        apply_precision(SmallNet(10, 1), cfg, CPU, parallel="fsdp2")
+    with pytest.raises(UserError, match="needs --parallel fsdp2"):  # the parallel mode is a parameter
+        apply_precision(SmallNet(10, 1), cfg, CPU, parallel="ddp")
 
 
 def test_default_size_rule_agrees_with_torchaos_filter():
@@ -108,7 +116,7 @@ def test_default_size_rule_agrees_with_torchaos_filter():
 def test_fp8_emulated_train_run_records_report_and_portable_checkpoint(tmp_path, shapes_dir):
     cfg = tiny_config(shapes_dir, tmp_path, "fp8", epochs=1)
     cfg.model.name, cfg.data.img_size = "test_vit", 32
-    cfg.train.precision, cfg.train.fp8_emulate, cfg.train.fp8_min_dim = "fp8", True, 128
+    cfg.precision.precision, cfg.precision.fp8_emulate, cfg.precision.fp8_min_dim = "fp8", True, 128
     result = train(cfg)
     recorded = json.loads((result.run_dir / "precision.json").read_text())
     fp8 = recorded["fp8"]
@@ -156,7 +164,7 @@ def _te_importable() -> bool:
 
 def test_nonfinite_skip_mode_skips_without_touching_weights():
     model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
-    plan = apply_precision(model, TrainConfig(precision="bf16", nonfinite="skip"), CPU)
+    plan = apply_precision(model, PrecisionConfig(precision="bf16", nonfinite="skip"), CPU)
     records = []
     plan.log = records.append
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -207,7 +215,10 @@ def test_int8_inference_parity_within_its_bound(shapes_dir):
     parity = report["parity"]
     assert parity["passed"] and parity["n"] == len(files) == 32
     assert parity["max_rel_logit_diff"] <= 0.05 and parity["top1_agreement"] >= 0.95
-    assert 0 < parity["max_abs_logit_diff"]  # it really is quantized
+    assert 0 < parity["max_abs_diff"] == parity["max_abs_logit_diff"]  # it really is quantized
+    with torch.no_grad():  # the figures are parity.compare's on the same inputs
+        expected = compare(model(x), quantized(x))
+    assert {k: parity[k] for k in expected} == pytest.approx(expected)
     linear = [d for d in report["layers"] if d["type"] == "Linear"]
     assert all(d["quantized"] and d["weight"] == "Int8Tensor" for d in linear) and len(linear) == 9
     assert not any(d["quantized"] for d in report["layers"] if d["type"] == "Conv2d")
@@ -233,3 +244,74 @@ def test_grad_scaler_path_steps_and_its_state_is_checkpointed():
     other = PrecisionPlan("fp16", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=8.0))
     other.load_state_dict(plan.state_dict())
     assert other.scaler.get_scale() == 1024.0
+
+
+def test_compare_is_the_one_parity_function_and_its_keys():
+    ref = torch.tensor([[2.0, 1.0, 0.0], [0.0, 1.0, 3.0], [1.0, 0.0, 0.0], [0.0, 2.0, 1.0]])
+    cand = ref.clone()
+    cand[3] = torch.tensor([0.0, 1.0, 1.5])  # the last row's top-1 flips from class 1 to class 2
+    r = compare(ref, cand.to(torch.bfloat16))
+    assert set(r) == {"max_abs_diff", "mean_abs_diff", "top1_agreement", "n"}
+    assert r["n"] == 4 and r["top1_agreement"] == 0.75
+    assert r["max_abs_diff"] == 1.0 and r["mean_abs_diff"] == pytest.approx(1.5 / 12)
+    r = compare(ref, cand, labels=torch.tensor([0, 2, 0, 2]))
+    assert r["eager_accuracy"] == 0.75 and r["artifact_accuracy"] == 1.0
+    with pytest.raises(UserError, match="two \\(N, classes\\) logit tensors"):
+        compare(ref, ref[:2])
+
+
+def test_castio_is_fp32_in_fp32_out_with_weights_in_its_dtype():
+    from torchcls.models.smallnet import SmallNet
+
+    torch.manual_seed(0)
+    model = SmallNet(10, 1).train()
+    x = torch.randn(4, 1, 28, 28)
+    with torch.no_grad():
+        reference = model.eval()(x)
+    wrapped = CastIO(model, DTYPES["bf16"])
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # cast in place, as documented
+    assert not wrapped.training and wrapped.dtype == torch.bfloat16
+    with torch.no_grad():
+        out = wrapped(x)
+    assert out.dtype == torch.float32 and out.shape == reference.shape
+    parity = compare(reference, out)
+    assert 0 < parity["max_abs_diff"] < 0.1 * reference.abs().max().item() and parity["top1_agreement"] >= 0.75
+    assert CastIO(model, "bf16").dtype == torch.bfloat16  # a precision name works too
+
+
+def test_precision_plan_reports_compile_but_does_not_decide_it():
+    cfg = PrecisionConfig(precision="fp8", fp8_emulate=True)
+    assert not fp8_wants_compile(cfg)  # emulation: a numerics check, compile would not pay
+    assert fp8_wants_compile(PrecisionConfig(precision="fp8")) and not fp8_wants_compile(
+        PrecisionConfig(precision="fp8", fp8_compile=False))
+    plan = apply_precision(nn.Linear(4, 2), PrecisionConfig(precision="bf16"), CPU, compile=False)
+    assert plan.compile is False and plan.report["compile"] is False
+    plan = apply_precision(nn.Linear(4, 2), PrecisionConfig(precision="bf16"), CPU, compile=True,
+                           compile_note="because the caller says so")
+    assert plan.report["compile"] is True and plan.report["compile_note"] == "because the caller says so"
+
+
+def test_precision_package_never_imports_artifacts():
+    root = Path(__file__).resolve().parents[1] / "src" / "torchcls" / "precision"
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n.startswith("torchcls.artifacts") for n in names), path.name
+
+
+@pytest.mark.slow
+def test_compile_for_inference_bf16_uses_castio_and_keeps_the_model_fp32():
+    from torchcls.artifacts.compile import compile_for_inference
+    from torchcls.models.smallnet import SmallNet
+
+    torch.manual_seed(0)
+    model = SmallNet(10, 1).eval()
+    x = torch.randn(3, 1, 28, 28)
+    with torch.no_grad():
+        reference = model(x)
+    runner = compile_for_inference(model, x, "cpu", "bf16", max_batch=4, buckets=(4,))
+    out = runner(x)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the caller's model stays fp32
+    assert out.dtype == torch.float32 and out.shape == (3, 10)
+    assert compare(reference, out)["max_abs_diff"] < 0.1 * reference.abs().max().item()

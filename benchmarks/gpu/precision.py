@@ -7,7 +7,7 @@ FP8 layer selection and report are the ones a run gets; each transformer block i
 separately (identical blocks share one compiled graph: seconds instead of minutes, as torchtitan does).
 All variants start from the same weights and see the same batches; loss parity is the max |Δloss|
 against bf16 over the timed steps. Inference: `apply_inference_precision` bf16 vs fp8, compiled,
-with parity against the fp32 eager model.
+with parity against the fp32 eager model (torchcls.artifacts.parity.compare).
 
     python benchmarks/gpu/precision.py                       # ViT-H/14, batch 32, 224 px
     python benchmarks/gpu/precision.py --model vit_large_patch16_224 --fp8-min-dim 1024
@@ -43,8 +43,8 @@ def check_gpu() -> dict:
         refuse(f"{torch.cuda.get_device_name()} has compute capability {cap[0]}.{cap[1]}; FP8 tensor cores need "
                ">= 8.9 (H100/H200/B200, L40, RTX 40xx). Nothing was measured.")
     try:
-        import torchao  # noqa: F401
         import timm  # noqa: F401
+        import torchao  # noqa: F401
     except ImportError as e:
         refuse(f"needs torchao and timm ({e}); pip install -e '.[precision]'")
     return {"gpu": torch.cuda.get_device_name(), "capability": f"{cap[0]}.{cap[1]}", "torch": torch.__version__}
@@ -76,12 +76,12 @@ def cuda_ms(fn) -> float:
 
 
 def train_variant(name: str, base: nn.Module, batches, args) -> dict:
-    from torchcls.config import TrainConfig
+    from torchcls.config import PrecisionConfig
     from torchcls.precision.training import apply_precision
 
     precision, _, recipe = name.partition("-")
     model = copy.deepcopy(base).train()
-    cfg = TrainConfig(precision=precision, fp8_recipe=recipe or "tensorwise", fp8_min_dim=args.fp8_min_dim)
+    cfg = PrecisionConfig(precision=precision, fp8_recipe=recipe or "tensorwise", fp8_min_dim=args.fp8_min_dim)
     plan = apply_precision(model, cfg, torch.device("cuda"))
     compile_blocks(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
@@ -107,13 +107,14 @@ def train_variant(name: str, base: nn.Module, batches, args) -> dict:
     out = {"variant": name, "step_ms": statistics.median(times), "img_per_s": args.batch_size / statistics.median(times) * 1e3,
            "compile_s": compile_s, "losses": losses, "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
            "fp8_converted": fp8.get("converted"), "linear_layers": fp8.get("linear_layers")}
-    del model, opt
+    model = opt = None  # release them before the next variant (step() still refers to these names)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return out
 
 
 def inference_variant(name: str, base: nn.Module, x, reference_logits, args) -> dict:
+    from torchcls.artifacts.parity import compare
     from torchcls.precision.inference import apply_inference_precision
 
     precision, _, recipe = name.partition("-")
@@ -128,11 +129,10 @@ def inference_variant(name: str, base: nn.Module, x, reference_logits, args) -> 
         for _ in range(args.warmup):
             model(x)
         times = [cuda_ms(lambda: model(x)) for _ in range(args.steps)]
-        out = model(x).float()
+        parity = compare(reference_logits, model(x))
     return {"variant": name, "latency_ms": statistics.median(times), "compile_s": compile_s,
             "quantized_layers": sum(entry["quantized"] for entry in result.layers),
-            "max_abs_logit_diff": (out - reference_logits).abs().max().item(),
-            "top1_agreement": (out.argmax(1) == reference_logits.argmax(1)).float().mean().item()}
+            "max_abs_logit_diff": parity["max_abs_diff"], "top1_agreement": parity["top1_agreement"]}
 
 
 def main() -> None:

@@ -11,19 +11,24 @@ compiled once with static shapes: a partial last batch reuses its bucket instead
 Static shapes are also what CUDA graphs need, and on CPU Inductor splits a dynamic batch
 dimension into ranges anyway (e.g. 2-15 and 16+ for oneDNN convolutions), so "dynamic" would not
 mean one graph either.
+
+bf16 compiles a bf16 copy of the weights behind precision.inference.CastIO (the same wrapper as
+the bf16 artifacts): float32 images in, float32 logits out; the caller's model stays fp32.
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from torchcls.errors import UserError
+from torchcls.precision.dtypes import DTYPES
+from torchcls.precision.inference import CastIO
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+PRECISIONS = ("fp32", "bf16")
 
 
 def default_buckets(max_batch: int) -> tuple[int, ...]:
@@ -62,11 +67,9 @@ class CompiledClassifier:
         x = x.to(self.device, non_blocking=True)
         if self.channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
-        autocast = (torch.autocast(self.device.type, dtype=DTYPES[self.precision]) if DTYPES[self.precision]
-                    else contextlib.nullcontext())
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()
-        with torch.no_grad(), autocast:  # the first call must be under no_grad for freezing to apply
+        with torch.no_grad():  # the first call must be under no_grad for freezing to apply
             y = self.compiled(x)
         self.compiled_buckets.add(b)
         # A copy: CUDA-graph outputs are overwritten by the next replay.
@@ -85,10 +88,11 @@ def compile_for_inference(model: nn.Module, example: torch.Tensor, device: str |
                           buckets: tuple[int, ...] | None = None, mode: str = "auto") -> CompiledClassifier:
     """Compile `model` for inference on `device` and compile the bucket of `example`'s batch size now.
 
-    The model is put in eval mode and moved (device, memory format) in place. Other buckets compile
+    The model is put in eval mode and moved (device, memory format) in place; for bf16 a bf16 copy of it
+    is compiled behind CastIO, so the model itself stays fp32. Other buckets compile
     on first use, or ahead with `.warm_up(example)`. `mode` is torch.compile's; "auto" is this
     policy's choice per device (`torchcls bench compile` sweeps the others)."""
-    if precision not in DTYPES:
+    if precision not in PRECISIONS:
         raise UserError(f"--precision {precision}: choose fp32 or bf16")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -96,12 +100,14 @@ def compile_for_inference(model: nn.Module, example: torch.Tensor, device: str |
     buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_batch)
     if buckets[-1] < max_batch:
         raise UserError(f"buckets {buckets} do not reach max_batch {max_batch}")
-    torch._inductor.config.freezing = True  # global on purpose: the options= route is ignored (STACK.md)
+    torch._inductor.config.freezing = True  # global on purpose: the options= route is ignored
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, len(buckets) + 1)
     channels_last = is_convnet(model)
     model = model.eval().to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
+    if precision != "fp32":
+        model = CastIO(copy.deepcopy(model), DTYPES[precision])
     # dynamic=False: each bucket is its own static graph, never a dynamic one that guards on ranges.
     if mode == "auto":
         mode = "max-autotune" if device.type == "cuda" else "default"

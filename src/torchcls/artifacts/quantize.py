@@ -1,26 +1,39 @@
-"""Int8 for ExecuTorch/XNNPACK through the PT2E flow: the exported graph is annotated by XNNPACK's
-quantizer (symmetric, per-channel weights, int8 activations), observed on real training images of
-the checkpoint's own data, converted, and exported again (same dynamic batch dimension).
+"""Quantization with its parity check, for the deployment paths.
 
-Calibration uses real images on purpose: activation ranges from random or synthetic inputs are
-wrong for a trained network (and random-init BatchNorm statistics are degenerate).
+- Int8 for ExecuTorch/XNNPACK through the PT2E flow: the exported graph is annotated by XNNPACK's
+  quantizer (symmetric, per-channel weights, int8 activations), observed on real training images of
+  the checkpoint's own data, converted, and exported again (same dynamic batch dimension).
+  Calibration uses real images on purpose: activation ranges from random or synthetic inputs are
+  wrong for a trained network (and random-init BatchNorm statistics are degenerate).
+- `quantize_for_inference`: an eager model converted by torchcls.precision.inference (bf16, int8,
+  fp8) and checked against the fp32 model with parity.compare, on held-out images
+  (`heldout_batches`), within a bound per precision.
 """
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Iterable
 from dataclasses import replace
+from typing import Any
 
 import torch
+from torch import nn
 
+from torchcls.artifacts.parity import compare, held_out_images
+from torchcls.checkpoint.files import CheckpointMeta, read_meta, resolve_checkpoint
 from torchcls.config import Config
 from torchcls.data import eval_dataset
 from torchcls.errors import UserError
-from torchcls.checkpoint.files import CheckpointMeta
+from torchcls.precision.inference import apply_inference_precision
 
 QUANTIZE = ("none", "int8")
 MIN_CALIBRATION = 16  # fewer images give activation ranges that one outlier image decides
 DEFAULT_CALIBRATION = 256
 INT8_MIN_AGREEMENT = 0.95
+# Default bounds of quantize_for_inference: (max |Δlogit| relative to the fp32 model's max |logit|,
+# min top-1 agreement).
+PARITY_BOUNDS = {"fp32": (1e-5, 1.0), "bf16": (0.05, 0.95), "int8": (0.05, 0.95), "fp8": (0.1, 0.95)}
 
 
 def calibration_images(meta: CheckpointMeta, n: int | None, data: str | None = None,
@@ -66,3 +79,50 @@ def quantize_int8(ep: torch.export.ExportedProgram, calibration: torch.Tensor,
     example = calibration[:2] if dynamic_shapes is not None else calibration[:1]
     with torch.no_grad():
         return torch.export.export(converted, (example,), dynamic_shapes=dynamic_shapes)
+
+
+@torch.no_grad()
+def _bounded_parity(reference: nn.Module, candidate: nn.Module, batches: Iterable[torch.Tensor],
+                     bounds: tuple[float, float]) -> dict[str, Any]:
+    """parity.compare of `candidate` against the fp32 `reference` on `batches`, plus the relative max |Δlogit|
+    and whether both figures are inside `bounds` (relative max |Δlogit|, min top-1 agreement)."""
+    ref, out = [], []
+    for x in batches:
+        ref.append(reference(x).float())
+        out.append(candidate(x).float())
+    if not ref:
+        raise UserError("parity needs at least one input batch")
+    ref_logits = torch.cat(ref)
+    result = compare(ref_logits, torch.cat(out))
+    rel = result["max_abs_diff"] / max(ref_logits.abs().max().item(), 1e-12)
+    return result | {
+        "max_abs_logit_diff": result["max_abs_diff"], "max_rel_logit_diff": rel,  # the names before compare()
+        "bound_rel_logit_diff": bounds[0], "bound_top1_agreement": bounds[1],
+        "passed": rel <= bounds[0] and result["top1_agreement"] >= bounds[1]}
+
+
+def quantize_for_inference(model: nn.Module, precision: str, example_batches: Iterable[torch.Tensor] | torch.Tensor,
+                           device: str | torch.device = "cpu", *, fp8_recipe: str = "tensorwise",
+                           bounds: tuple[float, float] | None = None) -> tuple[nn.Module, dict[str, Any]]:
+    """Convert and verify in one call: returns the converted model and a report with the layer list and
+    parity against the fp32 eager model (`bounds` default: PARITY_BOUNDS[precision]). Raises UserError
+    when parity is outside its bound."""
+    reference = copy.deepcopy(model).eval().to(device).float()
+    result = apply_inference_precision(model, precision, device, fp8_recipe=fp8_recipe)
+    if isinstance(example_batches, torch.Tensor):
+        example_batches = [example_batches]
+    batches = [x.to(device) for x in example_batches]
+    parity = _bounded_parity(reference, result.model.eval(), batches, bounds or PARITY_BOUNDS[precision])
+    if not parity["passed"]:
+        raise UserError(f"{precision} inference failed parity against fp32: max |Δlogit| {parity['max_abs_diff']:.4g} "
+                        f"(relative {parity['max_rel_logit_diff']:.3g}, bound {parity['bound_rel_logit_diff']}), "
+                        f"top-1 agreement {parity['top1_agreement']:.3f} (bound {parity['bound_top1_agreement']}); "
+                        "use a higher precision for this model")
+    return result.model, result.summary() | {"parity": parity}
+
+
+def heldout_batches(checkpoint: str, n: int = 64, batch_size: int = 32) -> list[torch.Tensor]:
+    """Up to `n` real held-out images of a checkpoint's data (the same images export's parity uses:
+    parity.held_out_images), preprocessed as at evaluation, in batches: the inputs parity is measured on."""
+    images, _ = held_out_images(read_meta(resolve_checkpoint(checkpoint)), n)
+    return list(images.split(batch_size))

@@ -12,15 +12,18 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from torchcls.config import TrainConfig
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import LayerDecision, eligibility
 from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware, require_torchao
+
+if TYPE_CHECKING:  # any object with these field names works (the older all-in-one TrainConfig too)
+    from torchcls.config import PrecisionConfig
 
 TE_INSTALL = ("pip install 'transformer-engine[pytorch]' on a machine with a CUDA toolkit and an FP8 GPU "
               "(see https://docs.nvidia.com/deeplearning/transformer-engine/), or use --fp8-backend torchao")
@@ -65,7 +68,7 @@ def count_fp8_gathered_weights(model: nn.Module) -> int:
     return n
 
 
-def check_fp8(cfg: TrainConfig, device: torch.device) -> None:
+def check_fp8(cfg: PrecisionConfig, device: torch.device) -> None:
     """Refuse FP8 where it cannot run, naming the fix (before any model surgery)."""
     if cfg.fp8_backend == "te":
         if cfg.fp8_emulate:
@@ -87,12 +90,12 @@ def check_fp8(cfg: TrainConfig, device: torch.device) -> None:
         require_fp8_hardware(device, "--precision fp8", emulate_flag="--fp8-emulate")
 
 
-def check_fsdp_all_gather(cfg: TrainConfig) -> None:
-    """FP8 all-gather is torchao's FSDP2 feature, and its scales are per tensor."""
+def check_fsdp_all_gather(cfg: PrecisionConfig, parallel: str) -> None:
+    """FP8 all-gather is torchao's FSDP2 feature, and its scales are per tensor. `parallel`: the parallel mode."""
     if not cfg.fp8_fsdp_all_gather:
         return
     needs = [(cfg.precision == "fp8", "--precision fp8"),
-             (cfg.parallel == "fsdp2", "--parallel fsdp2 (under torchrun)"),
+             (parallel == "fsdp2", "--parallel fsdp2 (under torchrun)"),
              (cfg.fp8_backend == "torchao", "--fp8-backend torchao (TransformerEngine's FSDP integration is not "
               "wired here)"),
              (cfg.fp8_recipe == "tensorwise", "--fp8-recipe tensorwise (torchao all-gathers FP8 weights with one "
@@ -102,8 +105,9 @@ def check_fsdp_all_gather(cfg: TrainConfig) -> None:
         raise UserError(f"--fp8-fsdp-all-gather needs {'; '.join(missing)}; add them or drop --fp8-fsdp-all-gather")
 
 
-def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8Conversion:
-    check_fsdp_all_gather(cfg)
+def convert_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device, parallel: str = "none") -> Fp8Conversion:
+    """Swap the layers the eligibility rule chooses for FP8 ones, in place (before FSDP wraps the model)."""
+    check_fsdp_all_gather(cfg, parallel)
     check_fp8(cfg, device)
     layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim)
     chosen = {d.name for d in layers if d.converted}
@@ -118,7 +122,7 @@ def convert_fp8(model: nn.Module, cfg: TrainConfig, device: torch.device) -> Fp8
     return _convert_torchao(model, cfg, chosen, layers)
 
 
-def _convert_torchao(model: nn.Module, cfg: TrainConfig, chosen: set[str], layers: list[LayerDecision]):
+def _convert_torchao(model: nn.Module, cfg: PrecisionConfig, chosen: set[str], layers: list[LayerDecision]):
     require_torchao("--precision fp8 --fp8-backend torchao")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
@@ -152,7 +156,7 @@ def _te_recipe(recipe: str):
     return te_recipe.Float8BlockScaling()  # TE's finer-grained (1x128 block) scaling: its rowwise counterpart
 
 
-def _convert_te(model: nn.Module, cfg: TrainConfig, chosen: set[str], layers: list[LayerDecision]):
+def _convert_te(model: nn.Module, cfg: PrecisionConfig, chosen: set[str], layers: list[LayerDecision]):
     te = _import_te()
 
     class PlainStateLinear(te.Linear):

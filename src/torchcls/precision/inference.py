@@ -1,5 +1,7 @@
-"""Inference precision for deployment paths (predict, export, compile): one function turns an fp32
-eager model into a reduced-precision one, and one measures its parity against the fp32 model.
+"""Inference precision for deployment paths (predict, export, compile): `CastIO`, the one bf16/fp16
+inference wrapper, and `apply_inference_precision`, which turns an fp32 eager model into a
+reduced-precision one. Parity against the fp32 model is measured by torchcls.artifacts.parity.compare,
+and "quantize, then check parity on held-out images" is torchcls.artifacts.quantize.quantize_for_inference.
 
 - bf16: weights in bf16, inputs cast in and logits cast out (CPU with AVX-512-bf16, any modern GPU).
 - int8: torchao dynamic int8 activations x int8 weights for CPU. It pays only under torch.compile
@@ -12,7 +14,6 @@ torchao quantizes nn.Linear only: convolutions stay in their float dtype, and th
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,20 +21,27 @@ import torch
 from torch import nn
 
 from torchcls.errors import UserError
+from torchcls.precision.dtypes import DTYPES
 from torchcls.precision.hardware import describe_device, require_bf16, require_fp8_hardware, require_torchao
 
 INFERENCE_PRECISIONS = ("fp32", "bf16", "int8", "fp8")
-# Default parity bounds: (max |Δlogit| relative to max |logit| of the fp32 model, min top-1 agreement).
-PARITY_BOUNDS = {"fp32": (1e-5, 1.0), "bf16": (0.05, 0.95), "int8": (0.05, 0.95), "fp8": (0.1, 0.95)}
 
 
 class CastIO(nn.Module):
-    """Cast inputs to the weights' dtype and logits back to fp32, so callers keep feeding fp32 images.
-    Plain tensor ops: exportable with torch.export and compilable."""
+    """float32 images in, float32 logits out, whatever the dtype inside: the input is cast to `dtype` on
+    entry and the logits back to float32, so callers never see the internal dtype. The inner model's
+    floating-point weights are cast to `dtype` in place (weights already in `dtype`, such as torchao's
+    quantized ones, are left alone) and it is put in eval mode. Plain tensor ops: exportable with
+    torch.export and compilable."""
 
-    def __init__(self, inner: nn.Module, dtype: torch.dtype):
+    def __init__(self, inner: nn.Module, dtype: torch.dtype | str):
         super().__init__()
+        dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+        tensors = [*inner.parameters(), *inner.buffers()]
+        if any(t.is_floating_point() and t.dtype != dtype for t in tensors):
+            inner = inner.to(dtype)
         self.inner, self.dtype = inner, dtype
+        self.eval()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x.to(self.dtype)).float()
@@ -64,8 +72,8 @@ def apply_inference_precision(model: nn.Module, precision: str, device: str | to
         return InferencePrecision(m, precision, str(device), _layers(m, precision))
     if precision == "bf16":
         require_bf16(device)
-        inner = m.to(torch.bfloat16)
-        return InferencePrecision(CastIO(inner, torch.bfloat16), precision, str(device), _layers(inner, precision),
+        wrapped = CastIO(m, DTYPES["bf16"])
+        return InferencePrecision(wrapped, precision, str(device), _layers(wrapped.inner, precision),
                                   "bf16 weights and activations")
     require_torchao(f"{precision} inference")
     from torchao.quantization import quantize_
@@ -84,9 +92,9 @@ def apply_inference_precision(model: nn.Module, precision: str, device: str | to
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor
 
     granularity = PerTensor() if fp8_recipe == "tensorwise" else PerRow()
-    inner = m.to(torch.bfloat16)  # rowwise float8 needs bf16 high-precision weights
+    inner = m.to(DTYPES["bf16"])  # rowwise float8 needs bf16 high-precision weights
     quantize_(inner, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
-    return InferencePrecision(CastIO(inner, torch.bfloat16), precision, str(device), _layers(inner, precision),
+    return InferencePrecision(CastIO(inner, DTYPES["bf16"]), precision, str(device), _layers(inner, precision),
                               f"float8 {fp8_recipe} dynamic activations and weights; best under torch.compile")
 
 
@@ -110,73 +118,3 @@ def _layers(model: nn.Module, precision: str) -> list[dict[str, Any]]:
                     "dtype": str(getattr(module.weight, "dtype", "")).removeprefix("torch."),
                     "quantized": quantized, "why": why})
     return out
-
-
-@torch.no_grad()
-def inference_parity(reference: nn.Module, candidate: nn.Module, batches: Iterable[torch.Tensor] | torch.Tensor,
-                     precision: str | None = None, bounds: tuple[float, float] | None = None) -> dict[str, Any]:
-    """Max |Δlogit| and top-1 agreement of `candidate` against the fp32 eager `reference` on the same inputs.
-
-    `passed` says whether the figures are inside `bounds` (relative max |Δlogit|, min top-1 agreement),
-    by default PARITY_BOUNDS[precision]."""
-    reference.eval()
-    candidate.eval()
-    if isinstance(batches, torch.Tensor):
-        batches = [batches]
-    max_diff, max_ref, agree, n = 0.0, 0.0, 0, 0
-    for x in batches:
-        ref = reference(x).float()
-        out = candidate(x).float()
-        max_diff = max(max_diff, (out - ref).abs().max().item())
-        max_ref = max(max_ref, ref.abs().max().item())
-        agree += (out.argmax(1) == ref.argmax(1)).sum().item()
-        n += len(x)
-    if n == 0:
-        raise UserError("parity needs at least one input batch")
-    rel = max_diff / max(max_ref, 1e-12)
-    result = {"max_abs_logit_diff": max_diff, "max_rel_logit_diff": rel, "top1_agreement": agree / n, "n": n}
-    if bounds is None and precision is not None:
-        bounds = PARITY_BOUNDS[precision]
-    if bounds is not None:
-        result |= {"bound_rel_logit_diff": bounds[0], "bound_top1_agreement": bounds[1],
-                   "passed": rel <= bounds[0] and agree / n >= bounds[1]}
-    return result
-
-
-def quantize_for_inference(model: nn.Module, precision: str, example_batches: Iterable[torch.Tensor] | torch.Tensor,
-                           device: str | torch.device = "cpu", *, fp8_recipe: str = "tensorwise",
-                           bounds: tuple[float, float] | None = None) -> tuple[nn.Module, dict[str, Any]]:
-    """Convert and verify in one call (for export/compile paths): returns the model and a report with the
-    layer list and parity against the fp32 eager model. Raises UserError when parity fails its bound."""
-    reference = copy.deepcopy(model).eval().to(device).float()
-    result = apply_inference_precision(model, precision, device, fp8_recipe=fp8_recipe)
-    if isinstance(example_batches, torch.Tensor):
-        example_batches = [example_batches]
-    batches = [x.to(device) for x in example_batches]
-    parity = inference_parity(reference, result.model, batches, precision, bounds)
-    report = result.summary() | {"parity": parity}
-    if not parity["passed"]:
-        raise UserError(f"{precision} inference failed parity against fp32: max |Δlogit| {parity['max_abs_logit_diff']:.4g} "
-                        f"(relative {parity['max_rel_logit_diff']:.3g}, bound {parity['bound_rel_logit_diff']}), "
-                        f"top-1 agreement {parity['top1_agreement']:.3f} (bound {parity['bound_top1_agreement']}); "
-                        "use a higher precision for this model")
-    return result.model, report
-
-
-def heldout_batches(checkpoint: str, n: int = 64, batch_size: int = 32) -> list[torch.Tensor]:
-    """Up to `n` real held-out images of a checkpoint's training data (its seeded val split),
-    preprocessed as at training: the inputs parity should be measured on."""
-    from torchcls.config import Config
-    from torchcls.data import eval_dataset, make_loader
-    from torchcls.checkpoint.files import read_meta, resolve_checkpoint
-
-    meta = read_meta(resolve_checkpoint(checkpoint))
-    cfg = Config.from_dict(meta.config, origin=f"{checkpoint} metadata")
-    dataset, _ = eval_dataset(cfg.data, meta.preprocess, "val", cfg.train.seed)
-    batches, seen = [], 0
-    for x, _ in make_loader(dataset, batch_size, 0, shuffle=False):
-        batches.append(x[: n - seen])
-        seen += len(batches[-1])
-        if seen >= n:
-            break
-    return batches

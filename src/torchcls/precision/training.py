@@ -1,6 +1,9 @@
-"""Precision is applied from outside the model: one function turns the config into a plan with
-an autocast context, a gradient scaler where one is needed (fp16), FP8 layers where they pay,
-and a guard against NaN/Inf losses. Master weights stay fp32 in every mode.
+"""Training precision, applied from outside the model: one function turns a `PrecisionConfig` into a
+plan with an autocast context, a gradient scaler where one is needed (fp16), FP8 layers where they
+pay, and a guard against NaN/Inf losses. Master weights stay fp32 in every mode.
+
+Whether to torch.compile is the trainer's decision (torchcls.training); `fp8_wants_compile` says
+what FP8 asks of it, and the plan's report records what the caller chose.
 """
 
 from __future__ import annotations
@@ -11,21 +14,26 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from torchcls.config import TrainConfig
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.precision.dtypes import DTYPES
+from torchcls.precision.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
 from torchcls.precision.fp8_layers import summary
 from torchcls.precision.hardware import describe_device, require_bf16, require_fp16
-from torchcls.precision.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
 
-# fp8 runs the layers it does not convert (attention, norms, small linears) under bf16 autocast.
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
-PRECISIONS = ("fp32", *DTYPES)
+if TYPE_CHECKING:  # any object with these field names works (the older all-in-one TrainConfig too)
+    from torchcls.config import PrecisionConfig
+
+# The autocast dtype of each training precision (None: no autocast). fp8 runs the layers it does not
+# convert (attention, norms, small linears) under bf16 autocast.
+AUTOCAST = {"fp32": None, "bf16": DTYPES["bf16"], "fp16": DTYPES["fp16"], "fp8": DTYPES["bf16"]}
+PRECISIONS = tuple(AUTOCAST)
+FP8_COMPILE_NOTE = "enabled for FP8 as torchao recommends (--no-fp8-compile turns it off)"
 MAX_SKIPPED_IN_A_ROW = 10  # past this, skipping cannot recover the run: stop instead of looping on NaN
 
 
@@ -40,7 +48,7 @@ class PrecisionPlan:
     nonfinite: str = "stop"
     scaler: torch.amp.GradScaler | None = None
     fp8: Fp8Conversion | None = None
-    compile: bool = False
+    compile: bool = False  # what the caller said it does (reported); the trainer decides, not the plan
     report: dict[str, Any] = field(default_factory=dict)
     log: Callable[[dict[str, Any]], None] = lambda record: None
     run_path: Path | None = None
@@ -49,7 +57,7 @@ class PrecisionPlan:
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
             return contextlib.nullcontext()
-        amp = torch.autocast(self.device_type, dtype=DTYPES[self.name])
+        amp = torch.autocast(self.device_type, dtype=AUTOCAST[self.name])
         if self.fp8 is None or self.fp8.context is contextlib.nullcontext:
             return amp
         stack = contextlib.ExitStack()  # TransformerEngine: its FP8 context inside bf16 autocast
@@ -106,27 +114,39 @@ class PrecisionPlan:
             self.scaler.load_state_dict(state["scaler"])
 
 
-def apply_precision(model: nn.Module, cfg: TrainConfig, device: torch.device, run=None) -> PrecisionPlan:
+def fp8_wants_compile(cfg: PrecisionConfig) -> bool:
+    """torchao FP8 pays only when torch.compile fuses the scaling and casting around the FP8 GEMMs
+    (not emulated, not TransformerEngine, and not turned off with --no-fp8-compile)."""
+    return (cfg.precision == "fp8" and cfg.fp8_backend == "torchao" and not cfg.fp8_emulate
+            and bool(cfg.fp8_compile))
+
+
+def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device, run=None, *,
+                    parallel: str | None = None, compile: bool | None = None, compile_note: str = "") -> PrecisionPlan:
     """Check the precision against the hardware, convert FP8 layers in place, and return the plan.
 
     Call before parallelize(): FP8 swaps nn.Linear modules, which FSDP must see already swapped.
+    `parallel` is the parallel mode (none/ddp/fsdp2; by default `cfg.parallel` if cfg has one, else none).
+    `compile` and `compile_note` say whether and why the caller compiles the model: reported, not decided
+    here (None: an older caller whose config object still carries `compile`, see _caller_compiles).
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
     name = cfg.precision
     if name not in PRECISIONS:
         raise UserError(f"--precision {name}: choose one of {', '.join(PRECISIONS)}")
     if name != "fp8" and cfg.fp8_emulate:
         raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
-    check_fsdp_all_gather(cfg)
+    parallel = getattr(cfg, "parallel", "none") if parallel is None else parallel
+    if compile is None:
+        compile, compile_note = _caller_compiles(cfg)
+    check_fsdp_all_gather(cfg, parallel)
     if name == "fp16":
         require_fp16(device)
     if name in ("bf16", "fp8"):
         require_bf16(device)
     scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None  # fp16's narrow range needs loss scaling
-    fp8 = convert_fp8(model, cfg, device) if name == "fp8" else None
-    # torchao: FP8 pays only when compile fuses the scaling and casting around the FP8 GEMMs.
-    auto_compile = fp8 is not None and fp8.backend == "torchao" and not fp8.emulate and cfg.fp8_compile
-    plan = PrecisionPlan(name, device.type, cfg.nonfinite, scaler, fp8, cfg.compile or auto_compile)
-    plan.report = _report(plan, cfg, device, auto_compile)
+    fp8 = convert_fp8(model, cfg, device, parallel) if name == "fp8" else None
+    plan = PrecisionPlan(name, device.type, cfg.nonfinite, scaler, fp8, compile)
+    plan.report = _report(plan, cfg, device, compile_note)
     if run is not None:
         plan.log, plan.run_path = run.log, run.path
         (run.path / "precision.json").write_text(json.dumps(plan.report, indent=2))
@@ -136,14 +156,21 @@ def apply_precision(model: nn.Module, cfg: TrainConfig, device: torch.device, ru
     return plan
 
 
-def _report(plan: PrecisionPlan, cfg: TrainConfig, device: torch.device, auto_compile: bool) -> dict[str, Any]:
+def _caller_compiles(cfg: Any) -> tuple[bool, str]:
+    """For callers that pass a config object with `compile` instead of saying whether they compile:
+    what such a caller does (its --compile, or torchao FP8's request), so their runs keep behaving."""
+    user = bool(getattr(cfg, "compile", False))
+    fp8 = fp8_wants_compile(cfg)
+    return user or fp8, FP8_COMPILE_NOTE if fp8 and not user else ""
+
+
+def _report(plan: PrecisionPlan, cfg: PrecisionConfig, device: torch.device, compile_note: str) -> dict[str, Any]:
+    autocast = AUTOCAST[plan.name]
     report: dict[str, Any] = {
         "precision": plan.name, "device": describe_device(device),
-        "autocast_dtype": None if plan.name == "fp32" else str(DTYPES[plan.name]).removeprefix("torch."),
+        "autocast_dtype": None if autocast is None else str(autocast).removeprefix("torch."),
         "master_weights": "float32", "grad_scaler": plan.scaler is not None, "nonfinite": plan.nonfinite,
-        "compile": plan.compile,
-        "compile_note": "enabled for FP8 as torchao recommends (--no-fp8-compile turns it off)" if auto_compile
-        and not cfg.compile else "", "fp8": None,
+        "compile": plan.compile, "compile_note": compile_note if plan.compile else "", "fp8": None,
     }
     if plan.fp8 is not None:
         f = plan.fp8
