@@ -131,8 +131,11 @@ def test_oip_metadata_health_and_infer_match_eager(server, trained_run):
 def test_predict_uploads_give_the_right_labels(server, trained_run):
     from torchcls.prediction import predict
 
-    sample = images_of(trained_run)[::4]
+    sample = images_of(trained_run)[::10]  # 8 images: the server's --max-batch binds one request too
     files = [("file", (f.name, f.read_bytes(), "image/png")) for f, _ in sample]
+    too_many = files + files[:1]
+    r = httpx.post(f"{server.url}/predict?topk=2", files=too_many)
+    assert r.status_code == 400 and "max batch 8" in r.json()["error"], r.text
     r = httpx.post(f"{server.url}/predict?topk=2", files=files)
     assert r.status_code == 200, r.text
     got = [p["top"][0]["label"] for p in r.json()["predictions"]]
@@ -179,6 +182,10 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, trained_run):
         "batch above the bound": {"inputs": [{**good["inputs"][0], "shape": [65, 3, 32, 32], "data": [0] * 3}]},
         "no inputs": {"outputs": []},
         "unknown output": {**good, "outputs": [{"name": "embeddings"}]},
+        # A repeated output used to be serialised once per mention (a 361 KB request -> 3.26 MB answer).
+        "duplicate outputs": {**good, "outputs": [{"name": "probabilities"}] * 2},
+        # --max-batch 8 binds a single request too, not only the batches the batcher forms.
+        "batch above --max-batch": infer_body(torch.zeros(9, 3, 32, 32)),
     }
     for what, body in bad_bodies.items():
         r = httpx.post(url, json=body)

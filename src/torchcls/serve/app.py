@@ -6,8 +6,10 @@ naming what was wrong); the model runs only in the batcher's worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
+import os
 import secrets
 import tempfile
 from collections.abc import Callable
@@ -95,7 +97,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception) -> Response:
         log.exception("request %s failed", request.url.path)
-        return error_response(500, f"internal error: {type(e).__name__}: {e}")
+        return error_response(500, "internal error; the server log has the details")  # no internals to clients
 
     def check_model(model_name: str) -> None:
         if model_name != name:
@@ -105,12 +107,28 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
         if not batcher.ready.is_set():
             raise HTTPError(503, "the model is still warming up; poll /v2/health/ready", {"Retry-After": "1"})
 
-    async def run(x: torch.Tensor):
+    def admit(n: int = 1) -> None:
+        """Refuse (503) before any parsing or decoding when the model cannot take the work now."""
         check_ready()
+        try:
+            batcher.check_room(n)
+        except QueueFull as e:
+            raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
+
+    async def run(x: torch.Tensor):
+        admit(len(x))
         try:
             return await batcher.submit(x)
         except QueueFull as e:
             raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
+
+    # Decoding and JSON parsing run in worker threads, never on the event loop (health probes stay
+    # prompt); at most one decode per core at a time so uploads cannot pile up decoded copies.
+    decode_slots = asyncio.Semaphore(os.cpu_count() or 1)
+
+    async def off_loop(fn, *args):
+        async with decode_slots:
+            return await run_in_threadpool(fn, *args)
 
     @app.get("/v2")
     async def server_metadata() -> Response:
@@ -140,7 +158,10 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     @app.post("/v2/models/{model_name}/infer")
     async def infer(model_name: str, request: Request) -> Response:
         check_model(model_name)
-        x, req = oip.parse_infer(await request.body(), request.headers.get(oip.BINARY_HEADER), info)
+        admit()
+        body = await request.body()
+        x, req = await off_loop(oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER), info,
+                                batcher.max_batch)
         outputs = oip.requested_outputs(req)
         result = await run(x)
         body = oip.infer_response(name, req, outputs, result.logits, result.probs, info.classes)
@@ -150,10 +171,12 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     async def predict(request: Request, topk: int = 5) -> Response:
         if topk < 1:
             raise HTTPError(400, f"topk must be at least 1, got {topk}")
-        uploads = await read_uploads(request, max_files=info.max_batch, max_part_bytes=max_body)
-        if len(uploads) > info.max_batch:
-            raise HTTPError(400, f"{len(uploads)} images are above this model's max batch {info.max_batch}")
-        x = await run_in_threadpool(decode_all, uploads, request.app.state.upload_dir)
+        admit()
+        uploads = await read_uploads(request, max_files=batcher.max_batch, max_part_bytes=max_body)
+        if len(uploads) > batcher.max_batch:
+            raise HTTPError(400, f"{len(uploads)} images are above this server's max batch {batcher.max_batch}")
+        admit(len(uploads))
+        x = await off_loop(decode_all, uploads, request.app.state.upload_dir)
         result = await run(x)
         k = min(topk, len(info.classes))
         values, indices = result.probs.topk(k, dim=1)

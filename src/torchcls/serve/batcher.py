@@ -61,6 +61,15 @@ class DynamicBatcher:
         self._thread = threading.Thread(target=self._main, args=(warmup, on_ready), name="batcher", daemon=True)
         self._thread.start()
 
+    def check_room(self, n: int) -> None:
+        """Raise QueueFull now when n more images would not fit: callers check before paying for decoding."""
+        with self._cond:
+            if self._closing:
+                raise QueueFull("the server is shutting down")
+            if self._pending + n > self.max_queue:
+                raise QueueFull(f"the queue is full ({self._pending} of {self.max_queue} images waiting); "
+                                "retry later")
+
     async def submit(self, x: torch.Tensor) -> Result:
         loop = asyncio.get_running_loop()
         job = _Job(x, loop.create_future(), loop)

@@ -23,6 +23,8 @@ class ServeConfig:
     max_wait_ms: float = opt(5.0, "how long the batcher waits for more requests after the first one")
     max_queue: int = opt(256, "images accepted but not yet running; requests beyond it get 503")
     max_body_mb: float = opt(32.0, "largest request body in MiB; bigger ones get 413")
+    max_connections: int = opt(1024, "open connections and requests at once; beyond it the server answers 503 "
+                               "at once instead of queueing without bound")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     threads: int = opt(0, "intra-op CPU threads for the model (0 = torch default)")
 

@@ -58,7 +58,7 @@ def _load_json(text: bytes) -> dict[str, Any]:
     return request
 
 
-def _check_shape(spec: dict[str, Any], info: ArtifactInfo) -> list[int]:
+def _check_shape(spec: dict[str, Any], info: ArtifactInfo, max_batch: int) -> list[int]:
     pre = info.preprocess
     expected = [pre.channels, pre.img_size, pre.img_size]
     shape = spec.get("shape")
@@ -70,8 +70,8 @@ def _check_shape(spec: dict[str, Any], info: ArtifactInfo) -> list[int]:
                              f"{', '.join(map(str, expected))}]")
     if shape[0] < 1:
         raise HTTPError(400, f"input batch {shape[0]} must be at least 1")
-    if shape[0] > info.max_batch:
-        raise HTTPError(400, f"input batch {shape[0]} is above this model's max batch {info.max_batch}; "
+    if shape[0] > max_batch:
+        raise HTTPError(400, f"input batch {shape[0]} is above this server's max batch {max_batch}; "
                              "split the request")
     return shape
 
@@ -94,8 +94,11 @@ def _tensor_data(spec: dict[str, Any], binary: bytes, count: int) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def parse_infer(body: bytes, header_length: str | None, info: ArtifactInfo) -> tuple[torch.Tensor, dict]:
-    """An infer request -> (float32 NCHW tensor, the request JSON); any fault -> HTTPError 400."""
+def parse_infer(body: bytes, header_length: str | None, info: ArtifactInfo,
+                max_batch: int) -> tuple[torch.Tensor, dict]:
+    """An infer request -> (float32 NCHW tensor, the request JSON); any fault -> HTTPError 400.
+
+    `max_batch` is the server's bound (--max-batch), which may be below the artifact's."""
     text, binary = _split_binary(body, header_length)
     request = _load_json(text)
     inputs = request.get("inputs")
@@ -106,7 +109,7 @@ def parse_infer(body: bytes, header_length: str | None, info: ArtifactInfo) -> t
         raise HTTPError(400, f"unknown input {spec.get('name')!r}; this model has one input '{INPUT_NAME}'")
     if spec.get("datatype") != "FP32":
         raise HTTPError(400, f"input datatype {spec.get('datatype')!r} is not supported; send FP32")
-    shape = _check_shape(spec, info)
+    shape = _check_shape(spec, info, max_batch)
     data = _tensor_data(spec, binary, int(np.prod(shape)))
     if not np.isfinite(data).all():
         raise HTTPError(400, "input 'data' holds NaN or infinite values")
@@ -123,6 +126,9 @@ def requested_outputs(request: dict[str, Any]) -> list[str]:
     unknown = [n for n in names if n not in OUTPUTS]
     if unknown:
         raise HTTPError(400, f"unknown output(s) {unknown}; this model has {list(OUTPUTS)}")
+    # Each named output is serialised in full: a repeated name would multiply the response size.
+    if len(set(names)) != len(names):
+        raise HTTPError(400, f"'outputs' names an output more than once: {names}")
     return names
 
 

@@ -20,9 +20,12 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
     if not 0 <= cfg.max_batch <= artifact_max_batch:
         raise UserError(f"--max-batch {cfg.max_batch} must be between 1 and the artifact's max batch "
                         f"{artifact_max_batch} (0 = use the artifact's)")
-    for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb)):
+    for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb),
+                        ("--max-connections", cfg.max_connections)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
+    if cfg.graceful_timeout < 0:
+        raise UserError(f"--graceful-timeout must be >= 0 seconds, got {cfg.graceful_timeout}")
     if cfg.max_wait_ms < 0:
         raise UserError(f"--max-wait-ms must be >= 0, got {cfg.max_wait_ms}")
 
@@ -77,7 +80,8 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
 
     app = create_app(artifact, cfg, token=token, on_ready=on_ready)
     config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=int(cfg.graceful_timeout) or None, loop="auto", http="auto")
+                            timeout_graceful_shutdown=cfg.graceful_timeout,  # seconds, 0 = none
+                            limit_concurrency=cfg.max_connections, loop="auto", http="auto")
     server = uvicorn.Server(config)
     log.info("warming up %s; listening on %s (auth %s)", artifact_path, url, "on" if token else "off")
     # uvicorn re-raises the stopping signal after its graceful shutdown; with these handlers in
