@@ -182,3 +182,29 @@ def test_lineage_id_is_known_at_begin_and_finish_rewrites_no_stamped_checkpoint(
     cfg = tiny_config(folder, tmp_path / "runs", "r")
     cfg.run.resume = True
     assert governance.begin(cfg, run).lineage_id == gov.lineage_id
+
+
+def test_packed_sources_are_hashed_file_by_file(tmp_path):
+    """WebDataset shards (with their index) and a local Hugging Face set: one record per packing file."""
+    from torchcls.data.shards import write_shards
+    from torchcls.governance.integrity import check_data
+
+    folder = make_image_folder(tmp_path / "shapes", per_class=3)
+    shards = tmp_path / "shards"
+    write_shards(str(folder), shards, 4_000, max_count=2)
+    files = data_files(str(shards))
+    assert files[-1].name == "index.json" and len(files) >= 3 and all(f.suffix == ".tar" for f in files[:-1])
+    manifest = build_manifest(str(shards))
+    assert manifest["tc:packed"] and [r["@id"] for r in manifest["tc:records"]] == [f.name for f in files]
+    assert check_data(manifest) == []
+    rewrite_same_size(files[0], OLD)
+    assert check_data(manifest) == [f"{files[0]}: content changed (SHA-256 differs from the manifest)"]
+    gov = governance.begin(tiny_config(shards, tmp_path / "runs", "s"), tmp_path / "runs" / "s")
+    assert gov.manifest["tc:recordCount"] == len(files) and gov.lineage_id
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    (tmp_path / "hf").mkdir()
+    pq.write_table(pa.table({"image": [b"x", b"y"], "label": [0, 1]}), tmp_path / "hf" / "train.parquet")
+    hf = build_manifest(f"hf:{tmp_path / 'hf'}")
+    assert hf["tc:source"] == f"hf:{tmp_path / 'hf'}" and [r["@id"] for r in hf["tc:records"]] == ["train.parquet"]

@@ -2,7 +2,9 @@
 
 One definition, built on `open_source`, so that "the files that are hashed" and "the files that are
 trained on" cannot drift apart: the same listing, the same path resolution (a CSV's relative paths
-against --root, else the CSV's folder), the same hidden-file and split rules.
+against --root, else the CSV's folder), the same hidden-file and split rules. Sources that pack many
+samples into few files (built-in sets, WebDataset shards, local Hugging Face data sets) are listed as
+those files.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ def data_files(source: str, root: str | None = None, *, splits: list[ImageSet] |
     """
     if source in BUILTIN:
         return _packed_files(source, root)
+    if is_packed(source):
+        return _container_files(source)
     sets = splits if splits is not None else open_splits(source, root)
     if any(s.paths is None for s in sets):
         raise UserError(f"--data {source}: its samples are not files, so there is nothing to list or hash")
@@ -49,6 +53,28 @@ def open_splits(source: str, root: str | None = None) -> list[ImageSet]:
         except UserError:  # the source holds no such split
             continue
     return sets
+
+
+def is_packed(source: str) -> bool:
+    """Are `source`'s samples packed into a few files (not one file per sample)?"""
+    from torchcls.data.shards import is_shard_source
+
+    return source in BUILTIN or source.startswith("hf:") or is_shard_source(source)
+
+
+def _container_files(source: str) -> list[Path]:
+    """Shards (and their index.json), or the files of a local Hugging Face data set."""
+    if source.startswith("hf:"):
+        path = Path(source[len("hf:"):])
+        if not path.exists():
+            raise UserError(f"--data {source}: {path} does not exist")
+        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) \
+            if path.is_dir() else [path]
+    from torchcls.data.shards import INDEX, open_shards
+
+    shards = open_shards(source)
+    index = shards.files[0].parent / INDEX if shards.files else None
+    return shards.files + ([index] if index is not None and index.is_file() else [])
 
 
 def _packed_files(source: str, root: str | None) -> list[Path]:

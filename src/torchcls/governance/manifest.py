@@ -59,8 +59,12 @@ def build_manifest(source: str, root: str | None = None, meta: DatasetMeta | Non
     basis = legal_basis_term(meta.legal_basis, "manifest")
     expires = _iso_date(meta.expires, "--expires") if meta.expires else None
     cache = cache or HashCache(None)
+    from torchcls.data.files import is_packed  # torch: only once something is hashed
+
     if source in BUILTIN_META:
         base, records, distribution = _builtin(source, root, cache)
+    elif is_packed(source):
+        base, records, distribution = _containers(source, cache)
     else:
         path = Path(source)
         if not (path.is_dir() or (path.suffix.lower() == ".csv" and path.is_file())):
@@ -76,13 +80,20 @@ def build_manifest(source: str, root: str | None = None, meta: DatasetMeta | Non
         "distribution": distribution, "tc:source": source_id(source), "tc:root": str(base),
         "tc:recordCount": len(records), "tc:records": records,
     }
+    if is_packed(source) and source not in BUILTIN_META:
+        manifest["tc:packed"] = True  # records are files that pack samples (shards, Arrow/Parquet tables)
     manifest["tc:merkleRoot"] = records_root(records)
     return manifest
 
 
 def source_id(source: str) -> str:
-    """How a manifest names its data: the built-in name, or the absolute path of the folder / CSV."""
-    return source if source in BUILTIN_META else str(Path(source).resolve())
+    """How a manifest names its data: the built-in name, or the absolute path of the folder / CSV /
+    shards (hf:ABSOLUTE_PATH for a local Hugging Face data set)."""
+    if source in BUILTIN_META:
+        return source
+    if source.startswith("hf:"):
+        return "hf:" + str(Path(source[3:]).resolve())
+    return str(Path(source).resolve())
 
 
 def records_root(records: list[dict[str, Any]]) -> str:
@@ -209,6 +220,18 @@ def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, An
                 extra["dpv:hasJurisdiction"] = row["jurisdiction"].strip()
             rows[str(p.resolve())] = (label, extra)
     return rows
+
+
+def _containers(source: str, cache: HashCache) -> tuple[Path, list, list]:
+    """Shards or a local Hugging Face data set: one record per file that packs samples (hashing
+    every sample would mean decoding them all)."""
+    from torchcls.data.files import data_files
+
+    files = data_files(source)
+    resolved = [f.resolve() for f in files]
+    base = Path(os.path.commonpath(resolved)) if len(resolved) > 1 else resolved[0].parent
+    records = [_file_record(f, base, None, d, {}) for f, d in zip(resolved, cache.hash_files(files))]
+    return base, records, [{"@type": "cr:FileSet", "@id": "files", "name": "files", "includes": "**/*"}]
 
 
 def _builtin(source: str, root: str | None, cache: HashCache) -> tuple[Path, list, list]:

@@ -86,6 +86,9 @@ class Governance:
                 save_manifest(self.manifest, target)
         self.record_infos = self._record_infos()
         files = by_stage(self.hooks, "file")
+        if files and self.manifest.get("tc:packed"):
+            raise UserError(f"--hooks {', '.join(h.name for h in files)}: file-stage hooks rewrite image files, "
+                            f"but {source} packs its samples into shards or tables; use a folder or CSV source")
         if files and self.manifest["tc:source"] not in BUILTIN_META:
             self._isolate(files)
 
@@ -133,6 +136,11 @@ class Governance:
     # --- install: hooks on the data path and the model ------------------------------------------
 
     def sample_info(self, images, i: int) -> SampleInfo:
+        if images.paths is None and self.manifest.get("tc:packed"):  # no record per sample: the data set's facts
+            m = self.manifest
+            tags = frozenset(m.get("rai:personalSensitiveInformation") or [])
+            restricted = set(self.policy.restricted_tags if self.policy else RESTRICTED_BY_DEFAULT)
+            return SampleInfo(i, f"sample {i}", None, tags, m.get("dpv:hasJurisdiction"), bool(tags & restricted))
         return dataclasses.replace(self.record_infos[self._record_index(images, i)], index=i)
 
     def _record_index(self, images, i: int) -> int:
