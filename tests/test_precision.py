@@ -315,3 +315,20 @@ def test_compile_for_inference_bf16_uses_castio_and_keeps_the_model_fp32():
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the caller's model stays fp32
     assert out.dtype == torch.float32 and out.shape == (3, 10)
     assert compare(reference, out)["max_abs_diff"] < 0.1 * reference.abs().max().item()
+
+
+def test_heldout_batches_feed_quantize_for_inference_on_a_real_run(trained_run):
+    """The documented flow: held-out images of a run (the ones export's parity uses), then bf16 with parity."""
+    from torchcls.artifacts.parity import held_out_images
+    from torchcls.artifacts.quantize import heldout_batches
+    from torchcls.checkpoint.files import read_meta, resolve_checkpoint
+
+    batches = heldout_batches(str(trained_run), n=20, batch_size=8)
+    assert [tuple(b.shape) for b in batches] == [(8, 3, 32, 32), (8, 3, 32, 32), (4, 3, 32, 32)]
+    images, _ = held_out_images(read_meta(resolve_checkpoint(trained_run)), 20)
+    assert torch.equal(torch.cat(batches), images)
+    model, _ = load_model(resolve_checkpoint(trained_run))
+    converted, report = quantize_for_inference(model, "bf16", batches)
+    assert report["parity"]["passed"] and report["parity"]["n"] == 20 and report["precision"] == "bf16"
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the caller's model is not touched
+    assert isinstance(converted, CastIO) and converted(batches[0]).dtype == torch.float32

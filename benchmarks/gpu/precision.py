@@ -82,7 +82,7 @@ def train_variant(name: str, base: nn.Module, batches, args) -> dict:
     precision, _, recipe = name.partition("-")
     model = copy.deepcopy(base).train()
     cfg = PrecisionConfig(precision=precision, fp8_recipe=recipe or "tensorwise", fp8_min_dim=args.fp8_min_dim)
-    plan = apply_precision(model, cfg, torch.device("cuda"))
+    plan = apply_precision(model, cfg, torch.device("cuda"), compile=True, compile_note="per transformer block")
     compile_blocks(model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True)
     losses, times = [], []
