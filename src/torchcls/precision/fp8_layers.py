@@ -1,4 +1,6 @@
-"""Which layers FP8 converts, and why the others are skipped: one rule for training and inference.
+"""Which layers FP8 training converts, and why the others are skipped: the rule alone (no torchao,
+no model surgery), so it is checked against torchao's own filter and read by the report; fp8.py
+applies it with a backend.
 
 FP8 GEMMs (torch._scaled_mm, TransformerEngine) need both matrix dimensions divisible by 16,
 and pay only when the GEMM is large enough for the cast overhead to amortize. The default
