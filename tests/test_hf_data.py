@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchcls.data.hf import hf_splits
+from torchcls.data.hf import hf_data_files, hf_splits
 from torchcls.data.sources import open_source
 from torchcls.errors import UserError
 
@@ -53,6 +53,9 @@ def test_dataset_dict_splits(tmp_path: Path):
     sizes = {split: len(open_source(source, None, split, None, "error", image_column="img", label_column="y"))
              for split in ("train", "val", "test")}
     assert sizes == {"train": 9, "val": 6, "test": 3}
+    files = hf_data_files(source, "test")  # what governance hashes: the Arrow data and its description
+    assert {f.name for f in files} >= {"data-00000-of-00001.arrow", "dataset_info.json"}
+    assert all(f.parent.name == "test" and f.is_file() for f in files)
 
 
 def test_parquet_files_with_string_labels(tmp_path: Path):

@@ -17,7 +17,7 @@ import torch
 from torchvision.transforms import v2
 
 from conftest import make_image_folder
-from torchcls.data.shards import INDEX, is_shard_source, open_shards, verify_shards, write_shards
+from torchcls.data.shards import INDEX, is_shard_source, open_shards, parse_size, verify_shards, write_shards
 from torchcls.data.sources import ImageSet, open_source
 from torchcls.data.streaming import shard_loader
 from torchcls.errors import UserError
@@ -252,3 +252,19 @@ def test_torchrun_two_ranks_cover_the_epoch_once(numbered_shards, tmp_path: Path
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert sorted(ranks[0]["ids"] + ranks[1]["ids"]) == list(range(300))
     assert ranks[0]["steps"] == ranks[1]["steps"]
+
+
+def test_index_counts_that_disagree_with_a_shard_are_named(numbered_shards):
+    index_path = Path(numbered_shards.index)
+    index = json.loads(index_path.read_text())
+    index["shards"][0]["samples"] += 1  # a stale or hand-edited index: sizes still agree
+    index_path.write_text(json.dumps(index))
+    shard = numbered_shards.shards[0].path
+    with pytest.raises(UserError, match=f"shard {shard} does not hold the .* samples its index records"):
+        list(shard_loader(open_shards(str(index_path.parent)), 16, 0, seed=0, shuffle=False))
+
+
+def test_shard_size_text():
+    assert parse_size("1GB") == 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("2000") == 2000
+    with pytest.raises(UserError, match="--shard-size"):
+        parse_size("lots")

@@ -224,3 +224,15 @@ def open_hf(path: str, split: str = "train", channels: int | None = None, image_
     classes, targets = _labels(table, label_column, features.get(label_column, {}), name)
     return HFImageSet(name, classes, targets, channels or 3, (kind, path, split if kind == "disk" else None),
                       image_column, has_test_split=has_test, origin=f"{name} {split}", max_pixels=max_pixels)
+
+
+def hf_data_files(source: str, split: str = "train") -> list[Path]:
+    """The files that hold `hf:PATH`'s data (Arrow or Parquet, plus the feature description), for
+    governance to hash and cite: the samples themselves are rows, not files."""
+    path = Path(source[len(PREFIX):] if is_hf_source(source) else source)
+    if path.suffix == ".parquet" or (path.is_dir() and any(path.glob("*.parquet"))):
+        return _parquet_files(path)
+    ds = _load_from_disk(path, split)
+    arrow = [Path(f["filename"]) for f in ds.cache_files]
+    folder = arrow[0].parent if arrow else path
+    return arrow + [p for p in (folder / "dataset_info.json", folder / "state.json") if p.is_file()]

@@ -69,6 +69,18 @@ class ShardSet:
 
 # ---------------------------------------------------------------- writing
 
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'1GB' -> 1_000_000_000, '512MiB' -> 536_870_912 (for --shard-size); UserError otherwise."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
+        raise UserError(f"--shard-size {text!r}: give a positive size such as 500MB, 1GB or 2GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
 class _HashingFile:
     """A write-only file that hashes and counts what passes through (tarfile's stream mode only writes)."""
 

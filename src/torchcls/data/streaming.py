@@ -17,6 +17,7 @@ draws the same crops and flips as an uninterrupted one, whatever process decodes
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import math
 import os
@@ -40,10 +41,16 @@ class BadShardSample(Exception):
     """A sample that cannot be used, under --on-bad-file error; str() names the shard and key."""
 
 
+def mix_seed(*parts: int) -> int:
+    """One 63-bit seed from integers of any size, the same in every process and Python run."""
+    digest = hashlib.blake2b(",".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def epoch_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
     if not shuffle:
         return list(range(num_shards))
-    g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    g = torch.Generator().manual_seed(mix_seed(seed, epoch))
     return torch.randperm(num_shards, generator=g).tolist()
 
 
@@ -122,7 +129,7 @@ class ShardStream(IterableDataset):
     def _permutation(self, block_start: int, n: int) -> list[int]:
         if not self.shuffle:
             return list(range(n))
-        g = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + block_start)
+        g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch, block_start))
         return torch.randperm(n, generator=g).tolist()
 
     def _read(self, pos: int, hi: int) -> Iterator[tuple[str, str, dict[str, bytes]]]:
@@ -134,13 +141,19 @@ class ShardStream(IterableDataset):
             if base + count <= pos:
                 base += count
                 continue
-            skip = max(0, pos - base)
+            skip, seen = max(0, pos - base), 0
             with open_tar(path) as tf:
                 for n, (key, members) in enumerate(iter_members(tf, path, os.path.getsize(path))):
                     if base + n >= hi:
                         return
+                    seen = n + 1
+                    if n >= count:
+                        break
                     if n >= skip:  # before: headers read to find the way, data never touched
                         yield path, key, {ext: _member_bytes(tf, m, path) for ext, m in members.items()}
+            if seen != count:
+                raise UserError(f"shard {path} does not hold the {count} samples its index records; "
+                                "re-write the shards, or remove the stale index.json to have them counted")
             base += count
 
     def _make(self, raw: tuple[str, str, dict[str, bytes]], position: int) -> tuple[torch.Tensor, int] | None:
@@ -158,7 +171,7 @@ class ShardStream(IterableDataset):
             # ~3 ms a call), restored afterwards so the caller's random stream is untouched.
             gen = torch.default_generator
             saved = gen.get_state()
-            gen.manual_seed((self.seed * 1_000_003 + self.epoch) * 1_000_000_007 + position)
+            gen.manual_seed(mix_seed(self.seed, self.epoch, position, 1))
             try:
                 image = self.transform(image)
             finally:
