@@ -60,8 +60,8 @@ def make_programs(model: nn.Module, example: torch.Tensor, calib: torch.Tensor, 
     import onnxruntime as ort
     from executorch.runtime import Runtime
 
-    from torchcls.artifacts.executorch import lower
     from torchcls.artifacts.quantize import quantize_int8
+    from torchcls.artifacts.targets.executorch import lower
 
     with torch.no_grad():
         ep = torch.export.export(model, (example,))

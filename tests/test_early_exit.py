@@ -9,8 +9,7 @@ import torch
 
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, SmallNet, create_model
-from torchcls.models.early_exit import EarlyExitNet, build_early_exit, confidence, exit_loss
-from torchcls.models.early_exit_export import CondEarlyExit
+from torchcls.models.early_exit import CondEarlyExit, EarlyExitNet, build_early_exit, confidence, exit_loss
 
 
 @pytest.fixture(autouse=True)

@@ -20,20 +20,19 @@ INT8_MAX_DROP_PT = 10.0  # the stated bound for the tiny shapes model (20 held-o
 def fp32_pte(trained_run: Path):
     from torchcls.artifacts import export
 
-    return export(trained_run, target="executorch", max_batch=8, parity_images=80)
+    return export(trained_run, target="executorch", parity_images=80)  # the default bound (--max-batch 64)
 
 
 @pytest.fixture(scope="module")
 def int8_pte(trained_run: Path):
     from torchcls.artifacts import export
 
-    return export(trained_run, target="executorch", quantize="int8", calibration_images=48, max_batch=8,
-                  parity_images=80)
+    return export(trained_run, target="executorch", quantize="int8", calibration_images=48, parity_images=80)
 
 
 def test_fp32_program_matches_eager_and_reports_delegation(fp32_pte, trained_run):
     from torchcls.artifacts import load_artifact
-    from torchcls.artifacts.executorch import ExecuTorchArtifact
+    from torchcls.artifacts.targets.executorch import ExecuTorchArtifact
 
     assert fp32_pte.path.suffix == ".pte" and fp32_pte.path.parent.name == "executorch-fp32"
     saved = json.loads(fp32_pte.parity_path.read_text())
@@ -47,14 +46,32 @@ def test_fp32_program_matches_eager_and_reports_delegation(fp32_pte, trained_run
     assert not [p for p in fp32_pte.path.parent.iterdir() if "partial" in p.name]
     art = load_artifact(fp32_pte.path)
     assert isinstance(art, ExecuTorchArtifact)
-    assert art.info.classes == ["circle", "square"] and art.info.max_batch == 8
+    assert art.info.classes == ["circle", "square"] and art.info.max_batch == 64
+
+
+@pytest.mark.parametrize("which", ["fp32_pte", "int8_pte"])
+def test_every_batch_size_up_to_the_default_bound_runs(which, request):
+    """The runtime once planned the input for 15 images (a shape guard narrowed the batch range while
+    lowering) and refused batch 16 and above: run one program at 1, 2, 17, 63 and 64 images."""
+    from torchcls.artifacts import load_artifact
+
+    result = request.getfixturevalue(which)
+    art = load_artifact(result.path)
+    assert art.info.max_batch == 64
+    torch.manual_seed(0)
+    full = torch.randn(64, 3, 32, 32)
+    reference = art(full)
+    for batch in (1, 2, 17, 63, 64):
+        logits = art(full[:batch])
+        assert logits.shape == (batch, 2)
+        torch.testing.assert_close(logits, reference[:batch], atol=1e-4, rtol=1e-4)
 
 
 def test_predict_through_runtime_equals_eager(fp32_pte, trained_run, capsys):
+    from torchcls.checkpoint.files import load_model
     from torchcls.cli import main
     from torchcls.data import build_transform
     from torchcls.data.images import load_image
-    from torchcls.checkpoint.files import load_model
 
     images = sorted((trained_run.parent.parent / "shapes" / "circle").glob("*.png"))[:3]
     assert main(["predict", str(fp32_pte.path), *map(str, images), "--json"]) == 0
@@ -75,8 +92,8 @@ def test_wrong_input_shape_is_a_user_error(fp32_pte):
     art = load_artifact(fp32_pte.path)
     with pytest.raises(UserError, match=r"shape \(N, 3, 32, 32\)"):
         art(torch.randn(1, 3, 16, 16))
-    with pytest.raises(UserError, match="accepts 1 to 8"):
-        art(torch.randn(9, 3, 32, 32))
+    with pytest.raises(UserError, match="accepts 1 to 64"):
+        art(torch.randn(65, 3, 32, 32))
 
 
 def test_int8_accuracy_within_bound(int8_pte, fp32_pte):
@@ -147,7 +164,7 @@ class CondNet(nn.Module):
 def test_cond_model_lowers_with_branches_on_portable(tmp_path):
     from executorch.runtime import Runtime
 
-    from torchcls.artifacts.executorch import lower
+    from torchcls.artifacts.targets.executorch import lower
 
     torch.manual_seed(0)
     model = CondNet().eval()

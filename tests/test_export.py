@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchcls.errors import UserError
 from torchcls.artifacts import compile_for_inference, export, load_artifact
-from torchcls.artifacts.artifact import OnnxArtifact
+from torchcls.artifacts.targets.onnx import OnnxArtifact
 from torchcls.checkpoint.files import load_model
+from torchcls.errors import UserError
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 8
@@ -114,13 +114,15 @@ def test_cpp_runner_equals_python(aoti_export, classify_pt2, trained_run, tmp_pa
 
 def test_failed_parity_leaves_no_artifact(trained_run, tmp_path, monkeypatch):
     """A runtime that returns wrong logits (fault injected into the loaded artifact) must not yield a file."""
-    from torchcls.artifacts import exporter
+    import dataclasses
+
+    from torchcls.artifacts.targets import TARGETS
 
     class Broken(OnnxArtifact):
         def _run(self, x):
-            return -super()._run(x)
+            return tuple(-t for t in super()._run(x))
 
-    monkeypatch.setitem(exporter.LOADERS, "onnx", Broken)
+    monkeypatch.setitem(TARGETS, "onnx", dataclasses.replace(TARGETS["onnx"], load=Broken))
     out = tmp_path / "out" / "model.onnx"
     with pytest.raises(UserError, match="parity failed"):
         export(trained_run, target="onnx", max_batch=4, out=out)
@@ -181,8 +183,8 @@ def test_predict_accepts_artifacts(aoti_export, onnx_path, trained_run):
 
 def test_bf16_capture_casts_inside(trained_run):
     """bf16 artifacts take and return float32; the graph inside runs in bf16 (checked without compiling)."""
-    from torchcls.artifacts.artifact import ArtifactInfo
-    from torchcls.artifacts.build import capture
+    from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.targets.base import ArtifactInfo
 
     images, model = _held_out(trained_run)
     _, meta = load_model(trained_run)

@@ -8,17 +8,17 @@ from typing import Any
 
 import torch
 
-from torchcls.options import PredictOptions as _D  # the defaults, declared once
+from torchcls.artifacts.artifact import load_artifact
+from torchcls.artifacts.targets import BY_SUFFIX
+from torchcls.checkpoint.files import load_model
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.data.scan import list_files
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
-from torchcls.artifacts.artifact import load_artifact
-from torchcls.checkpoint.files import load_model
+from torchcls.options import PredictOptions as _D  # the defaults, declared once
 
-
-ARTIFACT_SUFFIXES = (".pt2", ".onnx", ".pte")
+ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, run on their own runtime
 
 
 @dataclass

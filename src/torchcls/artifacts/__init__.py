@@ -1,8 +1,29 @@
-"""Export: compile for inference, AOTInductor/ONNX artifacts with parity checks, and one loader for all of them."""
+"""Artifacts: one exporter for every target (AOTInductor, ONNX, ExecuTorch; early-exit models
+included), parity against eager, inference compile, and one loader for all of them.
 
-from torchcls.artifacts.artifact import ArtifactInfo, LoadedArtifact, load_artifact
-from torchcls.artifacts.compile import CompiledClassifier, compile_for_inference
-from torchcls.artifacts.exporter import ExportResult, export
+Light to import: submodules are loaded on first use (importing torchcls.artifacts.parity imports
+nothing else of the package).
+"""
 
-__all__ = ["ArtifactInfo", "CompiledClassifier", "ExportResult", "LoadedArtifact", "compile_for_inference", "export",
-           "load_artifact"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_API = {
+    "ArtifactInfo": "torchcls.artifacts.targets.base",
+    "LoadedArtifact": "torchcls.artifacts.targets.base",
+    "load_artifact": "torchcls.artifacts.artifact",
+    "CompiledClassifier": "torchcls.artifacts.compile",
+    "compile_for_inference": "torchcls.artifacts.compile",
+    "ExportResult": "torchcls.artifacts.exporter",
+    "export": "torchcls.artifacts.exporter",
+}
+
+__all__ = list(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'torchcls.artifacts' has no attribute {name!r}")

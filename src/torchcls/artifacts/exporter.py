@@ -1,31 +1,42 @@
-"""`torchcls export`: checkpoint → verified artifact.
+"""`torchcls export`: checkpoint → verified artifact, the same steps for every target.
 
-The artifact is built under a temporary name beside its final path, loaded back through the same
-loader users get (load_artifact's classes), compared with the eager model on held-out images, and
-renamed into place only when parity passes: a failed export leaves nothing at the final path.
+capture (torch.export, batch dimension dynamic; the torch.cond form of early-exit models) → build
+under a temporary name beside the final path (the target's builder) → load it back through the
+loader users get → parity against the eager model on held-out images → publish (rename). A failed
+export leaves nothing at the final path.
+
+Early-exit models: parity images are picked so that every exit is taken where the held-out data
+allows it, run in batches that all leave at the same exit (each torch.cond branch is exercised), and
+parity.json's "early_exit" says how many images left at each exit and the agreement per exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import tempfile
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
-from torchcls.options import ExportOptions as _D  # the defaults, declared once
+from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_images, measure_parity
+from torchcls.artifacts.targets import get_target
+from torchcls.artifacts.targets.base import ArtifactInfo, ExportRequest, LoadedArtifact, Plan
+from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
 from torchcls.errors import UserError
-from torchcls.artifacts.artifact import AOTIArtifact, ArtifactInfo, LoadedArtifact, OnnxArtifact
-from torchcls.artifacts.build import BUILDERS, DTYPES, SUFFIX, capture
-from torchcls.artifacts.edge import check_edge_options, edge_build, finish_parity
-from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, held_out_images, measure_parity
-from torchcls.checkpoint.files import atomic_write, load_model, resolve_checkpoint, run_dir_of
+from torchcls.models.early_exit import CondEarlyExit, EarlyExitNet
+from torchcls.options import ExportOptions as _D  # the defaults, declared once
+from torchcls.precision.dtypes import DTYPES
+from torchcls.precision.inference import CastIO
 
-LOADERS: dict[str, type[LoadedArtifact]] = {"aoti": AOTIArtifact, "onnx": OnnxArtifact}
+PARITY_CHUNK = 32
+EARLY_EXIT_POOL = 4  # early-exit parity picks from this many times --parity-images held-out images
 
 
 @dataclass
@@ -41,56 +52,153 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
            parity_images: int = _D.parity_images,
            data: str | None = None, root: str | None = None, quantize: str | None = None,
            backend: str | None = None, calibration_images: int | None = None) -> ExportResult:
-    """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package or ONNX model.
+    """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package (aoti), an ONNX
+    model (onnx) or an ExecuTorch program (executorch); early-exit models export their torch.cond form.
 
-    Default path: <run dir>/export/<target>-<precision>/model.{pt2,onnx}; parity.json goes beside it.
+    Default path: <run dir>/export/<target>-<precision>/model.{pt2,onnx,pte}; parity.json goes beside it.
     Raises UserError (and writes no artifact) when top-1 agreement with eager is below
-    `min_agreement` (default 0.999 for fp32, 0.99 for bf16).
-    --target executorch (a .pte program) takes `quantize` (none|int8), `backend` (xnnpack|portable)
-    and `calibration_images` (int8); see torchcls.artifacts.edge.
+    `min_agreement` (default 0.999 for fp32, 0.99 for bf16, 0.95 for int8).
+    --target executorch takes `quantize` (none|int8), `backend` (xnnpack|portable) and
+    `calibration_images` (int8); see torchcls.artifacts.targets.executorch.
     """
-    check_edge_options(target, quantize, backend, calibration_images)
-    _check_options(target, precision, max_batch, min_agreement, parity_images)
+    _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend, calibration_images)
+    tgt = get_target(target)
+    req = ExportRequest(precision, max_batch, quantize, backend, calibration_images, data, root)
+    tgt.check(req)  # before reading the checkpoint: fail fast
     ckpt = resolve_checkpoint(checkpoint)
     model, meta = load_model(ckpt)
-    builder, loader, label = BUILDERS.get(target), LOADERS.get(target), precision
-    if target == "executorch":
-        edge = edge_build(meta, precision, quantize, backend, calibration_images, data, root)
-        builder, loader, label = edge.builder, edge.loader, edge.label
-        min_agreement = edge.min_agreement if min_agreement is None else min_agreement
-    min_agreement = DEFAULT_MIN_AGREEMENT[precision] if min_agreement is None else min_agreement
+    early_exit = isinstance(model, EarlyExitNet)
+    if early_exit:
+        req = replace(req, early_exit=True)
+        tgt.check(req)
+    plan = tgt.plan(req, meta)
+    min_agreement = min_agreement if min_agreement is not None else (
+        plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[precision])
     run_dir = run_dir_of(ckpt)
-    path = _artifact_path(out, run_dir or ckpt.parent, target, label)
-    images, labels = held_out_images(meta, parity_images, data, root)  # before compiling: fail fast
-
+    path = _artifact_path(out, run_dir or ckpt.parent, tgt.suffix, target, plan.label)
+    # Parity images before compiling: fail fast.
+    if early_exit:
+        images, labels, selection = _early_exit_images(model, meta, parity_images, data, root)
+    else:
+        images, labels = held_out_images(meta, parity_images, data, root)
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
-                        max_batch, precision)
+                        max_batch, precision, model.num_exits if early_exit else 0)
     extra = {"source": str(ckpt), "model": meta.spec.name, "torch": torch.__version__}
+    if early_exit:
+        extra["threshold"] = str(model.threshold)
     ep = capture(copy.deepcopy(model), info)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".partial{path.suffix}")
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        report = builder(ep, info, tmp, **extra)
-        parity = measure_parity(model, loader(tmp), images, labels, min_agreement)
+    with _partial_file(path) as tmp:
+        report = plan.build(ep, info, tmp, extra)
+        artifact = tgt.load(tmp)
+        parity = measure_parity(model, artifact, images, labels, min_agreement)
         parity.update(target=target, precision=precision, checkpoint=str(ckpt.resolve()), artifact=path.name)
-        parity.update(report or {})
-        finish_parity(parity, label)
-        if not parity["passed"]:
-            raise UserError(
-                f"parity failed: the {target} {label} artifact agrees with eager on top-1 for "
-                f"{parity['top1_agreement']:.4%} of {parity['n']} held-out images (needed {min_agreement:.4%}; "
-                f"max |Δlogit| {parity['max_abs_diff']:.3g}). No artifact was written to {path}. "
-                + ("For bf16, a lower --min-agreement may be acceptable." if precision == "bf16" else
-                   "An fp32 artifact should match eager: this points to an export bug; please report it."))
+        parity.update(report)
+        if plan.finish:
+            plan.finish(parity)
+        if early_exit:
+            parity["early_exit"] = exit_parity(model, artifact, images, labels) | selection
+        _refuse_failed(parity, target, plan, path, min_agreement)
         parity_path = path.parent / "parity.json"
         atomic_write(parity_path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
         _make_readable(parity_path)
         _make_readable(tmp)
         os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
     return ExportResult(path, parity_path, parity, info)
+
+
+def capture(model: nn.Module, info: ArtifactInfo) -> torch.export.ExportedProgram:
+    """torch.export of what the artifact computes (float32 normalised images → float32 logits; early-exit
+    models also return the exit per image), batch dimension dynamic in [1, max_batch] (static at 1)."""
+    pre = info.preprocess
+    if isinstance(model, EarlyExitNet):
+        module: nn.Module = CondEarlyExit(model)  # a Python `if` on a tensor cannot be exported
+    elif info.precision == "fp32":
+        module = model.eval()
+    else:
+        module = CastIO(model, DTYPES[info.precision])
+    batch = 2 if info.max_batch >= 2 else 1  # an example batch of 1 would be specialised to 1 by export
+    example = torch.randn(batch, pre.channels, pre.img_size, pre.img_size)
+    dynamic = {"x": {0: torch.export.Dim("batch", min=1, max=info.max_batch)}} if info.max_batch >= 2 else None
+    try:
+        with torch.no_grad():
+            return torch.export.export(module, (example,), dynamic_shapes=dynamic)
+    except Exception as e:  # export reports unsupported Python (data-dependent branches...) as many error types
+        raise UserError(f"torch.export could not capture model '{info.name}': {str(e).splitlines()[0][:400]} "
+                        "(models with data-dependent Python control flow need torch.cond)") from e
+
+
+@torch.inference_mode()
+def _eager_exits(model: EarlyExitNet, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    chunks = [model.dynamic(images[i:i + PARITY_CHUNK]) for i in range(0, len(images), PARITY_CHUNK)]
+    return torch.cat([c[0] for c in chunks]).float(), torch.cat([c[1] for c in chunks])
+
+
+def _early_exit_images(model: EarlyExitNet, meta: CheckpointMeta, limit: int, data: str | None,
+                       root: str | None) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """Up to `limit` held-out images with every exit represented as far as the data allows: taken in
+    turn from each exit's images (at the checkpoint's threshold) of a larger held-out pool, then
+    ordered by exit so that parity batches leave at one exit together."""
+    pool_x, pool_y = held_out_images(meta, limit * EARLY_EXIT_POOL, data, root)
+    _, exits = _eager_exits(model, pool_x)
+    groups = [torch.nonzero(exits == k).flatten().tolist() for k in range(model.num_exits)]
+    picks: list[int] = []
+    for i in range(max(map(len, groups))):
+        picks += [g[i] for g in groups if i < len(g)]
+    picks = sorted(picks[:limit], key=lambda j: (int(exits[j]), j))
+    selection = {"threshold": model.threshold, "held_out_pool": len(pool_x),
+                 "pool_exit_counts": [len(g) for g in groups]}
+    return pool_x[picks], pool_y[picks], selection
+
+
+@torch.inference_mode()
+def exit_parity(model: EarlyExitNet, artifact: LoadedArtifact, images: torch.Tensor,
+                labels: torch.Tensor) -> dict[str, Any]:
+    """Per exit: how many parity images left there (eager), the artifact's parity on them (run in
+    batches that all leave at that exit) and how often the artifact chose the same exit."""
+    ref_logits, ref_exits = _eager_exits(model, images)
+    chunk = max(1, min(artifact.info.max_batch, PARITY_CHUNK))
+    per_exit, never = [], []
+    for k in range(model.num_exits):
+        idx = torch.nonzero(ref_exits == k).flatten()
+        entry: dict[str, Any] = {"exit": k, "images": len(idx)}
+        if len(idx) == 0:
+            never.append(k)
+            per_exit.append(entry)
+            continue
+        outs = [artifact.with_exits(images[idx[i:i + chunk]]) for i in range(0, len(idx), chunk)]
+        logits, exits = torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+        entry |= compare(ref_logits[idx], logits, labels[idx])
+        entry["exit_agreement"] = (exits == k).float().mean().item()
+        per_exit.append(entry)
+    result: dict[str, Any] = {"exits": per_exit, "never_taken": never}
+    if never:
+        result["note"] = (f"exit(s) {', '.join(map(str, never))} never taken by the held-out images at threshold "
+                          f"{model.threshold}: no parity figures for them")
+    return result
+
+
+def _refuse_failed(parity: dict[str, Any], target: str, plan: Plan, path: Path, min_agreement: float) -> None:
+    if parity["passed"]:
+        return
+    precision = parity["precision"]
+    raise UserError(
+        f"parity failed: the {target} {plan.label} artifact agrees with eager on top-1 for "
+        f"{parity['top1_agreement']:.4%} of {parity['n']} held-out images (needed {min_agreement:.4%}; "
+        f"max |Δlogit| {parity['max_abs_diff']:.3g}). No artifact was written to {path}. "
+        + ("For bf16, a lower --min-agreement may be acceptable." if precision == "bf16" else
+           "An fp32 artifact should match eager: this points to an export bug; please report it."))
+
+
+@contextlib.contextmanager
+def _partial_file(path: Path) -> Iterator[Path]:
+    """A temporary file beside `path` (same file system, so the final rename is atomic), removed unless
+    it was renamed into place."""
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}.", suffix=f".partial{path.suffix}")
+    os.close(fd)
+    try:
+        yield Path(name)
+    finally:
+        Path(name).unlink(missing_ok=True)
 
 
 def _make_readable(path: Path) -> None:
@@ -100,15 +208,15 @@ def _make_readable(path: Path) -> None:
     os.chmod(path, 0o666 & ~umask)
 
 
-def _check_options(target: str, precision: str, max_batch: int, min_agreement: float | None,
-                   parity_images: int) -> None:
-    if target not in (*BUILDERS, "executorch"):
-        raise UserError(f"--target {target}: choose one of {', '.join(BUILDERS)}, executorch")
-    if precision not in DTYPES:
+def _check_options(target: str, precision: str, max_batch: int, min_agreement: float | None, parity_images: int,
+                   quantize: str | None, backend: str | None, calibration: int | None) -> None:
+    if target != "executorch":
+        given = [f for f, v in (("--quantize", quantize), ("--backend", backend),
+                                ("--calibration-images", calibration)) if v is not None and v != "none"]
+        if given:
+            raise UserError(f"{', '.join(given)} apply to --target executorch only (got --target {target})")
+    if precision not in ("fp32", "bf16"):
         raise UserError(f"--precision {precision}: choose fp32 or bf16")
-    if target == "onnx" and precision != "fp32":
-        raise UserError("--target onnx supports --precision fp32 only: ONNX Runtime's CPU provider has no bf16 "
-                        "convolution kernels; use --target aoti for bf16")
     if not 1 <= max_batch <= 4096:
         raise UserError(f"--max-batch {max_batch}: must be between 1 and 4096")
     if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:
@@ -117,10 +225,9 @@ def _check_options(target: str, precision: str, max_batch: int, min_agreement: f
         raise UserError(f"--parity-images {parity_images}: parity needs at least one image")
 
 
-def _artifact_path(out: str | Path | None, base: Path, target: str, precision: str) -> Path:
-    suffix = SUFFIX[target]
+def _artifact_path(out: str | Path | None, base: Path, suffix: str, target: str, label: str) -> Path:
     if out is None:
-        path = base / "export" / f"{target}-{precision}" / f"model{suffix}"
+        path = base / "export" / f"{target}-{label}" / f"model{suffix}"
     else:
         path = Path(out)
         if path.is_dir() or not path.suffix:

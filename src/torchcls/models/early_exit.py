@@ -6,8 +6,8 @@ branch. Inference (model.eval()): per sample, the first exit whose confidence (m
 softmax probability) reaches `threshold` answers; samples that are not confident enough
 go on to the next segment. This is real data-dependent Python control flow: only the
 samples still undecided are computed further, and the loop stops when none is left.
-`torchcls.models.early_exit_export.CondEarlyExit` is the same model with the decision
-written as `torch.cond`, for torch.compile(fullgraph=True), torch.export, AOTI and ExecuTorch.
+`CondEarlyExit` is the same model with the decision written as `torch.cond`, for
+torch.compile(fullgraph=True) and torch.export (what `torchcls export` captures).
 
 Backbones: SmallNet (exits after its stages) and timm ResNets (exits after layer1..3).
 Model names: `ee/<backbone>` (e.g. `ee/smallnet`, `ee/resnet18`).
@@ -103,6 +103,48 @@ class EarlyExitNet(nn.Module):
             keep = ~done
             alive, h = alive[keep], h[keep]
         return logits_out, exit_index
+
+
+class CondEarlyExit(nn.Module):
+    """The export-friendly form: forward(x) -> (logits, exit index per sample as float), with torch.cond.
+
+    A Python `if` on a tensor breaks the graph under torch.compile and fails torch.export
+    (GuardOnDataDependentSymNode). Here the decision stays in the graph: after exit k, if every
+    sample of the batch is confident, `torch.cond` returns the answers gathered so far and the
+    deeper segments are not run; otherwise it runs the rest, and each sample keeps the logits of
+    the first exit where it was confident (torch.where). Per sample that is exactly the eager
+    rule, so predictions are identical; compute is skipped when the whole batch agrees (always
+    the case at batch 1, the usual edge/serving shape).
+    """
+
+    def __init__(self, model: EarlyExitNet):
+        super().__init__()
+        self.model = model.eval()
+        self.threshold = model.threshold
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.model.segments[0](x)
+        logits = self.model.heads[0](h)
+        decided = confidence(logits) >= self.threshold
+        index = torch.zeros_like(decided, dtype=torch.float32)  # float: fewer int kernels on edge runtimes
+        return self._from(1, h, logits, decided, index)
+
+    def _from(self, k: int, h, acc, decided, index):
+        """Exits k.. for the samples not `decided` yet; `acc` holds the answers so far."""
+
+        def stop(h, acc, decided, index):
+            return acc.clone(), index.clone()  # cond branches may not return their inputs
+
+        def go_on(h, acc, decided, index):
+            h = self.model.segments[k](h)
+            logits = self.model.heads[k](h)
+            acc = torch.where(decided[:, None], acc, logits)
+            index = torch.where(decided, index, torch.full_like(index, k))
+            if k == self.model.num_exits - 1:
+                return acc, index
+            return self._from(k + 1, h, acc, decided | (confidence(logits) >= self.threshold), index)
+
+        return torch.cond(decided.all(), stop, go_on, (h, acc, decided, index))
 
 
 def confidence(logits: torch.Tensor) -> torch.Tensor:
