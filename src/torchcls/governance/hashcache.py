@@ -36,6 +36,7 @@ class HashCache:
         self.path = Path(path) if path is not None else None
         self.hits = 0
         self.misses = 0
+        self._known: dict[str, tuple[int, int, int, str]] | None = None  # the table, read once
 
     def hash_files(self, paths: list[Path]) -> list[tuple[str, int]]:
         stats = [p.stat() for p in paths]
@@ -46,7 +47,10 @@ class HashCache:
         self.hits += len(paths) - len(todo)
         self.misses += len(todo)
         now = time.time_ns()
-        self._store([(*keys[i], digest) for i, digest in fresh.items() if now - keys[i][2] > FRESH_NS])
+        rows = [(*keys[i], digest) for i, digest in fresh.items() if now - keys[i][2] > FRESH_NS]
+        if self.path is not None and rows:
+            self._store(rows)
+            known.update((path, (size, mtime, ino, digest)) for path, size, mtime, ino, digest in rows)
         return [(fresh[i] if i in fresh else known[k[0]][3], k[1]) for i, k in enumerate(keys)]
 
     def stats(self) -> dict[str, int]:
@@ -60,6 +64,11 @@ class HashCache:
         return con
 
     def _load(self) -> dict[str, tuple[int, int, int, str]]:
+        if self._known is None:
+            self._known = self._read()
+        return self._known
+
+    def _read(self) -> dict[str, tuple[int, int, int, str]]:
         if self.path is None or not self.path.is_file():
             return {}
         try:
@@ -71,8 +80,6 @@ class HashCache:
             return {}
 
     def _store(self, rows: list[tuple[str, int, int, int, str]]) -> None:
-        if self.path is None or not rows:
-            return
         try:
             with closing(self._connect()) as con, con:
                 con.executemany("INSERT OR REPLACE INTO hashes VALUES (?, ?, ?, ?, ?)", rows)
