@@ -174,14 +174,12 @@ def test_too_large_files_are_found_at_start_not_mid_epoch(tmp_path):
     assert len(bundle.images) == 6 and bundle.skipped[0][0].endswith("big.png")
 
 
-def test_evaluation_count_equals_the_validation_folder(tmp_path):
-    from conftest import tiny_config
+def test_evaluation_count_equals_the_validation_folder(tmp_path, trained_run):
     from torchcls.evaluation.evaluator import evaluate
-    from torchcls.training import train
 
-    root = _split_tree(tmp_path / "ds", {"train": 8, "val": 5, "test": 3})
-    cfg = tiny_config(root, tmp_path / "runs", epochs=1)
-    run_dir = train(cfg).run_dir
-    assert evaluate(run_dir, split="val", workers=0)["n"] == 10
-    assert evaluate(run_dir, split="test", workers=0)["n"] == 6
-    assert evaluate(run_dir, data=str(root / "test"), workers=0)["n"] == 6
+    root = _split_tree(tmp_path / "ds", {"train": 4, "val": 5, "test": 3})
+    assert evaluate(trained_run, data=str(root), split="val", out_dir=tmp_path / "e", workers=0)["n"] == 10
+    assert evaluate(trained_run, data=str(root), split="test", out_dir=tmp_path / "e", workers=0)["n"] == 6
+    assert evaluate(trained_run, data=str(root), out_dir=tmp_path / "e", workers=0)["split"] == "val"
+    with pytest.raises(UserError, match="holds the splits test, train, val: choose one"):
+        evaluate(trained_run, data=str(root), split="all", out_dir=tmp_path / "e", workers=0)

@@ -90,7 +90,8 @@ class Transformed(Dataset):
         try:
             img = self.images.load(j)
         except BadImage as e:
-            return self._bad(str(self.images.paths[j]), str(e))
+            name = self.images.paths[j] if self.images.paths is not None else f"{self.images.name}[{j}]"
+            return self._bad(str(name), str(e))
         return self.transform(img), int(self.images.targets[j])
 
     def _bad(self, file: str, reason: str) -> None:
@@ -176,7 +177,8 @@ def _check_max_pixels(cfg: DataConfig, pre: Preprocess) -> None:
 
 
 def _open(cfg: DataConfig, source: str, split: str, channels: int | None, min_side: int | None = None) -> ImageSet:
-    images = open_source(source, cfg.root, split, channels, cfg.on_bad_file, cfg.max_pixels)
+    images = open_source(source, cfg.root, split, channels, cfg.on_bad_file, cfg.max_pixels, cfg.image_column,
+                         cfg.label_column)
     return apply_size_limits(images, min_side, cfg.on_bad_file) if min_side else images
 
 

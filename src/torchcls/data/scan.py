@@ -79,6 +79,7 @@ def scan_headers(paths: list[Path], threads: int | None = None) -> list[tuple[st
     if len(paths) < 64:
         return [_header(p) for p in paths]
     # Headers are small reads: threads overlap the file-system latency (cold caches, network disks).
-    workers = threads or min(16, (os.cpu_count() or 1) * 4)
+    # Parsing them holds the GIL, so more threads than ~2 per core only add contention.
+    workers = threads or min(8, (os.cpu_count() or 1) * 2)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(_header, paths, chunksize=64))
+        return list(pool.map(_header, paths, chunksize=256))
