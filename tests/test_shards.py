@@ -17,7 +17,16 @@ import torch
 from torchvision.transforms import v2
 
 from conftest import make_image_folder
-from torchcls.data.shards import INDEX, is_shard_source, open_shards, parse_size, verify_shards, write_shards
+from torchcls.data.shards import (
+    INDEX,
+    describe,
+    is_shard_source,
+    open_shards,
+    parse_size,
+    split_shards,
+    verify_shards,
+    write_shards,
+)
 from torchcls.data.sources import ImageSet, open_source
 from torchcls.data.streaming import shard_loader
 from torchcls.errors import UserError
@@ -268,3 +277,13 @@ def test_shard_size_text():
     assert parse_size("1GB") == 10**9 and parse_size("512MiB") == 512 * 2**20 and parse_size("2000") == 2000
     with pytest.raises(UserError, match="--shard-size"):
         parse_size("lots")
+
+
+def test_val_fraction_holds_out_whole_shards(numbered_shards):
+    train, val = split_shards(numbered_shards, 0.25, seed=1)
+    assert len(train) + len(val) == 300 and len(val.shards) == round(len(numbered_shards.shards) * 0.25)
+    assert {s.path for s in train.shards}.isdisjoint(s.path for s in val.shards)
+    assert split_shards(numbered_shards, 0.25, seed=1)[1].shards == val.shards  # seeded
+    facts = describe(numbered_shards)
+    assert facts["num_samples"] == 300 and len(facts["index_sha256"]) == 64
+    assert [s["sha256"] for s in facts["shards"]] == [s.sha256 for s in numbered_shards.shards]

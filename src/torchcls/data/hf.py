@@ -75,9 +75,10 @@ class HFImageSet:
 
 
 def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
-           max_pixels: int = image_files.MAX_PIXELS) -> torch.Tensor:
-    """Image file bytes (a shard member, an Arrow cell) -> uint8 (channels, H, W), by the rules of images.load_image (reduced JPEG
-    decoding, --max-pixels, the resize bound); raises images.BadImage with the reason."""
+                 max_pixels: int = image_files.MAX_PIXELS) -> torch.Tensor:
+    """Encoded image bytes (a shard member, an Arrow cell) -> uint8 (channels, H, W), by the rules of
+    images.load_image (reduced JPEG decoding, --max-pixels, the resize bound); BadImage with the reason.
+    Shared by the shard reader and the HF view, so both decode exactly as image files do."""
     import numpy as np
     from PIL import Image, ImageOps, UnidentifiedImageError
     if not data:
@@ -85,6 +86,10 @@ def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
     try:
         with Image.open(io.BytesIO(data)) as im:
             scale = image_files.plan_decode(im.format, im.width, im.height, min_side, max_pixels)
+            if im.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
+                decoded = _decode_jpeg_turbo(data, channels)
+                if decoded is not None:
+                    return decoded
             if scale > 1:
                 im.draft("L" if channels == 1 else "RGB", (im.width // scale, im.height // scale))
             im.load()
@@ -97,6 +102,24 @@ def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
         raise image_files.BadImage(f"truncated or corrupted: {e}") from None
     t = torch.from_numpy(np.asarray(im).copy())
     return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
+
+
+def _decode_jpeg_turbo(data: bytes, channels: int) -> torch.Tensor | None:
+    # libjpeg-turbo through torchvision decodes a JPEG faster than Pillow (as images.load_image
+    # does for files); None where this torchvision no longer ships the decoder.
+    import warnings
+    try:
+        from torchvision.io import ImageReadMode, decode_jpeg
+    except ImportError:
+        return None
+    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return decode_jpeg(raw, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB,
+                               apply_exif_orientation=True)
+    except RuntimeError as e:
+        raise image_files.BadImage(f"truncated or corrupted: {str(e).rsplit(', ', 1)[-1]}") from None
 
 
 def _image_bytes(value: Any, column: str) -> bytes:

@@ -374,3 +374,35 @@ def _scan(source: str, paths: list[Path]) -> ShardSet:
     if top < 1:
         raise UserError(f"--data {source}: the shards carry no integer .cls labels (or only one class)")
     return ShardSet(source, [str(c) for c in range(top + 1)], shards)
+
+
+def split_shards(shardset: ShardSet, val_fraction: float, seed: int) -> tuple[ShardSet, ShardSet | None]:
+    """Hold out whole shards for validation (--val-fraction on shards): a seeded choice of
+    round(fraction x shards) shards, at least one. Every sample lands in exactly one part, and
+    nothing is read; the shards mix the classes when they were written shuffled (the default)."""
+    if val_fraction <= 0:
+        return shardset, None
+    n = len(shardset.shards)
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise UserError(f"{shardset.name}: {n} shard(s) cannot give a validation share of {val_fraction}; "
+                        "write smaller shards (--shard-size), pass --val-data, or --val-fraction 0")
+    import torch
+    chosen = set(torch.randperm(n, generator=torch.Generator().manual_seed(seed))[:n_val].tolist())
+
+    def part(keep: bool) -> ShardSet:
+        shards = [s for i, s in enumerate(shardset.shards) if (i in chosen) != keep]
+        return ShardSet(shardset.name, shardset.classes, shards, shardset.channels, shardset.side,
+                        shardset.source, shardset.index)
+
+    return part(True), part(False)
+
+
+def describe(shardset: ShardSet) -> dict:
+    """What a governance manifest cites for a shard set: the index's own hash, and each shard's
+    name, sample count, size and SHA-256 as recorded (verify_shards checks them against the files)."""
+    return {"format": "webdataset", "index": str(shardset.index) if shardset.index else None,
+            "index_sha256": sha256_file(shardset.index) if shardset.index else None,
+            "classes": list(shardset.classes), "num_samples": len(shardset),
+            "shards": [{"name": s.path.name, "samples": s.samples, "bytes": s.bytes, "sha256": s.sha256}
+                       for s in shardset.shards]}
