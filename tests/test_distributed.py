@@ -131,9 +131,9 @@ def test_two_ranks_follow_the_one_process_trajectory(runs, mode):
 
 
 def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
+    from torchcls.checkpoint.dcp import consolidate
     from torchcls.evaluation import evaluate
     from torchcls.training import train
-    from torchcls.checkpoint.dcp import consolidate
 
     run = runs.get("fsdp2")
     assert len(list((run / "checkpoints" / "last.dcp").glob("*.distcp"))) == 2  # one shard file per rank
@@ -234,8 +234,8 @@ def _free_port() -> int:
 
 
 def test_bad_distributed_input(runs, tmp_path, monkeypatch):
+    from torchcls.checkpoint.checkpointer import Checkpointer
     from torchcls.training import train
-    from torchcls.checkpoint.dcp import load_checkpoint
     from torchcls.training.distributed import Session
 
     cfg = tiny_config(runs.data, tmp_path, "bad")
@@ -261,7 +261,7 @@ def test_bad_distributed_input(runs, tmp_path, monkeypatch):
     (legacy / "checkpoints").mkdir(parents=True)
     torch.save({"step": 1}, legacy / "checkpoints" / "last.state.pt")
     with pytest.raises(UserError, match="written by a single process"):
-        load_checkpoint(legacy / "checkpoints", None, None, None, None, Session(active=True, world=2))
+        Checkpointer(legacy / "checkpoints", Session(active=True, world=2)).resume(None, None, None, None)
     # a sharded checkpoint from another model
     shutil.copytree(runs.get("fsdp2"), tmp_path / "runs" / "other")
     cfg = tiny_config(runs.data, tmp_path / "runs", "other", epochs=3)

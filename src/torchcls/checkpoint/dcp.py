@@ -1,15 +1,14 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), and their consolidation.
+"""The sharded format: the whole training state with torch.distributed.checkpoint (DCP).
 
-Layout in runs/<name>/checkpoints/:
-  last.dcp/           DCP: each rank writes its own shards (.distcp) + .metadata; meta.json
-                      holds the model spec and progress. Loading reshards to any world size
-                      (2 → 1, 1 → 2, DDP ↔ FSDP2): DCP addresses tensors by name and global
-                      offsets, not by rank.
-  last.safetensors    the same weights consolidated into one file (rank 0), and
-  best.safetensors    so evaluate / predict / export / serve read them like any run's.
-The DCP state holds tensors only (weights, optimizer moments, progress counters, learning
-rates, RNG): no pickled objects are written or loaded. Every save goes to a temporary dir
-that rank 0 renames into place once all ranks finished: a crash mid-save keeps the old one.
+Each rank writes its own shards (.distcp) plus the shared .metadata; meta.json beside them
+holds the model spec and progress. Loading reshards to any world size (2 -> 1, 1 -> 2,
+DDP <-> FSDP2): DCP addresses tensors by name and global offsets, not by rank.
+The state holds tensors only (weights, optimizer moments, progress counters, learning rates,
+RNG): no pickled objects are written or loaded. Every save goes to a temporary dir that rank 0
+renames into place once all ranks finished: a crash mid-save keeps the old one.
+
+Which directory is the run's (`last.dcp`) and when to save is the Checkpointer's business;
+these functions take the directory.
 """
 
 from __future__ import annotations
@@ -19,64 +18,59 @@ import shutil
 import warnings
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors.torch import save_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 
+from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, CheckpointMeta, model_state, write_weights
 from torchcls.errors import UserError
-from torchcls.checkpoint.files import META_KEY, CheckpointMeta, atomic_write, model_state
-from torchcls.training.distributed import Session, sync_buffers
 
-LAST, TMP, OLD, META = "last.dcp", ".last.dcp.tmp", ".last.dcp.old", "meta.json"
+META = "meta.json"
 
 
-def has_checkpoint(ckpt_dir: Path) -> bool:
-    return (ckpt_dir / LAST / ".metadata").is_file() or (ckpt_dir / "last.state.pt").is_file()
+class Ranks(Protocol):
+    """What checkpointing needs of the process group (torchcls.training.distributed.Session)."""
+
+    active: bool
+    rank: int
+    world: int
+
+    @property
+    def is_main(self) -> bool: ...
+
+    def barrier(self) -> None: ...
 
 
-def dcp_step(ckpt_dir: Path) -> int | None:
-    meta = ckpt_dir / LAST / META
-    return json.loads(meta.read_text())["step"] if meta.is_file() and (ckpt_dir / LAST / ".metadata").is_file() \
-        else None
+def is_complete(path: Path) -> bool:
+    return (path / ".metadata").is_file()
 
 
-def resumes_from_dcp(ckpt_dir: Path, session: Session) -> bool:
-    """Ranks always resume through DCP; a single process does when its DCP state is the newer one."""
-    if session.active:
-        return True
-    step = dcp_step(ckpt_dir)
-    legacy = ckpt_dir / "last.state.pt"
-    if step is None:
-        return False
-    if not legacy.is_file():
-        return True
-    return step > torch.load(legacy, map_location="cpu", weights_only=True)["step"]
+def saved_step(path: Path) -> int | None:
+    """The optimizer step a complete DCP checkpoint was saved at (None: there is none)."""
+    meta = path / META
+    return json.loads(meta.read_text())["step"] if meta.is_file() and is_complete(path) else None
 
 
-# -- consolidated weights ------------------------------------------------------------------
-def full_model_state(model: nn.Module, session: Session) -> dict[str, torch.Tensor] | None:
+def full_model_state(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] | None:
     """All ranks call this (FSDP2 gathers shards); rank 0 gets the full CPU state dict."""
-    if not session.active:
+    if not ranks.active:
         return model_state(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.contiguous().clone() for k, v in sd.items()} if session.is_main else None
+    return {k: v.contiguous().clone() for k, v in sd.items()} if ranks.is_main else None
 
 
-def save_weights(path: Path, model: nn.Module, meta: CheckpointMeta, session: Session) -> None:
-    state = full_model_state(model, session)
-    if session.is_main:
-        atomic_write(path, lambda tmp: save_file(state, tmp, metadata={META_KEY: meta.to_json()}))
-
-
-# -- sharded training state -----------------------------------------------------------------
-def _state(model: nn.Module, optimizer, scheduler, progress: Any) -> tuple[dict[str, Any], list]:
+def training_state(model: nn.Module, optimizer, scheduler, progress: Any) -> tuple[dict[str, Any], list]:
+    """The DCP state dict (tensors only) and the optimizer's param groups, which are rebuilt, not saved."""
     osd = get_optimizer_state_dict(model, optimizer)  # creates zero moments on a fresh optimizer
     return {
         "model": get_model_state_dict(model),
@@ -88,62 +82,41 @@ def _state(model: nn.Module, optimizer, scheduler, progress: Any) -> tuple[dict[
     }, osd["param_groups"]
 
 
-def save_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer, scheduler, progress: Any,
-                    meta: CheckpointMeta, session: Session) -> None:
-    """Sharded DCP save of the whole training state + consolidated last.safetensors (all ranks call)."""
-    wait_pending(session)
-    sync_buffers(model, session)
-    state, _ = _state(model, optimizer, scheduler, progress)
-    if session.is_main:
-        shutil.rmtree(ckpt_dir / TMP, ignore_errors=True)  # left by a crash
-    session.barrier()
-    if session.async_checkpoint and session.active:
-        if not hasattr(session, "ckpt_group"):
-            # A separate gloo group: the background writer must not interleave its collectives
-            # with the training thread's on the default group.
-            session.ckpt_group = dist.new_group(backend="gloo")
-        future = dcp.async_save(state, checkpoint_id=str(ckpt_dir / TMP), process_group=session.ckpt_group)
-        session.pending.append((future, ckpt_dir, meta.to_json()))
-    else:
-        dcp.save(state, checkpoint_id=str(ckpt_dir / TMP))
-        _commit(ckpt_dir, meta.to_json(), session)
-        session.barrier()
-    save_weights(ckpt_dir / "last.safetensors", model, meta, session)
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
 
 
-def wait_pending(session: Session) -> None:
-    while session.pending:
-        future, ckpt_dir, meta_json = session.pending.pop(0)
-        getattr(future, "upload_completion", future).result()
-        if session.active:
-            dist.barrier(group=session.ckpt_group)  # every rank's shards are on disk
-        _commit(ckpt_dir, meta_json, session)
+def start_save(path: Path, state: dict[str, Any], ranks: Ranks, group=None):
+    """Write `state` into the temporary dir beside `path` (all ranks call). With a process `group`,
+    in a background thread: returns its future (then `commit` after it completed); else None."""
+    if ranks.is_main:
+        shutil.rmtree(_tmp(path), ignore_errors=True)  # left by a crash
+    ranks.barrier()
+    if group is not None:
+        return dcp.async_save(state, checkpoint_id=str(_tmp(path)), process_group=group)
+    dcp.save(state, checkpoint_id=str(_tmp(path)))
+    return None
 
 
-def _commit(ckpt_dir: Path, meta_json: str, session: Session) -> None:
-    if not session.is_main:
+def commit(path: Path, meta_json: str, ranks: Ranks) -> None:
+    """Rank 0 puts the finished temporary dir in place of `path` (every rank's shards are on disk)."""
+    if not ranks.is_main:
         return
-    tmp, last, old = ckpt_dir / TMP, ckpt_dir / LAST, ckpt_dir / OLD
+    tmp, old = _tmp(path), path.with_name(f".{path.name}.old")
     (tmp / META).write_text(meta_json)
     shutil.rmtree(old, ignore_errors=True)
-    if last.exists():
-        last.rename(old)
-    tmp.rename(last)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(ckpt_dir: Path, model: nn.Module, optimizer, scheduler, meta: CheckpointMeta,
-                    session: Session) -> tuple[tuple[int, int, int, float], torch.Tensor]:
-    """Load last.dcp into this world size; returns ((epoch, step, step_in_epoch, best_top1), rng)."""
-    path = ckpt_dir / LAST
-    if not (path / ".metadata").is_file():
-        raise UserError(f"{ckpt_dir} has no sharded checkpoint last.dcp/ to resume from with torchrun: it was "
-                        "written by a single process (last.state.pt, unsharded optimizer state). Resume it with "
-                        "--parallel none, or start the torchrun run afresh")
+def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any,
+         meta: CheckpointMeta) -> tuple[tuple[int, int, int, float], torch.Tensor]:
+    """Load `path` into this world size; returns ((epoch, step, step_in_epoch, best_top1), rng).
+    `progress`: an empty progress record of the trainer (the shape of what is loaded)."""
     check_same_model(path, meta)
-    from torchcls.training.loop import Progress
-
-    state, param_groups = _state(model, optimizer, scheduler, Progress())
+    state, param_groups = training_state(model, optimizer, scheduler, progress)
     try:
         dcp.load(state, checkpoint_id=str(path))
     except Exception as e:  # DCP reports a missing or mis-shaped tensor as a generic CheckpointException
@@ -175,9 +148,9 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
     from torchcls.models import create_model
 
     source = Path(source)
-    path = source / "checkpoints" / LAST if (source / "checkpoints" / LAST).is_dir() else source
-    if not (path / ".metadata").is_file() or not (path / META).is_file():
-        raise UserError(f"{source} is neither a run dir with checkpoints/{LAST}/ nor a torchcls DCP checkpoint")
+    path = source / CHECKPOINTS / LAST_DCP if (source / CHECKPOINTS / LAST_DCP).is_dir() else source
+    if not is_complete(path) or not (path / META).is_file():
+        raise UserError(f"{source} is neither a run dir with {CHECKPOINTS}/{LAST_DCP}/ nor a torchcls DCP checkpoint")
     meta = CheckpointMeta.from_json((path / META).read_text())
     model = create_model(meta.spec)
     state = {"model": model.state_dict()}
@@ -186,5 +159,15 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
         dcp.load(state, checkpoint_id=str(path))
     model.load_state_dict(state["model"])
     out = Path(out) if out else path.parent / "consolidated.safetensors"
-    save_weights(out, model, meta, Session())
+    write_weights(out, model_state(model), meta)
     return out
+
+
+def new_group():
+    # A separate gloo group for background saves: the writer thread must not interleave its
+    # collectives with the training thread's on the default group.
+    return dist.new_group(backend="gloo")
+
+
+def group_barrier(group) -> None:
+    dist.barrier(group=group)

@@ -1,6 +1,9 @@
-"""Checkpoints: weights as safetensors (with the model spec, classes and preprocessing in its
+"""Checkpoint files: weights as safetensors (with the model spec, classes and preprocessing in its
 metadata), training state beside them as a tensors-only torch file loaded with
 weights_only=True. Every write is atomic: temp file, fsync, rename.
+
+The names of the files in runs/<name>/checkpoints/ are declared here once; the Checkpointer
+(checkpoint/checkpointer.py) decides when each is written and read.
 """
 
 from __future__ import annotations
@@ -22,6 +25,13 @@ from torchcls.errors import UserError
 from torchcls.models.registry import ModelSpec, create_model
 
 META_KEY = "torchcls"
+LINEAGE_KEY = "torchcls.lineage"  # the run's lineage (governance), stamped into the weights when saved
+
+CHECKPOINTS = "checkpoints"  # runs/<name>/checkpoints/
+LAST = "last.safetensors"  # the latest weights
+BEST = "best.safetensors"  # the weights of the best validation top-1
+LAST_STATE = "last.state.pt"  # one process: optimizer, scheduler, progress, RNG (tensors only)
+LAST_DCP = "last.dcp"  # torchrun: the sharded training state (DCP), weights included
 
 
 @dataclass
@@ -71,9 +81,16 @@ def model_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous().clone() for k, v in model.state_dict().items()}
 
 
-def save_weights(path: Path, model: nn.Module, meta: CheckpointMeta) -> None:
-    state = model_state(model)
-    atomic_write(path, lambda tmp: save_file(state, tmp, metadata={META_KEY: meta.to_json()}))
+def write_weights(path: Path, state: dict[str, torch.Tensor], meta: CheckpointMeta,
+                  lineage: dict[str, Any] | None = None) -> None:
+    metadata = {META_KEY: meta.to_json()}
+    if lineage is not None:
+        metadata[LINEAGE_KEY] = json.dumps(lineage, sort_keys=True)
+    atomic_write(path, lambda tmp: save_file(state, tmp, metadata=metadata))
+
+
+def save_weights(path: Path, model: nn.Module, meta: CheckpointMeta, lineage: dict[str, Any] | None = None) -> None:
+    write_weights(path, model_state(model), meta, lineage)
 
 
 def save_training_state(path: Path, state: dict[str, Any]) -> None:
@@ -131,10 +148,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """Accept a .safetensors file or a run dir (→ its best, else last, checkpoint)."""
     path = Path(path)
     if path.is_dir():
-        for name in ("best.safetensors", "last.safetensors"):
-            if (path / "checkpoints" / name).is_file():
-                return path / "checkpoints" / name
-        raise UserError(f"{path} holds no checkpoints/best.safetensors or last.safetensors: is it a run dir?")
+        for name in (BEST, LAST):
+            if (path / CHECKPOINTS / name).is_file():
+                return path / CHECKPOINTS / name
+        raise UserError(f"{path} holds no {CHECKPOINTS}/{BEST} or {LAST}: is it a run dir?")
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
     return path
@@ -143,6 +160,6 @@ def resolve_checkpoint(path: str | Path) -> Path:
 def run_dir_of(checkpoint: Path) -> Path | None:
     """runs/<name>/checkpoints/x.safetensors → runs/<name> (when it looks like a run dir)."""
     parent = checkpoint.resolve().parent
-    if parent.name == "checkpoints" and (parent.parent / "config.toml").is_file():
+    if parent.name == CHECKPOINTS and (parent.parent / "config.toml").is_file():
         return parent.parent
     return None

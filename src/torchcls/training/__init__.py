@@ -1,5 +1,25 @@
-"""Training: the loop, precision, parallelism and checkpoints, each applied from outside the model."""
+"""Training: the trainer, optimizer, parallelism (DDP/FSDP2, rank-0 init), the process group and
+the run dir; precision and checkpoints are applied from outside (torchcls.precision,
+torchcls.checkpoint).
 
-from torchcls.training.loop import TrainResult, train
+Light to import: submodules are loaded on first use (torchcls.training.rundir, which the report
+reads, does not pull in the trainer).
+"""
 
-__all__ = ["TrainResult", "train"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_API = {
+    "train": "torchcls.training.loop",
+    "TrainResult": "torchcls.training.loop",
+}
+
+__all__ = list(_API)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module(_API[name]), name)
+    raise AttributeError(f"module 'torchcls.training' has no attribute {name!r}")

@@ -19,7 +19,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchcls.checkpoint.checkpointer import Checkpointer
+from torchcls.checkpoint.files import CHECKPOINTS
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
@@ -53,8 +55,6 @@ class Session:
     local_rank: int = 0
     restart_count: int = 0
     parallel: str = "none"
-    async_checkpoint: bool = False
-    pending: list = field(default_factory=list)  # async checkpoint futures not yet committed
 
     @property
     def is_main(self) -> bool:
@@ -126,9 +126,6 @@ class Session:
         return [fault]
 
     def close(self) -> None:
-        from torchcls.checkpoint import dcp
-
-        dcp.wait_pending(self)
         if self.active and dist.is_initialized():
             dist.destroy_process_group()
 
@@ -165,7 +162,7 @@ def setup(cfg: Config) -> Session:
         raise UserError("--fsdp-cpu-offload keeps FSDP2 shards in host memory while computing on a GPU: it needs "
                         "--parallel fsdp2 and CUDA (here parameters already live in host memory)")
     session = Session(True, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")),
-                      int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), tc.parallel, cfg.checkpoint.async_checkpoint)
+                      int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), tc.parallel)
     _init_process_group(session, cfg.train.device, tc.dist_timeout)
     if not session.is_main:
         console.quiet = True  # only rank 0 prints (and writes) anything; errors still go to stderr
@@ -224,12 +221,10 @@ def _agree_on_name(s: Session, cfg: Config) -> None:
 
 def _prepare_restart(s: Session, cfg: Config) -> None:
     """torchrun restarted every rank after one failed: resume from the last checkpoint if there is one."""
-    from torchcls.checkpoint import dcp
-
     path = Path(cfg.run.out_dir) / cfg.run.name
     if cfg.run.resume:
         return
-    if dcp.has_checkpoint(path / "checkpoints"):
+    if Checkpointer(path / CHECKPOINTS).has_state():
         cfg.run.resume = True
         console.print(f"[yellow]elastic restart {s.restart_count}: resuming {path} from its last checkpoint[/]")
     elif s.is_main and (path / "config.toml").is_file():

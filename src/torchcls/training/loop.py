@@ -30,8 +30,8 @@ from torchcls.models import ModelSpec, create_model
 from torchcls.memory.recorder import recorder_for
 from torchcls.models.early_exit import exit_loss
 from torchcls.training.graph_breaks import report_graph_breaks
-from torchcls.checkpoint.files import CheckpointMeta, load_training_state, load_weights_into, save_training_state, save_weights
-from torchcls.checkpoint import dcp
+from torchcls.checkpoint.checkpointer import Checkpointer, Progress
+from torchcls.checkpoint.files import CheckpointMeta
 from torchcls.training import distributed, rank0_init, sharding
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, warmup_cosine
@@ -50,14 +50,6 @@ class TrainResult:
     val_top1: float | None
     steps: int
     interrupted: bool = False
-
-
-@dataclass
-class Progress:
-    epoch: int = 0
-    step: int = 0  # optimizer steps since the start of the run
-    step_in_epoch: int = 0
-    best_top1: float = -1.0
 
 
 @torch.no_grad()
@@ -124,34 +116,19 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     def meta(p: Progress) -> CheckpointMeta:
         return CheckpointMeta(spec, data.classes, pre, cfg.to_dict(), p.epoch, p.step)
 
+    ckpt = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
+                        lineage=lineage_stamp(gov), before_save=lambda m: distributed.sync_buffers(m, session))
+
     def checkpoint(p: Progress) -> None:
-        if session.active:
-            return dcp.save_checkpoint(run.checkpoints, model, optimizer, scheduler, p, meta(p), session)
-        save_weights(run.checkpoints / "last.safetensors", model, meta(p))
-        save_training_state(run.checkpoints / "last.state.pt", {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "epoch": p.epoch, "step": p.step, "step_in_epoch": p.step_in_epoch, "best_top1": p.best_top1,
-            "rng": torch.get_rng_state(), "precision": precision.state_dict(),
-        })
+        ckpt.save(model, optimizer, scheduler, p, meta(p), precision)
 
     p = Progress()
     resume_rng = None
-    if cfg.run.resume and dcp.resumes_from_dcp(run.checkpoints, session):
-        (epoch, step, in_epoch, best), rng = dcp.load_checkpoint(run.checkpoints, model, optimizer, scheduler,
-                                                                 meta(Progress()), session)
-        p, resume_rng = Progress(epoch, step, in_epoch, best), rng if in_epoch else None
+    if cfg.run.resume:
+        p, resume_rng = ckpt.resume(model, optimizer, scheduler, meta(Progress()), precision)
         run.truncate_metrics(p.step)
-        console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step} (world size {session.world})")
-    elif cfg.run.resume:
-        state = load_training_state(run.checkpoints / "last.state.pt")
-        load_weights_into(model, run.checkpoints / "last.safetensors")
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        precision.load_state_dict(state.get("precision", {}))
-        p = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"])
-        resume_rng = state["rng"] if p.step_in_epoch else None
-        run.truncate_metrics(p.step)
-        console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step}")
+        world = f" (world size {session.world})" if session.active else ""
+        console.print(f"resuming {run.path} at epoch {p.epoch + 1}, step {p.step}{world}")
 
     if precision.compile and not session.active:  # explain() runs forwards: not under FSDP's collectives
         report_graph_breaks(model, data.train, run.path, device, memory_format)
@@ -215,7 +192,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
                 top1 = record.get("val_top1", record["train_top1"])
                 if top1 > p.best_top1:
                     p.best_top1 = top1
-                    dcp.save_weights(run.checkpoints / "best.safetensors", model, meta(p), session)
+                    ckpt.save_best(model, meta(p))
         if session.active:
             record_memory(run.path, model, optimizer, session)  # per-rank bytes vs full / world
     except KeyboardInterrupt:
@@ -229,6 +206,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     finally:
         if writer is not None:
             writer.close()
+        ckpt.wait()
         session.close()
 
     if memory:
@@ -239,6 +217,17 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         write_report(run.path)
     gov.finish(_result(run, p))  # redacted sample outputs, stamped checkpoints, audit record
     return _result(run, p)
+
+
+def lineage_stamp(gov) -> dict[str, Any] | None:
+    """What the checkpoints carry of the run's lineage (None: lineage is off for this run)."""
+    lineage_id = getattr(gov, "lineage_id", None)
+    audit = getattr(gov, "audit", None)
+    if lineage_id is None or audit is None:
+        return None
+    policy = getattr(gov, "policy", None)
+    return {"run_id": lineage_id, "audit_log": str(audit.path.resolve()),
+            "outputs": policy.outputs() if policy else {}}
 
 
 def _precision_options(cfg: Config):

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchcls.checkpoint.checkpointer import Checkpointer
+from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE
 from torchcls.config import Config
 from torchcls.errors import UserError
 
@@ -18,7 +20,7 @@ class RunDir:
 
     @property
     def checkpoints(self) -> Path:
-        return self.path / "checkpoints"
+        return self.path / CHECKPOINTS
 
     @property
     def metrics_file(self) -> Path:
@@ -29,11 +31,10 @@ class RunDir:
         name = cfg.run.name or default_name(cfg)
         cfg.run.name = name
         path = Path(cfg.run.out_dir) / name
-        has_state = (path / "checkpoints" / "last.state.pt").is_file() or \
-            (path / "checkpoints" / "last.dcp" / ".metadata").is_file()  # sharded (torchrun) checkpoint
-        if cfg.run.resume and not has_state:
-            raise UserError(f"--resume: {path} has no checkpoints/last.state.pt to continue from; "
-                            "check --name and --out-dir")
+        checkpointer = Checkpointer(path / CHECKPOINTS)
+        if cfg.run.resume and not checkpointer.has_state():
+            raise UserError(f"--resume: {path} has no {CHECKPOINTS}/{LAST_STATE} (or {LAST_DCP}/) to continue "
+                            "from; check --name and --out-dir")
         if not cfg.run.resume and path.exists() and any(path.iterdir()):
             raise UserError(f"run dir {path} already exists: pass --resume to continue it, "
                             "or choose another --name")

@@ -1,0 +1,166 @@
+"""The Checkpointer: what a run saves, where, and how it resumes.
+
+runs/<name>/checkpoints/ holds
+  last.safetensors   the latest weights (one file, whatever the world size) with their metadata,
+  best.safetensors   the weights of the best validation top-1,
+  last.state.pt      one process: optimizer, scheduler, progress, RNG, grad scaler (tensors only),
+  last.dcp/          torchrun: the sharded training state (weights included), see checkpoint/dcp.py.
+evaluate / predict / export / serve read only the .safetensors files. Every .safetensors file
+carries the run's lineage (governance) in its metadata from the moment it is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchcls.checkpoint import dcp
+from torchcls.checkpoint.files import (
+    BEST,
+    LAST,
+    LAST_DCP,
+    LAST_STATE,
+    CheckpointMeta,
+    load_training_state,
+    load_weights_into,
+    save_training_state,
+    write_weights,
+)
+from torchcls.errors import UserError
+
+
+@dataclass
+class Progress:
+    """Where training stands: what a checkpoint records and a resume restores."""
+    epoch: int = 0
+    step: int = 0  # optimizer steps since the start of the run
+    step_in_epoch: int = 0
+    best_top1: float = -1.0
+
+
+@dataclass
+class SingleProcess:
+    """The Ranks of a run without a process group."""
+    active: bool = False
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return True
+
+    def barrier(self) -> None:
+        pass
+
+
+class Checkpointer:
+    """Saves and resumes one run's checkpoints. With an active process group (ranks), every rank
+    calls save / resume (the sharded format); without one, the single-process format."""
+
+    def __init__(self, directory: Path, ranks: dcp.Ranks | None = None, *, async_save: bool = False,
+                 lineage: dict[str, Any] | None = None, before_save: Callable[[nn.Module], None] | None = None):
+        self.directory = Path(directory)
+        self.ranks = ranks or SingleProcess()
+        self.async_save = async_save and self.ranks.active  # background writes exist for DCP only
+        self.lineage = lineage  # stamped into every .safetensors written
+        self.before_save = before_save  # e.g. make every rank's BatchNorm statistics the same
+        self._group = None
+        self._pending: list[tuple[Any, str]] = []  # background saves not yet committed
+
+    last_weights = property(lambda self: self.directory / LAST)
+    best_weights = property(lambda self: self.directory / BEST)
+    last_state = property(lambda self: self.directory / LAST_STATE)
+    last_dcp = property(lambda self: self.directory / LAST_DCP)
+
+    # -- what is there ----------------------------------------------------------------------
+    def has_state(self) -> bool:
+        """Is there a training state to resume from (either format)?"""
+        return self.last_state.is_file() or dcp.is_complete(self.last_dcp)
+
+    def resumes_from_dcp(self) -> bool:
+        """Ranks always resume from DCP; a single process does when its DCP state is the newer one."""
+        if self.ranks.active:
+            return True
+        step = dcp.saved_step(self.last_dcp)
+        if step is None:
+            return False
+        if not self.last_state.is_file():
+            return True
+        return step > load_training_state(self.last_state)["step"]
+
+    # -- save -------------------------------------------------------------------------------
+    def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, meta: CheckpointMeta,
+             precision=None) -> None:
+        """The whole training state and last.safetensors. `precision`: its state_dict() is saved too
+        (the fp16 grad scaler; single-process format)."""
+        if self.ranks.active:
+            return self._save_sharded(model, optimizer, scheduler, progress, meta)
+        self.save_weights(self.last_weights, model, meta)
+        save_training_state(self.last_state, {
+            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "epoch": progress.epoch, "step": progress.step, "step_in_epoch": progress.step_in_epoch,
+            "best_top1": progress.best_top1, "rng": torch.get_rng_state(),
+            "precision": precision.state_dict() if precision is not None else {},
+        })
+
+    def _save_sharded(self, model: nn.Module, optimizer, scheduler, progress: Progress,
+                      meta: CheckpointMeta) -> None:
+        self.wait()
+        if self.before_save is not None:
+            self.before_save(model)
+        state, _ = dcp.training_state(model, optimizer, scheduler, progress)
+        if self.async_save and self._group is None:
+            self._group = dcp.new_group()
+        future = dcp.start_save(self.last_dcp, state, self.ranks, self._group if self.async_save else None)
+        if future is not None:
+            self._pending.append((future, meta.to_json()))
+        else:
+            dcp.commit(self.last_dcp, meta.to_json(), self.ranks)
+            self.ranks.barrier()
+        self.save_weights(self.last_weights, model, meta)
+
+    def save_weights(self, path: Path, model: nn.Module, meta: CheckpointMeta) -> None:
+        """One consolidated safetensors file (all ranks call: FSDP2 gathers; rank 0 writes)."""
+        state = dcp.full_model_state(model, self.ranks)
+        if self.ranks.is_main:
+            write_weights(path, state, meta, self.lineage)
+
+    def save_best(self, model: nn.Module, meta: CheckpointMeta) -> None:
+        self.save_weights(self.best_weights, model, meta)
+
+    def wait(self) -> None:
+        """Finish the background saves: commit each once every rank's shards are on disk."""
+        while self._pending:
+            future, meta_json = self._pending.pop(0)
+            getattr(future, "upload_completion", future).result()
+            dcp.group_barrier(self._group)
+            dcp.commit(self.last_dcp, meta_json, self.ranks)
+
+    # -- resume -----------------------------------------------------------------------------
+    def resume(self, model: nn.Module, optimizer, scheduler, meta: CheckpointMeta,
+               precision=None) -> tuple[Progress, torch.Tensor | None]:
+        """Load the last training state into these objects. Returns the progress and, when the
+        checkpoint was taken mid-epoch, the RNG state to restore once the epoch is replayed."""
+        if self.resumes_from_dcp():
+            if not dcp.is_complete(self.last_dcp):
+                raise UserError(f"{self.directory} has no sharded checkpoint {LAST_DCP}/ to resume from with "
+                                f"torchrun: it was written by a single process ({LAST_STATE}, unsharded optimizer "
+                                "state). Resume it with --parallel none, or start the torchrun run afresh")
+            fields, rng = dcp.load(self.last_dcp, model, optimizer, scheduler, Progress(), meta)
+            progress = Progress(*fields)
+        else:
+            state = load_training_state(self.last_state)
+            load_weights_into(model, self.last_weights)
+            optimizer.load_state_dict(state["optimizer"])
+            scheduler.load_state_dict(state["scheduler"])
+            if precision is not None:
+                precision.load_state_dict(state.get("precision", {}))
+            progress = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"])
+            rng = state["rng"]
+        return progress, rng if progress.step_in_epoch else None
+
