@@ -18,8 +18,12 @@ from torch import nn
 from torchcls.config import ParallelConfig
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.precision.dtypes import DTYPES
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}  # None: keep the parameters' own dtype (fp32)
+
+def _fsdp_dtype(name: str) -> torch.dtype | None:
+    """None for fp32: FSDP2 keeps the parameters' own dtype (fp32) instead of casting them."""
+    return None if name == "fp32" else DTYPES[name]
 
 
 def parallelize(model: nn.Module, cfg: ParallelConfig, device: torch.device | None = None) -> nn.Module:
@@ -59,8 +63,8 @@ def apply_fsdp2(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> 
                         "--fsdp-param-dtype fp32 and use --precision bf16 (autocast) for the compute instead")
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     kwargs = dict(mesh=mesh, reshard_after_forward=cfg.reshard_after_forward,
-                  mp_policy=MixedPrecisionPolicy(param_dtype=DTYPES[cfg.fsdp_param_dtype],
-                                                 reduce_dtype=DTYPES[cfg.fsdp_reduce_dtype]),
+                  mp_policy=MixedPrecisionPolicy(param_dtype=_fsdp_dtype(cfg.fsdp_param_dtype),
+                                                 reduce_dtype=_fsdp_dtype(cfg.fsdp_reduce_dtype)),
                   offload_policy=CPUOffloadPolicy() if cfg.fsdp_cpu_offload else OffloadPolicy())
     family, blocks = find_blocks(model)
     if not blocks:
