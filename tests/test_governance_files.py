@@ -83,7 +83,8 @@ def test_data_files_cover_every_split(tmp_path):
     assert sorted(p.name for p in data_files(str(table))[:-1]) == sorted(r.split(",")[0] for r in rows[1:])
     manifest = build_manifest(str(tmp_path / "layout"))
     assert manifest["tc:recordCount"] == 12
-    assert {r["label"] for r in manifest["tc:records"]} <= {"circle", "square", "train", "val", "test"}
+    assert {(r["split"], r["label"]) for r in manifest["tc:records"]} == {
+        (s, c) for s in ("train", "val", "test") for c in ("circle", "square")}
 
 
 def test_hash_cache_rereads_only_changed_files(tmp_path):

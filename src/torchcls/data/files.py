@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from torchcls.data.sources import BUILTIN, FASHION_MNIST_DEBIAN_DIR, ImageSet, open_source
+from torchcls.data.splits import SPLIT_NAMES, available_splits
 from torchcls.errors import UserError
 
 _FASHION_FILES = ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz",
@@ -44,15 +45,10 @@ def data_files(source: str, root: str | None = None, *, splits: dict[str, ImageS
 
 
 def open_splits(source: str, root: str | None = None) -> dict[str, ImageSet]:
-    """Each split `source` holds, opened with every file kept (--on-bad-file skip): train (all of a
-    source without splits), then val and test where it has them (split folders, a CSV split column)."""
-    sets = {"train": open_source(source, root, "train", None, "skip")}
-    for split in ("val", "test"):
-        try:
-            sets[split] = open_source(source, root, split, None, "skip")
-        except UserError:  # the source holds no such split
-            continue
-    return sets
+    """Each split `source` holds (train/ val/ test/ folders, a CSV split column; a source without
+    splits is all 'train'), opened with every file kept (--on-bad-file skip)."""
+    held = available_splits(source)
+    return {split: open_source(source, root, split, None, "skip") for split in SPLIT_NAMES if split in held}
 
 
 def is_packed(source: str) -> bool:
