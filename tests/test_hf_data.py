@@ -82,3 +82,15 @@ def test_missing_columns_name_the_columns_found(tmp_path: Path):
         open_source(f"hf:{tmp_path / 'nothing'}", None, "train", None, "error")
     with pytest.raises(UserError, match="no separate test split"):
         open_source(f"hf:{tmp_path / 'ds'}", None, "test", None, "error", image_column="img", label_column="y")
+
+
+def test_hf_set_becomes_shards_with_its_stored_bytes(tmp_path: Path):
+    from torchcls.data.shards import write_shards
+    from torchcls.data.streaming import shard_loader
+    make_dataset().save_to_disk(str(tmp_path / "ds"))
+    images = open_source(f"hf:{tmp_path / 'ds'}", None, "train", None, "error", image_column="img", label_column="y")
+    shardset = write_shards(images, tmp_path / "shards", shuffle=False)
+    assert shardset.classes == ["cat", "dog", "owl"] and len(shardset) == 9
+    batches = list(shard_loader(shardset, 1, 0, seed=0, shuffle=False))  # images of several sizes
+    assert [int(b[1]) for b in batches] == images.targets.tolist()
+    assert all(torch.equal(b[0][0], images.load(i)) for i, b in enumerate(batches))

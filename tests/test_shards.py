@@ -241,7 +241,7 @@ import json, os, sys
 from torchcls.data.shards import open_shards
 from torchcls.data.streaming import shard_loader
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-loader = shard_loader(open_shards(sys.argv[1]), 16, 2, seed=7, rank=rank, world=world)
+loader = shard_loader(open_shards(sys.argv[1]), 16, 1, seed=7, rank=rank, world=world)
 loader.set_epoch(1)
 ids = [int(x) + 256 * int(y) for images, _ in loader for x, y in images[:, 0, 0, :2].tolist()]
 with open(os.path.join(sys.argv[2], f"rank{rank}.json"), "w") as f:

@@ -73,6 +73,19 @@ class HFImageSet:
     def sample_files(self) -> list[str]:
         return []
 
+    def encoded(self, i: int) -> tuple[bytes, str]:
+        """Row i's image as stored (no re-encode) and its format's extension, for write_shards."""
+        from PIL import Image, UnidentifiedImageError
+        if self._column is None:
+            self._column = _open_table(*self.location).column(self.image_column)
+        try:
+            data = _image_bytes(self._column[i].as_py(), self.image_column)
+            with Image.open(io.BytesIO(data)) as im:
+                fmt = (im.format or "img").lower()
+        except (image_files.BadImage, UnidentifiedImageError, OSError) as e:
+            raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
+        return data, {"jpeg": "jpg"}.get(fmt, fmt)
+
 
 def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
                  max_pixels: int = image_files.MAX_PIXELS) -> torch.Tensor:

@@ -99,6 +99,8 @@ class _HashingFile:
 
 def _sample_bytes(images: ImageSet, i: int) -> tuple[bytes, str]:
     """Sample i as (file bytes, extension): the file itself, or a PNG of an in-memory image."""
+    if hasattr(images, "encoded"):  # rows of a table (hf:PATH): the stored bytes
+        return images.encoded(i)
     if images.images is not None:
         from PIL import Image
         buf = io.BytesIO()

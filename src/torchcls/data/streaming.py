@@ -227,7 +227,9 @@ class ShardLoader:
         self._skipped: list[list[str]] = []
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (the same on every rank unless N < world * batches)."""
+        """Batches this rank yields per epoch. Ranks hold N//world or N//world + 1 samples, so the
+        counts differ only where no split can avoid it: N//world a multiple of the batch size and
+        N not a multiple of world (then the ranks with one sample more run one step more)."""
         lo, hi = rank_range(self.dataset.num_samples, self.dataset.rank, self.dataset.world)
         return math.ceil((hi - lo) / self.dataset.batch_size)
 
