@@ -1,0 +1,78 @@
+"""Local pretrained weights: torchcls checkpoints, timm/torchvision state dicts, hub folders; refusals."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from torchcls.errors import UserError
+from torchcls.models import ModelSpec, create_model
+from torchcls.models.pretrained import load_pretrained, read_state_dict
+
+
+def test_torchcls_run_into_other_classes_and_channels(trained_run: Path) -> None:
+    # trained_run: SmallNet, 2 classes, RGB. Target: 5 classes, grey.
+    source = read_state_dict(trained_run)
+    model = create_model(ModelSpec("smallnet", 5, 1, 28))
+    report = load_pretrained(model, trained_run, num_classes=5)
+    assert report.reinitialised and all(k.startswith("head.") for k in report.reinitialised)
+    assert report.adapted == ["stem.0.weight"]
+    assert report.loaded == len(model.state_dict()) - len(report.reinitialised) and not report.unexpected
+    state = model.state_dict()
+    middle = next(k for k in source if k.startswith("stages.") and k.endswith("weight"))
+    torch.testing.assert_close(state[middle], source[middle])
+    # Grey from RGB: timm's adapt_input_conv sums the colour filters.
+    torch.testing.assert_close(state["stem.0.weight"], source["stem.0.weight"].sum(1, keepdim=True))
+    assert model(torch.randn(2, 1, 28, 28)).shape == (2, 5)
+
+
+def test_timm_state_dict_pth_and_hub_folder(tmp_path: Path) -> None:
+    import timm
+
+    original = timm.create_model("resnet18", pretrained=False, num_classes=1000)
+    pth = tmp_path / "resnet18.pth"
+    torch.save({"state_dict": {f"module.{k}": v for k, v in original.state_dict().items()}, "epoch": 3}, pth)
+    hub = tmp_path / "hub"
+    hub.mkdir()
+    save_file(original.state_dict(), str(hub / "model.safetensors"))
+    (hub / "config.json").write_text('{"architecture": "resnet18", "num_classes": 1000}')
+    for path in (pth, hub):
+        model = create_model(ModelSpec("resnet18", 10, 3, 64))
+        report = load_pretrained(model, path, num_classes=10)
+        assert sorted(report.reinitialised) == ["fc.bias", "fc.weight"] and report.missing == []
+        torch.testing.assert_close(model.state_dict()["layer4.1.conv2.weight"],
+                                   original.state_dict()["layer4.1.conv2.weight"])
+
+
+class _Exploit:
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.pth"
+    with evil.open("wb") as f:
+        pickle.dump({"state_dict": {"w": _Exploit(marker)}}, f)
+    with pytest.raises(UserError, match="refused"):
+        load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), evil, num_classes=2)
+    assert not marker.exists()
+
+
+def test_other_architecture_names_the_keys(tmp_path: Path) -> None:
+    import timm
+
+    path = tmp_path / "r18.safetensors"
+    save_file(timm.create_model("resnet18", pretrained=False).state_dict(), str(path))
+    with pytest.raises(UserError, match="does not fit this --model.*layer"):
+        load_pretrained(create_model(ModelSpec("resnet34", 10, 3, 64)), path, num_classes=10)
+    with pytest.raises(UserError, match="does not exist"):
+        load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), tmp_path / "nope.pth", num_classes=2)
