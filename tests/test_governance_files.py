@@ -198,8 +198,13 @@ def test_packed_sources_are_hashed_file_by_file(tmp_path):
     manifest = build_manifest(str(shards))
     assert manifest["tc:packed"] and [r["@id"] for r in manifest["tc:records"]] == [f.name for f in files]
     assert check_data(manifest) == []
+    cited = manifest["distribution"][-1]["tc:shardIndex"]
+    assert cited["num_samples"] == 6 and [s["name"] for s in cited["shards"]] == [f.name for f in files[:-1]]
     rewrite_same_size(files[0], OLD)
     assert check_data(manifest) == [f"{files[0]}: content changed (SHA-256 differs from the manifest)"]
+    with pytest.raises(UserError, match=f"records for {files[0].name} differs from the file's"):
+        build_manifest(str(shards))  # the index and the shard disagree
+    rewrite_same_size(files[0], OLD)  # flip the byte back
     gov = governance.begin(tiny_config(shards, tmp_path / "runs", "s"), tmp_path / "runs" / "s")
     assert gov.manifest["tc:recordCount"] == len(files) and gov.lineage_id
     pq = pytest.importorskip("pyarrow.parquet")

@@ -59,13 +59,12 @@ def is_packed(source: str) -> bool:
 
 
 def _container_files(source: str) -> list[Path]:
-    """Shards (and their index.json), or the files of a local Hugging Face data set."""
+    """Shards (and their index.json), or the Arrow/Parquet files of a local Hugging Face data set."""
     if source.startswith("hf:"):
-        path = Path(source[len("hf:"):])
-        if not path.exists():
-            raise UserError(f"--data {source}: {path} does not exist")
-        return sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")) \
-            if path.is_dir() else [path]
+        from torchcls.data.hf import hf_data_files, hf_splits
+
+        files = [f for split in sorted(hf_splits(source)) for f in hf_data_files(source, split)]
+        return list(dict.fromkeys(files))
     from torchcls.data.shards import INDEX, open_shards
 
     shards = open_shards(source)

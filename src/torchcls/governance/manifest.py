@@ -240,14 +240,30 @@ def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, An
 
 def _containers(source: str, cache: HashCache) -> tuple[Path, list, list]:
     """Shards or a local Hugging Face data set: one record per file that packs samples (hashing
-    every sample would mean decoding them all)."""
+    every sample would mean decoding them all). A shard index is cited, and must agree with the files."""
     from torchcls.data.files import data_files
 
     files = data_files(source)
     resolved = [f.resolve() for f in files]
     base = Path(os.path.commonpath(resolved)) if len(resolved) > 1 else resolved[0].parent
     records = [_file_record(f, base, None, d, {}) for f, d in zip(resolved, cache.hash_files(files))]
-    return base, records, [{"@type": "cr:FileSet", "@id": "files", "name": "files", "includes": "**/*"}]
+    distribution = [{"@type": "cr:FileSet", "@id": "files", "name": "files", "includes": "**/*"}]
+    if not source.startswith("hf:"):
+        distribution.append(_cite_shard_index(source, records))
+    return base, records, distribution
+
+
+def _cite_shard_index(source: str, records: list[dict[str, Any]]) -> dict[str, Any]:
+    from torchcls.data.shards import describe, open_shards
+
+    cited = describe(open_shards(source))
+    recorded = {s["name"]: s["sha256"] for s in cited["shards"] if s["sha256"]}
+    differ = [r["@id"] for r in records if recorded.get(Path(r["@id"]).name, r["sha256"]) != r["sha256"]]
+    if differ:
+        raise UserError(f"{cited['index']}: the SHA-256 it records for {', '.join(differ[:5])} differs from the "
+                        "file's: the shards changed after they were written; re-copy them or re-write them "
+                        "(torchcls data shard)")
+    return {"@type": "cr:FileSet", "@id": "shards", "name": "shards", "includes": "*.tar", "tc:shardIndex": cited}
 
 
 def _builtin(source: str, root: str | None, cache: HashCache) -> tuple[Path, list, list]:
