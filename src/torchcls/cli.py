@@ -12,23 +12,9 @@ import sys
 from pathlib import Path
 
 from torchcls import options as o
-from torchcls.config import SECTIONS, Config, load_toml, set_option
+from torchcls.config import SECTIONS
 from torchcls.errors import UserError
-
-
-def add_config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", metavar="FILE.toml", help="load options from a TOML file; flags override it")
-    for section, cls in SECTIONS.items():
-        o.add_flags(parser.add_argument_group(f"[{section}] options"), cls, prefix=section, suppress_defaults=True)
-
-
-def config_from_args(args: argparse.Namespace) -> Config:
-    cfg = load_toml(args.config) if args.config else Config()
-    for dest, value in vars(args).items():
-        if "." in dest:
-            section, key = dest.split(".", 1)
-            set_option(cfg, section, key, value, origin="command line")
-    return cfg
+from torchcls.options import add_config_flags, config_from_args  # noqa: F401  (config_from_args: public)
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
@@ -82,8 +68,8 @@ def _cmd_export(opts: o.ExportOptions) -> int:
     print(f"wrote {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {r.info.target} {r.info.precision}, batch 1-"
           f"{r.info.max_batch})\nparity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
           f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}")
-    if "executorch" in p:
-        print(describe(p))
+    if details := describe(p):  # ExecuTorch lowering, early-exit parity per exit
+        print(details)
     return 0
 
 

@@ -15,7 +15,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchcls.config import opt
+from torchcls.config import SECTIONS, Config, load_toml, opt, set_option
 from torchcls.errors import UserError
 
 BAD_FILE_CHOICES = ("error", "skip")
@@ -280,3 +280,20 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
 def kwargs_of(options: Any, *skip: str) -> dict[str, Any]:
     """The fields of an options instance as keyword arguments for its library function."""
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options) if f.name not in skip}
+
+
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """`torchcls train`'s flags: one per field of every config section."""
+    parser.add_argument("--config", metavar="FILE.toml", help="load options from a TOML file; flags override it")
+    for section, cls in SECTIONS.items():
+        add_flags(parser.add_argument_group(f"[{section}] options"), cls, prefix=section, suppress_defaults=True)
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    """The TOML file of --config (or the defaults), overridden by the flags given."""
+    cfg = load_toml(args.config) if args.config else Config()
+    for dest, value in vars(args).items():
+        if "." in dest:
+            section, key = dest.split(".", 1)
+            set_option(cfg, section, key, value, origin="command line")
+    return cfg
