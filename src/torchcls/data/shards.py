@@ -308,6 +308,14 @@ def open_shards(source: str, verify: bool = False) -> ShardSet:
 
 def _from_index(index_path: Path, source: str, chosen: list[Path] | None) -> ShardSet | None:
     index = _read_index(index_path)
+    try:
+        return _shardset_of(index, index_path, source, chosen)
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{index_path}: malformed shard index ({type(e).__name__}: {e}); re-write the shards "
+                        "(torchcls data shard) or remove it to have the shards scanned") from None
+
+
+def _shardset_of(index: dict, index_path: Path, source: str, chosen: list[Path] | None) -> ShardSet | None:
     entries = {e["name"]: e for e in index["shards"]}
     names = [p.name for p in chosen] if chosen is not None else list(entries)
     if any(n not in entries for n in names):
