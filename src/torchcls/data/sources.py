@@ -42,7 +42,8 @@ class ImageSet:
     images: torch.Tensor | None = None  # uint8 (N, H, W) for in-memory built-in sets
     paths: list[Path] | None = None  # for file-backed sets
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file, reason)
-    sizes: list[tuple[str, int, int]] | None = None  # (format, width, height) from each file's header
+    sizes: torch.Tensor | None = None  # int32 (N, 2): width, height from each file's header (compact for 1M+ files)
+    formats: list[str] | None = None  # each file's format from its header ('JPEG', 'PNG', ...)
     origin: str = ""  # where exactly the samples came from, e.g. "imagenet/val" or "m.csv split=val"
     max_pixels: int = MAX_PIXELS  # --max-pixels
     min_side: int | None = None  # the shortest side the transform needs: big JPEGs decode reduced
@@ -156,9 +157,10 @@ def _finish(name: str, origin: str, classes: list[str], paths: list[Path], label
     good = [i for i, h in enumerate(headers) if not isinstance(h, str)]
     if not good:
         raise UserError(f"{origin}: no readable images ({len(bad)} skipped)")
+    sizes = torch.tensor([headers[i][1:] for i in good], dtype=torch.int32)
     return ImageSet(name, classes, torch.tensor([labels[i] for i in good], dtype=torch.int64), channels,
-                    paths=[paths[i] for i in good], skipped=bad, sizes=[headers[i] for i in good],
-                    origin=origin, max_pixels=max_pixels)
+                    paths=[paths[i] for i in good], skipped=bad, sizes=sizes,
+                    formats=[headers[i][0] for i in good], origin=origin, max_pixels=max_pixels)
 
 
 def apply_size_limits(images: ImageSet, min_side: int, on_bad_file: str) -> ImageSet:
@@ -170,7 +172,7 @@ def apply_size_limits(images: ImageSet, min_side: int, on_bad_file: str) -> Imag
     if images.sizes is None:
         return images
     bad, keep = [], []
-    for i, (fmt, w, h) in enumerate(images.sizes):
+    for i, (fmt, (w, h)) in enumerate(zip(images.formats, images.sizes.tolist())):
         try:
             plan_decode(fmt, w, h, min_side, images.max_pixels)
             keep.append(i)
@@ -183,7 +185,7 @@ def apply_size_limits(images: ImageSet, min_side: int, on_bad_file: str) -> Imag
         raise UserError(f"{images.origin}: no usable images ({len(bad)} refused by their size)")
     idx = torch.tensor(keep, dtype=torch.int64)
     return replace(images, targets=images.targets[idx], paths=[images.paths[i] for i in keep],
-                   sizes=[images.sizes[i] for i in keep], skipped=images.skipped + bad)
+                   sizes=images.sizes[idx], formats=[images.formats[i] for i in keep], skipped=images.skipped + bad)
 
 
 def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) -> ImageSet:
@@ -233,8 +235,9 @@ def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, s
     classes = sorted({(row["label"] or "").strip() for row in rows})
     origin = f"{csv_path} split={split}" if has_split else str(csv_path)
     if not entries:
-        raise UserError(f"{csv_path}: no rows with split '{split}' (its split column holds "
-                        f"{', '.join(sorted(csv_splits(csv_path)))})")
+        held = f"its split column holds {', '.join(sorted(csv_splits(csv_path)))}" if has_split else \
+            "it has no split column: add one with train/val/test per row"
+        raise UserError(f"{csv_path}: no rows with split '{split}' ({held})")
     if has_split:
         check_same_classes(classes, sorted({lbl for _, lbl, _ in entries}), origin, "of the whole CSV")
     missing = [(str(p), f"listed on line {line} of {csv_path.name} but "

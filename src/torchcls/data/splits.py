@@ -36,8 +36,9 @@ def split_folders(root: Path) -> dict[str, Path] | None:
         return None
     others = [d for d in subdirs if d.name not in SPLIT_NAMES]
     if others:
-        raise UserError(f"{others[0]}: {root} looks like a split layout ({', '.join(d.name + '/' for d in named)} "
-                        f"hold class folders), but '{others[0].name}/' is not a split name. Rename it to "
+        holders = [d.name + "/" for d in named if _holds_class_folders(d)]
+        raise UserError(f"{others[0]}: {root} looks like a split layout ({', '.join(holders)} "
+                        f"{'holds' if len(holders) == 1 else 'hold'} class folders), but '{others[0].name}/' is not a split name. Rename it to "
                         "val/ or test/ (the only folders allowed next to train/), or move it out")
     folders = {d.name: d for d in named}
     reference_name = "train" if "train" in folders else named[0].name
