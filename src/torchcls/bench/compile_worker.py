@@ -10,12 +10,12 @@ reports median and spread. Prints one JSON object on the last stdout line.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import resource
 import statistics
 import sys
 import time
-from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -47,8 +47,10 @@ def explain(model, x) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from torchcls.audit.graph import load_audit_model
     from torchcls.artifacts.compile import compile_for_inference, is_convnet
+    from torchcls.audit.graph import load_audit_model
+    from torchcls.precision.dtypes import DTYPES
+    from torchcls.precision.inference import CastIO
 
     device = torch.device(args.device)
     model, x, _ = load_audit_model(args.model, img_size=args.img_size, batch=args.batch)
@@ -66,11 +68,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     runner = compile_for_inference(model, x.cpu(), device, args.precision, max_batch=2 * args.batch + 2,
                                    mode=args.mode)  # cold: trace + Inductor codegen + C++/Triton build
     result["compile_s"] = time.perf_counter() - t0
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if args.precision == "bf16" else nullcontext()
+    # Eager runs what the compiled side runs: bf16 is the same CastIO wrapper (bf16 weights), not autocast.
+    eager_model = model if args.precision == "fp32" else CastIO(copy.deepcopy(model), DTYPES[args.precision])
 
     def eager(inp: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), autocast:
-            return model(inp)
+        with torch.no_grad():
+            return eager_model(inp)
 
     out_c, out_e = runner(x), eager(x)
     for _ in range(args.warmup):
