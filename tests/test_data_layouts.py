@@ -96,6 +96,21 @@ def test_file_failing_only_at_decode_is_skipped_and_listed(tmp_path):
     assert entry["stage"] == "decode" and "truncated or corrupted" in entry["reason"]
 
 
+def test_skips_of_every_rank_are_read_back_once_per_file(tmp_path):
+    """Under torchrun each rank logs to its own file; the main process merges them."""
+    root = make_image_folder(tmp_path / "d", per_class=2)
+    bad = root / "circle" / "circle_001.png"
+    _corrupt_after_header(bad)
+    for rank in (0, 1):
+        bundle = build_data(DataConfig(source=str(root), img_size=16, val_fraction=0.0, on_bad_file="skip"), seed=0)
+        bundle.log_skips_to(tmp_path, rank)
+        for epoch in range(2):
+            list(make_loader(bundle.train, 4, workers=0, shuffle=False))
+    assert sorted(p.name for p in tmp_path.glob("decode_skips.*")) == ["decode_skips.rank0.jsonl",
+                                                                     "decode_skips.rank1.jsonl"]
+    assert read_skips(tmp_path) == [{"file": str(bad), "reason": read_skips(tmp_path)[0]["reason"], "times": 4}]
+
+
 def test_file_failing_at_decode_under_error_names_it_without_traceback(tmp_path):
     root = make_image_folder(tmp_path / "d", per_class=3)
     bad = root / "square" / "square_001.png"
