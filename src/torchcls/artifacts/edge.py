@@ -1,5 +1,6 @@
-"""What `torchcls export --target executorch` prints: the lowering report and, for int8, the accuracy
-of the int8 program and of the fp32 model on the same held-out images (from parity.json)."""
+"""What `torchcls export` prints beyond its common line (from parity.json): the ExecuTorch lowering
+report (and for int8, the accuracy of the int8 program and of the fp32 model on the same held-out
+images), and for early-exit models the images and parity per exit."""
 
 from __future__ import annotations
 
@@ -7,7 +8,14 @@ from typing import Any
 
 
 def describe(parity: dict[str, Any]) -> str:
-    """The export report's ExecuTorch part, for the terminal."""
+    """The target- and model-specific part of the export report, for the terminal ('' when none)."""
+    lines = _executorch_lines(parity) if "executorch" in parity else []
+    if "early_exit" in parity:
+        lines += _early_exit_lines(parity["early_exit"])
+    return "\n".join(lines)
+
+
+def _executorch_lines(parity: dict[str, Any]) -> list[str]:
     et = parity["executorch"]
     lines = [f"program: {et['program_bytes'] / 1e6:.2f} MB, backend {et['backend']}, quantize {et['quantize']}, "
              f"{et['delegated_subgraphs']} delegated subgraph(s)",
@@ -17,5 +25,14 @@ def describe(parity: dict[str, Any]) -> str:
     if "int8_accuracy" in parity:
         lines.append(f"held-out accuracy: int8 {parity['int8_accuracy']:.4f}, fp32 {parity['fp32_accuracy']:.4f} "
                      f"(drop {parity['accuracy_drop_pt']:.2f} pt)")
-    lines += [f"note: {n}" for n in et["notes"]]
-    return "\n".join(lines)
+    return lines + [f"note: {n}" for n in et["notes"]]
+
+
+def _early_exit_lines(ee: dict[str, Any]) -> list[str]:
+    lines = [f"early exit (threshold {ee['threshold']}): parity images per exit, taken in turn from each exit of "
+             f"{ee['held_out_pool']} held-out images"]
+    for e in ee["exits"]:
+        lines.append(f"  exit {e['exit']}: " + (
+            f"{e['images']} images, top-1 agreement {e['top1_agreement']:.4f}, same exit {e['exit_agreement']:.4f}, "
+            f"max |dlogit| {e['max_abs_diff']:.3g}" if e["images"] else "never taken by these held-out images"))
+    return lines
