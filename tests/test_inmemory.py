@@ -253,3 +253,14 @@ def test_bundle_loaders_follow_the_data_config(mnist):
     cfg.in_memory, cfg.memory_limit_mb = "on", 1
     with pytest.raises(UserError, match="--memory-limit-mb 1"):
         bundle_loaders(mnist, cfg, seed=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("augment", ["flip", "standard"])
+def test_augmentation_on_the_gpu_matches_the_cpu(digits, augment):
+    """The parameters come from the CPU generator; only the tensor ops run on the device."""
+    cpu = batches(loader(digits, augment), limit=3)
+    gpu = InMemoryLoader(digits, torch.arange(len(digits)), PRE, 32, train=True, augment=augment, device="cuda")
+    for (xc, yc), (xg, yg) in zip(cpu, batches(gpu, limit=3)):
+        assert xg.device.type == "cuda" and torch.equal(yg.cpu(), yc)
+        torch.testing.assert_close(xg.cpu(), xc, atol=1e-4, rtol=0)

@@ -301,8 +301,12 @@ def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, v
 def bundle_loaders(bundle: Any, cfg: Any, seed: int, *, rank: int = 0, world: int = 1,
                    device: torch.device | str = "cpu", val_batch_size: int | None = None,
                    ) -> tuple[InMemoryLoader, InMemoryLoader, list[tuple[str, str]]] | None:
-    """In-memory loaders for a `build_data` DataBundle under DataConfig `cfg`, or None when --in-memory says no."""
-    train_set, val_set = bundle.train.images, bundle.val.images
+    """In-memory loaders for a `build_data` DataBundle under DataConfig `cfg`, or None when --in-memory says no.
+
+    None too for data that is not an indexable ImageSet (streamed shards)."""
+    train_set, val_set = getattr(bundle.train, "images", None), getattr(bundle.val, "images", None)
+    if not isinstance(train_set, ImageSet) or not isinstance(val_set, ImageSet):
+        return None
     sets = [train_set] if val_set is train_set else [train_set, val_set]
     need = sum(cache_bytes(s, bundle.preprocess) for s in sets)
     if not _wanted(cfg.in_memory, cfg.memory_limit_mb, need, " + ".join(s.name for s in sets), bundle.preprocess):
