@@ -111,6 +111,7 @@ def docs_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # ~4 minutes alone; a machine shared with other jobs can make it several times that
 @pytest.mark.parametrize("path", _cheap_files(), ids=lambda p: p.name)
 def test_cheap_examples_run(path: Path, docs_workdir: Path):
     for block in blocks(path):
