@@ -162,6 +162,24 @@ def test_exact_resume_mid_epoch_without_replay(digits, augment, tmp_path: Path):
     assert resumed.state_dict()["epoch"] == 3 and resumed.state_dict()["position"] == 0
 
 
+@pytest.mark.parametrize("augment", ["light", "standard"])
+def test_seek_resumes_from_the_epoch_and_step_alone(digits, augment):
+    full = loader(digits, augment, seed=4, n=590)  # 590 = 18 full batches of 32 and one of 14
+    full.set_epoch(1)
+    expected = batches(full)
+    resumed = loader(digits, augment, seed=4, n=590)
+    resumed.set_epoch(1)
+    resumed.seek(7)
+    rest = batches(resumed)
+    assert len(rest) == len(expected) - 7
+    assert all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) for a, b in zip(expected[7:], rest))
+    resumed.set_epoch(1)
+    resumed.seek(len(expected) - 1)  # the short last batch
+    assert torch.equal(batches(resumed)[0][0], expected[-1][0])
+    with pytest.raises(ValueError):
+        resumed.seek(len(expected) + 1)
+
+
 def test_a_completed_epoch_reshuffles_and_set_epoch_repeats_it(digits):
     ld = loader(digits, "light")
     e0, e1 = batches(ld), batches(ld)

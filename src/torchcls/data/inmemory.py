@@ -158,6 +158,20 @@ class InMemoryLoader:
                             "resume with the same data and --batch-size")
         self._epoch, self._resume, self._live = state["epoch"], dict(state), None
 
+    def seek(self, position: int) -> None:
+        """Make the next pass start the current epoch at batch `position`, producing none before it.
+
+        Only the augmentation parameters of the skipped batches are drawn (no image is touched),
+        which leaves the generator where `state_dict()` would have found it: a checkpoint that
+        records (epoch, step in epoch) is enough to resume exactly."""
+        if not 0 <= position <= len(self):
+            raise ValueError(f"position {position} is outside this epoch's {len(self)} batches")
+        _, gen = self._order(self._epoch)
+        for k in range(position):
+            self._draw(min(self.batch_size, self._padded_n() - k * self.batch_size), gen)
+        self._resume = {"epoch": self._epoch, "position": position, "generator": gen.get_state() if gen else None,
+                        "n": self.n, "batch_size": self.batch_size}
+
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         epoch, resume = self._epoch, self._resume
         self._resume = None
