@@ -72,3 +72,13 @@ def test_demo_command_trains_evaluates_and_reports(tmp_path):
     # Not a terminal: one unbroken line per epoch (rich used to wrap at 80 columns).
     epochs = [line for line in r.stdout.splitlines() if line.startswith("epoch ")]
     assert len(epochs) == 2 and all("val top1" in line and line.endswith("img/s") for line in epochs), r.stdout
+
+
+def test_data_shard_command_writes_shards_and_index(tmp_path):
+    r = run_cli("data", "shard", "mnist-5k", "--out", tmp_path / "shards", "--shard-size", "1MB")
+    assert r.returncode == 0, r.stderr
+    index = json.loads((tmp_path / "shards" / "index.json").read_text())
+    assert sum(s["samples"] for s in index["shards"]) == 5000 and len(index["shards"]) > 1
+    assert "5000 samples" in r.stdout
+    r = run_cli("data", "shard", "mnist-5k", "--out", tmp_path / "shards")  # never over a finished set
+    assert r.returncode == 2 and "already exists" in r.stderr and "Traceback" not in r.stderr

@@ -121,6 +121,17 @@ def _cmd_bench_memory(opts: o.BenchMemoryOptions) -> int:
     return 0
 
 
+def _cmd_shard(opts: o.ShardOptions) -> int:
+    from torchcls.data.shards import parse_size, write_shards
+    from torchcls.data.sources import open_source
+
+    images = open_source(opts.source, opts.root, opts.split, opts.channels, opts.on_bad_file)
+    shards = write_shards(images, opts.out, parse_size(opts.shard_size), prefix=opts.split, seed=opts.seed)
+    print(f"wrote {len(shards)} samples in {len(shards.shards)} shard(s) to {opts.out} (index: {shards.index}); "
+          f"{len(images.skipped)} file(s) skipped")
+    return 0
+
+
 def _cmd_report(opts: o.ReportOptions) -> int:
     from torchcls.report.html import build_report
 
@@ -174,7 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "checkpoint or a run dir")
     o.add_flags(p, ServeConfig, prefix="serve")
     p.set_defaults(func=_cmd_serve)
-    add_governance_commands(sub)  # data manifest, verify, lineage
+    _add_commands(add_governance_commands(sub), [("shard", o.ShardOptions, _cmd_shard)])  # data manifest|shard
     for group, (help_text, commands) in GROUPS.items():
         _add_commands(sub.add_parser(group, help=help_text).add_subparsers(
             dest=f"{group}_command", required=True, metavar=group.upper()), commands)

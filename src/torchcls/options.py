@@ -216,6 +216,25 @@ class BenchMemoryOptions:
 
 
 @dataclass
+class ShardOptions:
+    """write a data set as WebDataset tar shards with an index
+
+    Write a data set (folder, CSV, built-in set or hf:PATH) as WebDataset tar shards (the format timm,
+    OpenCLIP and DataComp read: each sample's original file bytes plus its class) and index.json with
+    each shard's sample count, size and SHA-256; `torchcls train --data DIR` then streams them."""
+    source: str = positional("the data to shard: built-in name, ImageFolder directory, CSV or hf:PATH")
+    out: str = required("output folder (must not exist or be empty); it appears only once complete")
+    shard_size: str = opt("1GB", "largest shard size (e.g. 500MB, 1GiB)")
+    split: str = opt("train", "which split of the source to write (a val/ folder or a CSV split column is "
+                     "written with --split val)", choices=("train", "val", "test", "all"))
+    root: str | None = opt(None, "fashion-mnist directory, or base for relative CSV paths")
+    channels: int | None = opt(None, "load images with 1 or 3 channels (default: as the source has them)")
+    seed: int = opt(0, "seed of the sample order inside the shards")
+    on_bad_file: str = opt("error", "unreadable images: stop with an error, or leave them out and list them",
+                           choices=BAD_FILE_CHOICES)
+
+
+@dataclass
 class ReportOptions:
     """(re)write RUN_DIR/report.html from every result found in the run dir
 

@@ -9,8 +9,9 @@ import argparse
 import json
 
 
-def add_governance_commands(sub) -> None:
-    p = sub.add_parser("data", help="data set tools: manifest", description="Data set tools.")
+def add_governance_commands(sub):
+    """Add the governance commands; returns the `data` sub-parsers so other data tools can join them."""
+    p = sub.add_parser("data", help="data set tools: manifest, shard", description="Data set tools.")
     dsub = p.add_subparsers(dest="data_command", required=True, metavar="DATA_COMMAND")
     m = dsub.add_parser("manifest", help="hash a data set into a manifest (Croissant/RAI/DPV fields)",
                         description="Write a manifest: every file's SHA-256, size and label (every sample's hash "
@@ -51,6 +52,7 @@ def add_governance_commands(sub) -> None:
                    help="audit log (default: runs/_governance/audit.jsonl)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_lineage)
+    return dsub
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
