@@ -6,9 +6,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config
+from torchcls.checkpoint.files import load_model, read_meta
 from torchcls.errors import UserError
 from torchcls.training import train
-from torchcls.checkpoint.files import load_model, read_meta
 
 
 def test_run_dir_contents(trained_run):

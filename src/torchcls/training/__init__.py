@@ -12,8 +12,8 @@ import importlib
 from typing import Any
 
 _API = {
-    "train": "torchcls.training.loop",
-    "TrainResult": "torchcls.training.loop",
+    "train": "torchcls.training.trainer",
+    "TrainResult": "torchcls.training.trainer",
 }
 
 __all__ = list(_API)

@@ -5,8 +5,8 @@ permutation from the loader's generator that a shuffling DataLoader would (the l
 that generator from (seed, epoch) each epoch), and rank r takes positions r, r+W, r+2W, ...
 Per-rank batches of B/W then make global batch k the same set of images as batch k of a
 one-process run with batch B, whatever the world size: a run resumed at another world size
-continues the same data order. Evaluation shards the held-out images without duplicates
-counting twice, and sums are reduced so every rank reports the same numbers.
+continues the same data order. Validation (training/validation.py) shards the held-out images
+the same way and leaves the wrap-around duplicates out.
 """
 
 from __future__ import annotations
@@ -14,11 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-from torch import nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from torchcls.training.distributed import Session, sync_buffers
+from torchcls.training.distributed import Session
 
 
 def _padded_share(order: list[int], rank: int, world: int) -> list[int]:
@@ -75,29 +73,3 @@ def val_loader(ds: Dataset, batch_size: int, workers: int, session: Session) -> 
     return DataLoader(ds, batch_size=batch_size, num_workers=workers,
                       sampler=ShardedSequentialSampler(len(ds), session.rank, session.world),
                       pin_memory=torch.cuda.is_available())
-
-
-@torch.no_grad()
-def validate(model: nn.Module, loader: DataLoader, device: torch.device, precision,
-             memory_format: torch.memory_format, session: Session) -> dict[str, float]:
-    """Held-out loss/top-1/top-5 over all ranks; wrap-around duplicates are masked out."""
-    sync_buffers(model, session)  # every rank evaluates (and later saves) the same BN statistics
-    model.eval()
-    sums = torch.zeros(4, dtype=torch.float64)  # loss, top1, top5, n
-    n_total, offset = loader.sampler.n, 0
-    for x, y in loader:
-        x, y = x.to(device, memory_format=memory_format), y.to(device)
-        with precision.autocast():
-            logits = model(x).float()
-        positions = session.rank + session.world * (offset + torch.arange(len(y), device=device))
-        keep = positions < n_total
-        offset += len(y)
-        logits, y = logits[keep], y[keep]
-        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        sums += torch.tensor([nn.functional.cross_entropy(logits, y, reduction="sum").item() if len(y) else 0.0,
-                              (topk[:, 0] == y).sum().item(), (topk == y[:, None]).any(dim=1).sum().item(),
-                              len(y)], dtype=torch.float64)
-    model.train()
-    dist.all_reduce(sums)
-    loss, top1, top5, n = sums.tolist()
-    return {"val_loss": loss / n, "val_top1": top1 / n, "val_top5": top5 / n}

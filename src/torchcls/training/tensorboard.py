@@ -1,0 +1,24 @@
+"""TensorBoard scalars beside metrics.jsonl (--tensorboard)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from torchcls.errors import UserError
+
+
+def open_writer(run_path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise UserError("--tensorboard needs the 'tensorboard' package: pip install tensorboard") from None
+    return SummaryWriter(str(run_path / "tensorboard"))
+
+
+def write_scalars(writer, record: dict[str, Any]) -> None:
+    if writer is None:
+        return
+    for key, value in record.items():
+        if key not in ("kind", "epoch", "step") and isinstance(value, (int, float)):
+            writer.add_scalar(f"{record['kind']}/{key}", value, record["step"])

@@ -1,0 +1,306 @@
+"""The trainer: `train(cfg)` builds a `Trainer` and runs its epochs; each step fits on a screen.
+
+build (data, model, precision, parallelize, rank-0 init, compile) -> resume -> run_epoch
+(train_step per batch) -> validate -> end_epoch (log, checkpoint, best) -> finish.
+
+Reproducibility: the data order, worker seeds and main-process RNG are re-seeded from
+(seed, epoch) at each epoch start, and a mid-epoch checkpoint stores the step within
+the epoch plus the RNG state; resuming replays the epoch's loader up to that step, so a
+resumed run ends with the same weights as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchcls import governance
+from torchcls.checkpoint.checkpointer import Checkpointer, Progress
+from torchcls.checkpoint.files import CheckpointMeta
+from torchcls.config import Config
+from torchcls.console import console, progress_bar
+from torchcls.data import build_data
+from torchcls.data.loaders import reseed
+from torchcls.devices import resolve_device
+from torchcls.memory.recorder import recorder_for
+from torchcls.models import ModelSpec, create_model
+from torchcls.models.early_exit import exit_loss
+from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
+from torchcls.training import rank0_init, sharding
+from torchcls.training.compile import compile_for_training, should_compile
+from torchcls.training.distributed import Session, setup, sync_buffers
+from torchcls.training.memory import record_memory
+from torchcls.training.optim import build_optimizer, warmup_cosine
+from torchcls.training.parallel import parallelize
+from torchcls.training.rundir import RunDir
+from torchcls.training.tensorboard import open_writer, write_scalars
+from torchcls.training.validation import validate
+
+StepCallback = Callable[[int], None]  # called with the global step after each optimizer step
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    best_checkpoint: Path
+    last_checkpoint: Path
+    val_top1: float | None
+    steps: int
+    interrupted: bool = False
+
+
+def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
+    """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues."""
+    session = setup(cfg)  # torchrun ranks (ddp/fsdp2); inactive for --parallel none
+    run = session.prepare_run(cfg)
+    t = build(cfg, session, run, callbacks)
+    if cfg.run.resume:
+        t.resume()
+    try:
+        with progress_bar(cfg.train.progress) as bar:
+            while t.progress.epoch < cfg.train.epochs:
+                t.end_epoch(t.run_epoch(bar))
+        if session.active:
+            record_memory(run.path, t.model, t.optimizer, session)  # per-rank bytes vs full / world
+    except KeyboardInterrupt:
+        t.save()
+        console.print(f"[yellow]interrupted at step {t.progress.step}; checkpoint saved. Continue with: "
+                      f"torchcls train --config {run.path / 'config.toml'} --resume[/]")
+        return t.result(interrupted=True)
+    except NonFiniteLoss:  # --nonfinite stop: the failed step was not applied; keep the last good state
+        t.save()
+        raise
+    finally:
+        t.close()
+    return t.finish()
+
+
+# -- build ------------------------------------------------------------------------------------
+def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
+    """Everything a run needs, in dependency order; governance refuses before any data is read."""
+    if session.is_main:
+        cfg.save_toml(run.path / "config.toml")
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
+    data = build_data(gov.data_config, cfg.train.seed)
+    _record_skipped(data, run, session)
+    pre = data.preprocess
+    spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
+                     exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold)
+    memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    compile_model, compile_note = should_compile(cfg.train, cfg.precision)
+    model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
+                                    compile_model, compile_note)
+    optimizer = build_optimizer(model, cfg.optim)
+    bs, workers = cfg.data.batch_size, cfg.data.workers
+    train_loader = sharding.train_loader(data.train, bs, workers, cfg.train.seed, session)
+    val_loader = sharding.val_loader(data.val, bs * 2, workers, session)
+    steps_per_epoch = len(train_loader)
+    scheduler = warmup_cosine(optimizer, int(cfg.optim.warmup_epochs * steps_per_epoch),
+                              steps_per_epoch * cfg.train.epochs)
+    checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
+                                lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session))
+    forward = compile_for_training(model, data.train, run.path, device, memory_format,
+                                   report_breaks=not session.active) if compile_model else model
+    memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
+    return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
+                   optimizer, scheduler, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
+                   train_loader, val_loader, checkpointer, [*callbacks, memory] if memory else list(callbacks),
+                   memory, open_writer(run.path) if cfg.train.tensorboard else None)
+
+
+def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,
+                 memory_format: torch.memory_format, compile_model: bool,
+                 compile_note: str) -> tuple[nn.Module, PrecisionPlan]:
+    """The model, with governance hooks, precision and parallelism applied from outside it."""
+    from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
+    if from_rank0:  # FSDP2: no rank holds the whole model on its device
+        model, rank0_weights = rank0_init.build_on_meta(lambda: create_model(spec), session.rank)
+        model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
+    else:
+        model = create_model(spec).to(device, memory_format=memory_format)
+    model = gov.install(data, model)  # data/model hooks of the governed processing path
+    # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
+    precision = apply_precision(model, cfg.precision, device, run, parallel=cfg.parallel.parallel,
+                                compile=compile_model, compile_note=compile_note)
+    model = parallelize(model, cfg.parallel, device)
+    if from_rank0:
+        rank0_init.materialize(model, rank0_weights, device, cfg.parallel)
+    return model, precision
+
+
+def _record_skipped(data, run: RunDir, session: Session) -> None:
+    if data.images.skipped and session.is_main:
+        skipped = [{"file": f, "reason": r} for f, r in data.images.skipped]
+        (run.path / "skipped_files.json").write_text(json.dumps({"skipped_files": skipped}, indent=2))
+        console.print(f"[yellow]skipped {len(skipped)} unreadable file(s); listed in the report[/]")
+
+
+def lineage_stamp(gov) -> dict[str, Any] | None:
+    """What the checkpoints carry of the run's lineage (None: lineage is off for this run)."""
+    lineage_id = getattr(gov, "lineage_id", None)
+    audit = getattr(gov, "audit", None)
+    if lineage_id is None or audit is None:
+        return None
+    policy = getattr(gov, "policy", None)
+    return {"run_id": lineage_id, "audit_log": str(audit.path.resolve()),
+            "outputs": policy.outputs() if policy else {}}
+
+
+# -- the run ----------------------------------------------------------------------------------
+@dataclass
+class Trainer:
+    cfg: Config
+    session: Session
+    run: RunDir
+    gov: Any
+    device: torch.device
+    memory_format: torch.memory_format
+    data: Any  # torchcls.data.DataBundle
+    spec: ModelSpec
+    model: nn.Module  # what is saved
+    forward: nn.Module  # what runs: the model, or its compiled forward
+    precision: PrecisionPlan
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    criterion: nn.Module
+    train_loader: Any
+    val_loader: Any
+    checkpointer: Checkpointer
+    callbacks: list[StepCallback]
+    memory: Any = None  # the --memory-report recorder
+    writer: Any = None  # TensorBoard
+    progress: Progress = field(default_factory=Progress)
+    resume_rng: torch.Tensor | None = None  # restored once a resumed epoch is replayed to its step
+
+    def __post_init__(self) -> None:
+        self.model.train()
+
+    def meta(self) -> CheckpointMeta:
+        pre, p = self.data.preprocess, self.progress
+        return CheckpointMeta(self.spec, self.data.classes, pre, self.cfg.to_dict(), p.epoch, p.step)
+
+    def save(self) -> None:
+        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.progress, self.meta(), self.precision)
+
+    def resume(self) -> None:
+        self.progress, self.resume_rng = self.checkpointer.resume(self.model, self.optimizer, self.scheduler,
+                                                                  self.meta(), self.precision)
+        p = self.progress
+        self.run.truncate_metrics(p.step)
+        world = f" (world size {self.session.world})" if self.session.active else ""
+        console.print(f"resuming {self.run.path} at epoch {p.epoch + 1}, step {p.step}{world}")
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """One optimizer step on a batch already on the device. Returns the loss, the (final exit's)
+        logits and whether the step was applied (False: a NaN/Inf step skipped under --nonfinite skip)."""
+        with self.precision.autocast():
+            logits = self.forward(x)
+        loss, logits = exit_loss(self.criterion, logits, y, self.model)  # early-exit models: all exits
+        self.optimizer.zero_grad(set_to_none=True)
+        stepped = self.precision.backward_step(loss, self.optimizer, self.model, self.cfg.optim.grad_clip,
+                                               self.progress.step + 1)
+        self.scheduler.step()
+        self.progress.step += 1
+        self.progress.step_in_epoch += 1
+        return loss, logits, stepped
+
+    def _batches(self):
+        """This epoch's batches from the checkpointed position on (replayed after a resume)."""
+        reseed(self.train_loader, self.cfg.train.seed, self.progress.epoch)
+        batches = iter(self.train_loader)
+        for _ in range(self.progress.step_in_epoch):
+            next(batches)
+        if self.resume_rng is not None:
+            torch.set_rng_state(self.resume_rng)
+            self.resume_rng = None
+        return batches
+
+    def run_epoch(self, bar) -> dict[str, Any]:
+        """Train one epoch (or its rest); returns the epoch record, validation included."""
+        cfg, p, steps = self.cfg, self.progress, len(self.train_loader)
+        task = bar.add_task(f"epoch {p.epoch + 1}/{cfg.train.epochs}", total=steps, completed=p.step_in_epoch)
+        log_every, save_every = max(1, steps // 10), cfg.checkpoint.save_every
+        # Sums stay on the device: read once at the end of the epoch, not synchronised every step.
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.int64, device=self.device)
+        t0, seen = time.perf_counter(), 0
+        for x, y in self._batches():
+            x, y = x.to(self.device, memory_format=self.memory_format, non_blocking=True), y.to(self.device)
+            loss, logits, stepped = self.train_step(x, y)
+            if stepped:  # a skipped NaN/Inf step is logged by the plan, not averaged in
+                seen += len(y)
+                loss_sum += loss.detach().double() * len(y)
+                correct += (logits.argmax(1) == y).sum()
+            bar.update(task, advance=1)
+            if p.step % log_every == 0:
+                self.log({"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": self.session.mean(loss),
+                          "lr": self.scheduler.get_last_lr()[0]})
+            if save_every and p.step % save_every == 0:
+                self.save()
+            for cb in (*self.callbacks, *self.session.callbacks()):
+                cb(p.step)
+        elapsed = time.perf_counter() - t0
+        record = {"kind": "epoch", "epoch": p.epoch + 1, "step": p.step,
+                  "train_loss": loss_sum.item() / max(1, seen), "train_top1": correct.item() / max(1, seen),
+                  "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
+        record = self.session.reduce_epoch(record)
+        if len(self.data.val):
+            record |= validate(self.forward, self.val_loader, len(self.data.val), self.device, self.precision,
+                               self.memory_format, self.session)
+        return record
+
+    def end_epoch(self, record: dict[str, Any]) -> None:
+        """Log the epoch, checkpoint it, and keep the best weights."""
+        p = self.progress
+        p.epoch, p.step_in_epoch = p.epoch + 1, 0
+        self.log(record)
+        _print_epoch(record, self.cfg.train.epochs)
+        self.save()
+        top1 = record.get("val_top1", record["train_top1"])
+        if top1 > p.best_top1:
+            p.best_top1 = top1
+            self.checkpointer.save_best(self.model, self.meta())
+
+    def log(self, record: dict[str, Any]) -> None:
+        self.run.log(record)
+        write_scalars(self.writer, record)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.checkpointer.wait()  # background (async) saves
+        self.session.close()
+
+    def finish(self) -> TrainResult:
+        """After the last epoch: memory report, run report, governance record."""
+        if self.memory:
+            self.memory.finish()
+        from torchcls.report import write_report
+
+        if self.session.is_main:
+            write_report(self.run.path)
+        self.gov.finish(self.result())  # redacted sample outputs, audit record
+        return self.result()
+
+    def result(self, interrupted: bool = False) -> TrainResult:
+        p, ckpt = self.progress, self.checkpointer
+        best = ckpt.best_weights
+        return TrainResult(self.run.path, best if best.exists() else ckpt.last_weights, ckpt.last_weights,
+                           p.best_top1 if p.best_top1 >= 0 else None, p.step, interrupted)
+
+
+def _print_epoch(r: dict[str, Any], epochs: int) -> None:
+    val = f"  val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:.2%}" if "val_top1" in r else ""
+    console.print(f"epoch {r['epoch']}/{epochs}  train loss {r['train_loss']:.4f}  "
+                  f"train top1 {r['train_top1']:.2%}{val}  {r['img_per_s']:.0f} img/s")

@@ -1,0 +1,46 @@
+"""Validation during training: one function for one process and for every rank of a torchrun job."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from torchcls.precision.training import PrecisionPlan
+from torchcls.training.distributed import Session, sync_buffers
+
+
+@torch.no_grad()
+def validate(model: nn.Module, loader, n_total: int, device: torch.device, precision: PrecisionPlan,
+             memory_format: torch.memory_format, session: Session) -> dict[str, float]:
+    """Held-out loss/top-1/top-5 over all ranks (one process: a world of 1).
+
+    Rank r reads positions r, r+W, r+2W, ... of the held-out set, wrapped around at the end so
+    that all ranks run equally many batches; the wrapped duplicates (the tail of the last
+    batch) are left out, and sums are reduced so every rank reports the same numbers."""
+    sync_buffers(model, session)  # every rank evaluates (and later saves) the same BN statistics
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, n: read once at the end
+    own = math.ceil((n_total - session.rank) / session.world)  # positions of this rank's that are real
+    offset = 0
+    for x, y in loader:
+        x, y = x.to(device, memory_format=memory_format), y.to(device)
+        with precision.autocast():
+            logits = model(x).float()  # every rank runs every batch: FSDP2 gathers weights collectively
+        keep = max(0, min(len(y), own - offset))
+        offset += len(y)
+        if keep == 0:
+            continue
+        logits, y = logits[:keep], y[:keep]
+        topk = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        sums += torch.stack([nn.functional.cross_entropy(logits, y, reduction="sum").double(),
+                             (topk[:, 0] == y).sum().double(), (topk == y[:, None]).any(dim=1).sum().double(),
+                             torch.tensor(float(keep), dtype=torch.float64, device=device)])
+    model.train()
+    sums = sums.cpu()
+    if session.active:
+        dist.all_reduce(sums)
+    loss, top1, top5, n = sums.tolist()
+    return {"val_loss": loss / n, "val_top1": top1 / n, "val_top5": top5 / n}
