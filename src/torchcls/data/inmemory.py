@@ -19,6 +19,7 @@ state): a resumed loader starts at the next batch without touching earlier ones.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from collections.abc import Iterator
@@ -182,14 +183,17 @@ class InMemoryLoader:
             if gen is not None:
                 gen.set_state(resume["generator"])
         self._live = (epoch, start, gen)
+        small = self.batch_size // self.world * self.pre.channels * self.pre.img_size ** 2 < 1 << 20
         try:
             for k in range(start, len(self)):
                 positions = order[k * self.batch_size:(k + 1) * self.batch_size]
-                params = self._draw(len(positions), gen)  # for the global batch: same on every rank
+                with _one_thread():
+                    params = self._draw(len(positions), gen)  # for the global batch: same on every rank
                 mine = slice(self.rank, None, self.world)
                 rows = self.rows[positions[mine]]
-                x = self._augment(self.cache[rows].to(self.device, non_blocking=True),
-                                  {key: v[mine] for key, v in params.items()})
+                with _one_thread() if small else contextlib.nullcontext():
+                    x = self._augment(self.cache[rows].to(self.device, non_blocking=True),
+                                      {key: v[mine] for key, v in params.items()})
                 y = self.targets[rows].to(self.device, non_blocking=True)
                 self._live = (epoch, k + 1, gen)
                 yield x, y
@@ -232,6 +236,19 @@ class InMemoryLoader:
         if "box" in params:
             x = resized_crop_flip(x, params["box"].to(self.device), params["flip"].to(self.device))
         return x.mul_(self._scale).add_(self._bias)
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    # Ops on a few thousand numbers (the parameters; a batch of small images) run far slower on
+    # two OpenMP threads than on one: the thread hand-off costs more than the work, and much more
+    # when another process holds the other core. Images of real size keep the process's threads.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def shift_flip(u8: torch.Tensor, shift: torch.Tensor, flip: torch.Tensor | None, pad: int) -> torch.Tensor:
