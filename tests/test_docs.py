@@ -220,6 +220,28 @@ def test_documented_commands_and_flags_exist():
     assert not problems, "the docs name commands or flags the CLI does not have:\n" + "\n".join(problems)
 
 
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_relative_links_resolve():
+    problems = []
+    for path in doc_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"[a-z]+://|mailto:", target):
+                continue
+            file, _, fragment = target.partition("#")
+            dest = (path.parent / file).resolve() if file else path
+            if not dest.exists():
+                problems.append(f"{path.relative_to(REPO)}: {target} does not exist")
+            elif fragment and dest.suffix == ".md":
+                anchors = {anchor(h) for h in re.findall(r"^#+\s+(.+)$", dest.read_text(), re.MULTILINE)}
+                if fragment not in anchors:
+                    problems.append(f"{path.relative_to(REPO)}: {target}: no heading #{fragment}")
+    assert not problems, "broken links in the docs:\n" + "\n".join(problems)
+
+
 def test_flag_checker_catches_drift():
     assert check_segment("torchcls train --data mnist-5k --epochs 1") == []
     assert check_segment("torchcls train --epoch 1") == ["'torchcls train' has no --epoch"]
