@@ -6,7 +6,7 @@
   `torchcls.a.b` also runs `torchcls/a/__init__.py`, so that package is an edge too (except the
   importer's own ancestors, which Python has already started). `from pkg import name` goes to
   the sub-module `pkg.name` when there is one, else to the module named for `name` in the
-  package's lazy `_API` table (see torchcls/__init__.py), else to the package's `__init__`.
+  package's lazy table (`_API` in torchcls/__init__.py), else to the package's `__init__`.
 - No function over MAX_FUNCTION_LINES lines (a function should fit on a screen).
 - cli.py stays a thin shell.
 """
@@ -43,14 +43,17 @@ def _module_name(path: Path) -> tuple[str, bool]:
 
 
 def _lazy_table(tree: ast.Module) -> dict[str, str]:
-    """The `_API = {"name": "torchcls.module", ...}` table a lazy package resolves names through."""
+    """The table a lazy package resolves names through: a module-level dict of string constants whose
+    values are all torchcls module names (`_API = {"name": "torchcls.module", ...}`)."""
+    table: dict[str, str] = {}
     for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "_API" for t in node.targets):
-            value = node.value
-            if isinstance(value, ast.Dict):
-                return {k.value: v.value for k, v in zip(value.keys, value.values, strict=True)
-                        if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
-    return {}
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Dict) and value.keys and all(
+                isinstance(k, ast.Constant) and isinstance(k.value, str) and isinstance(v, ast.Constant)
+                and isinstance(v.value, str) and v.value.startswith(ROOT_PACKAGE + ".")
+                for k, v in zip(value.keys, value.values, strict=True)):
+            table.update({k.value: v.value for k, v in zip(value.keys, value.values, strict=True)})
+    return table
 
 
 def load_modules() -> dict[str, Module]:
