@@ -13,13 +13,12 @@ import torch
 from conftest import make_image_folder
 from torchcls.config import DataConfig
 from torchcls.data import build_data, make_loader
+from torchcls.data.batch_augment import resized_crop_flip, shift_flip
 from torchcls.data.inmemory import (
     InMemoryLoader,
     build_cache,
     bundle_loaders,
     memory_loaders,
-    resized_crop_flip,
-    shift_flip,
     use_in_memory,
 )
 from torchcls.data.loaders import Preprocess, reseed
