@@ -2,10 +2,10 @@
 
 For data that fits in memory (the built-in sets, and any ImageSet decoded once at the
 model's input size) a batch is one gather from a (N, C, S, S) uint8 tensor, then the
-augmentation preset applied to the whole batch as tensor ops on the training device,
-then one float conversion that also normalises. On 28x28 digits the per-sample
-transforms.v2 pipeline in worker processes costs more than the model step; here the
-data costs a few hundred microseconds a batch.
+augmentation preset applied to the whole batch as tensor ops on the training device
+(batch_augment.py), then one float conversion that also normalises. On 28x28 digits the
+per-sample transforms.v2 pipeline in worker processes costs more than the model step;
+here a batch of 128 costs about a millisecond on one core.
 
 Order and randomness are those of the map-style path: the loader's own generator is
 seeded from (seed, epoch) exactly as `loaders.reseed` seeds the DataLoader's, and the
@@ -14,7 +14,8 @@ the batches are identical to the map-style loader's. Augmentation parameters are
 for the whole global batch on every rank, so rank r of W serves positions r, r+W, ...
 (as training/sharding.py does) and global batch k is the same images, augmented the same
 way, whatever the world size. `state_dict()` holds (epoch, batches served, generator
-state): a resumed loader starts at the next batch without touching earlier ones.
+state), and `seek(k)` rebuilds that state from the epoch and k alone: a resumed loader
+starts at the next batch without touching earlier ones.
 """
 
 from __future__ import annotations
