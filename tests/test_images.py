@@ -146,3 +146,25 @@ def test_turbo_and_pillow_decode_the_same_pixels(tmp_path):
         slow = torch.from_numpy(np.asarray(im.convert("RGB")).copy()).permute(2, 0, 1)
     assert fast.shape == slow.shape == (3, 48, 64)
     assert (fast.int() - slow.int()).abs().max() <= 2
+
+
+def test_only_allowed_formats_are_opened(tmp_path, monkeypatch):
+    """Common raster formats decode; an EPS file is refused unopened, so Ghostscript never runs on it."""
+    from torchcls.data.images import ALLOWED_FORMATS, read_header
+
+    im = Image.new("RGB", (8, 6), (10, 200, 30))
+    for fmt, suffix in (("PNG", "png"), ("JPEG", "jpg"), ("GIF", "gif"), ("BMP", "bmp"), ("TIFF", "tif"),
+                        ("WEBP", "webp"), ("PPM", "ppm"), ("TGA", "tga")):
+        assert fmt in ALLOWED_FORMATS
+        assert load_image(_save(tmp_path, f"a.{suffix}", im, format=fmt), 3).shape == (3, 6, 8), fmt
+    # A `gs` on PATH that leaves a mark if anything starts it.
+    marker, bin_dir = tmp_path / "gs-ran", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "gs").write_text(f"#!/bin/sh\ntouch {marker}\nexit 1\n")
+    (bin_dir / "gs").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{sys.exec_prefix}/bin:/usr/bin:/bin")
+    eps = _save(tmp_path, "a.png", im, format="EPS")  # an EPS named like a PNG
+    for read in (lambda p: load_image(p, 3), read_header):
+        with pytest.raises(BadImage, match="not an image .*accepted: JPEG, PNG"):
+            read(eps)
+    assert not marker.exists()

@@ -27,6 +27,10 @@ MAX_PIXELS = 64_000_000
 # Resize(short side -> img_size) of a 2,000,000x4 strip would allocate gigabytes: refuse any
 # image whose resized copy exceeds this many pixels (at 224 px: aspect ratios beyond ~1:330).
 RESIZE_LIMIT = 16_000_000
+# Formats Pillow may open: raster formats with decoders inside Pillow. Never EPS/PS/PDF-like
+# plugins (EPS starts Ghostscript on the file), nor rarely used plugins whose parsers see little
+# hostile input. Multi-picture JPEGs (MPO) open through the JPEG entry.
+ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "DIB", "TIFF", "WEBP", "PPM", "ICO", "TGA", "QOI")
 # Our own checks replace Pillow's global bomb limit, which cannot be set per call and would
 # refuse the big JPEGs that draft mode decodes reduced.
 Image.MAX_IMAGE_PIXELS = None
@@ -147,7 +151,7 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
     path = Path(path)
     try:
         _check_entry(path)
-        with Image.open(path) as im:
+        with Image.open(path, formats=ALLOWED_FORMATS) as im:
             scale = plan_decode(im.format, im.width, im.height, min_side, max_pixels)
             if im.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
                 decoded = _decode_turbo(path, channels)
@@ -167,7 +171,7 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
     except IsADirectoryError:
         raise BadImage("a directory, not an image file") from None
     except UnidentifiedImageError:
-        raise BadImage("not an image (unrecognised format)") from None
+        raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})") from None
     except Image.DecompressionBombError as e:
         raise BadImage(f"too large, possible decompression bomb: {e}") from None
     except (OSError, SyntaxError, ValueError) as e:
@@ -181,7 +185,7 @@ def read_header(path: Path) -> tuple[str, int, int]:
     """(format, width, height) from the header alone, never the pixels; BadImage if unidentifiable."""
     try:
         _check_entry(path)
-        with Image.open(path) as im:
+        with Image.open(path, formats=ALLOWED_FORMATS) as im:
             return im.format or "?", im.width, im.height
     except BadImage:
         raise
@@ -190,6 +194,6 @@ def read_header(path: Path) -> tuple[str, int, int]:
     except PermissionError:
         raise BadImage("permission denied (not readable by this user)") from None
     except UnidentifiedImageError:
-        raise BadImage("not an image (unrecognised format)") from None
+        raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError) as e:
         raise BadImage(f"truncated or corrupted header: {e}") from None
