@@ -22,7 +22,7 @@ from torchcls.errors import UserError
 from torchcls.precision.fp8_layers import LayerDecision, eligibility
 from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware, require_torchao
 
-if TYPE_CHECKING:  # any object with these field names works (the older all-in-one TrainConfig too)
+if TYPE_CHECKING:
     from torchcls.config import PrecisionConfig
 
 TE_INSTALL = ("pip install 'transformer-engine[pytorch]' on a machine with a CUDA toolkit and an FP8 GPU "

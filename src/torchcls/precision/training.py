@@ -26,7 +26,7 @@ from torchcls.precision.fp8 import Fp8Conversion, check_fsdp_all_gather, convert
 from torchcls.precision.fp8_layers import summary
 from torchcls.precision.hardware import describe_device, require_bf16, require_fp16
 
-if TYPE_CHECKING:  # any object with these field names works (the older all-in-one TrainConfig too)
+if TYPE_CHECKING:
     from torchcls.config import PrecisionConfig
 
 # The autocast dtype of each training precision (None: no autocast). fp8 runs the layers it does not
@@ -122,22 +122,18 @@ def fp8_wants_compile(cfg: PrecisionConfig) -> bool:
 
 
 def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device, run=None, *,
-                    parallel: str | None = None, compile: bool | None = None, compile_note: str = "") -> PrecisionPlan:
+                    parallel: str = "none", compile: bool = False, compile_note: str = "") -> PrecisionPlan:
     """Check the precision against the hardware, convert FP8 layers in place, and return the plan.
 
     Call before parallelize(): FP8 swaps nn.Linear modules, which FSDP must see already swapped.
-    `parallel` is the parallel mode (none/ddp/fsdp2; by default `cfg.parallel` if cfg has one, else none).
-    `compile` and `compile_note` say whether and why the caller compiles the model: reported, not decided
-    here (None: an older caller whose config object still carries `compile`, see _caller_compiles).
+    `parallel` is the parallel mode (none/ddp/fsdp2). `compile` and `compile_note` say whether and why the
+    caller compiles the model (torchcls.training.compile.should_compile decides): reported, not decided here.
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
     name = cfg.precision
     if name not in PRECISIONS:
         raise UserError(f"--precision {name}: choose one of {', '.join(PRECISIONS)}")
     if name != "fp8" and cfg.fp8_emulate:
         raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
-    parallel = getattr(cfg, "parallel", "none") if parallel is None else parallel
-    if compile is None:
-        compile, compile_note = _caller_compiles(cfg)
     check_fsdp_all_gather(cfg, parallel)
     if name == "fp16":
         require_fp16(device)
@@ -154,14 +150,6 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
 
         print_precision(plan.report)
     return plan
-
-
-def _caller_compiles(cfg: Any) -> tuple[bool, str]:
-    """For callers that pass a config object with `compile` instead of saying whether they compile:
-    what such a caller does (its --compile, or torchao FP8's request), so their runs keep behaving."""
-    user = bool(getattr(cfg, "compile", False))
-    fp8 = fp8_wants_compile(cfg)
-    return user or fp8, FP8_COMPILE_NOTE if fp8 and not user else ""
 
 
 def _report(plan: PrecisionPlan, cfg: PrecisionConfig, device: torch.device, compile_note: str) -> dict[str, Any]:
