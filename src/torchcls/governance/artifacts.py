@@ -14,8 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_file
-from torchcls.governance.lineage import AuditLog
+from torchcls.governance.digest import looks_like_sha256, sha256_file
+from torchcls.governance.keys import load_key
+from torchcls.governance.lineage import AuditLog, record_hash
 
 LINEAGE_KEY = "torchcls.lineage"
 
@@ -59,11 +60,12 @@ def read_lineage(path: str | Path) -> dict[str, Any] | None:
 
 
 def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str = "export",
-                      details: dict[str, Any] | None = None) -> str:
+                      details: dict[str, Any] | None = None, key_file: str | None = None) -> str:
     """For exporters: record `path` (built from `source_checkpoint`) in the audit log; returns its lineage id.
 
     The source checkpoint must carry a lineage id (runs stamp theirs); the new artifact gets a
-    sidecar naming its own id and its parent, and the log gets both hashes.
+    sidecar naming its own id, its parent and the hash of its audit record (the log's head, pinned),
+    and the log gets both files' hashes, signed with the audit key when one is set (keys.load_key).
     """
     path, source_checkpoint = Path(path), Path(source_checkpoint)
     if not path.is_file():
@@ -72,14 +74,83 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     if parent is None:
         raise UserError(f"{source_checkpoint} carries no lineage id: it was not produced by a run with lineage on")
     artifact_id = uuid.uuid4().hex
-    log = AuditLog(parent["audit_log"])
-    log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
-                            "parent_sha256": sha256_file(source_checkpoint), "path": str(path.resolve()),
-                            "sha256": sha256_file(path), "artifact_kind": kind, "details": details or {}})
+    log_path = Path(parent["audit_log"])
+    log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]))
+    record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
+                                     "parent_sha256": sha256_file(source_checkpoint), "path": str(path.resolve()),
+                                     "sha256": sha256_file(path), "artifact_kind": kind, "details": details or {}})
     lineage = {"run_id": parent["run_id"], "artifact_id": artifact_id, "audit_log": parent["audit_log"],
-               "outputs": parent.get("outputs", {})}
+               "outputs": parent.get("outputs", {}), "chain_head": {"seq": record["seq"], "hash": record["hash"]},
+               **{k: parent[k] for k in ("policy", "key_id") if k in parent}}
     sidecar(path).write_text(json.dumps(lineage, indent=2, sort_keys=True))
     return artifact_id
+
+
+def register_export(path: Path, checkpoint: Path, details: dict[str, Any]) -> str | None:
+    """`torchcls export`: register the published artifact when its checkpoint carries a lineage id."""
+    parent = read_lineage(checkpoint)
+    if parent is None or not Path(parent.get("audit_log", "")).is_file():
+        return None
+    try:
+        return register_artifact(path, checkpoint, kind=f"export-{details.get('target', '')}", details=details)
+    except UserError as e:
+        raise UserError(f"{path} was exported but not registered in the audit log: {e}") from None
+
+
+def refuse_forbidden_predictions(artifact: str | Path, command: str) -> None:
+    """`predict` and `serve`: refuse an artifact whose run's policy sets [outputs] predictions = false."""
+    path = Path(artifact)
+    if path.is_dir():
+        from torchcls.checkpoint.files import resolve_checkpoint
+
+        path = resolve_checkpoint(path)
+    lineage = read_lineage(path) or {}
+    if outputs_allowed(path)["predictions"]:
+        return
+    policy = lineage.get("policy")
+    named = f"policy '{policy['name']}' ({policy['file']})" if policy else "its policy"
+    raise UserError(f"torchcls {command} refused: {artifact} was built by run {lineage.get('run_id')} under {named}, "
+                    "which sets [outputs] predictions = false: this model's predictions may not leave the run")
+
+
+def check_pinned_sha256(path: str | Path, expected: str | None) -> None:
+    """Before loading (a .pt2 is native code: it runs when loaded): the file's SHA-256 must be `expected`,
+    or, when none is given, the digest governance registered for it (its sidecar's audit record)."""
+    path = Path(path)
+    if path.is_dir():
+        from torchcls.checkpoint.files import resolve_checkpoint
+
+        path = resolve_checkpoint(path)
+    if expected is not None:
+        if not looks_like_sha256(expected):
+            raise UserError(f"--expect-sha256 {expected!r}: not a SHA-256 hex digest (64 hex digits)")
+        want, where = expected.removeprefix("sha256:").lower(), "the expected (--expect-sha256)"
+    else:
+        registered = registered_sha256(path)
+        if registered is None:
+            return
+        want, where = registered
+    got = sha256_file(path)
+    if got != want:
+        raise UserError(f"{path}: its SHA-256 {got[:16]}… differs from {where} {want[:16]}…: refusing to load it "
+                        "(the file changed; a .pt2 would run its native code when loaded)")
+
+
+def registered_sha256(path: Path) -> tuple[str, str] | None:
+    """(digest, where) registered for an exported artifact by `register_artifact`, or None."""
+    side = sidecar(path)
+    try:
+        lineage = json.loads(side.read_text()) if side.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    log = Path(str(lineage.get("audit_log", "")))
+    if not lineage.get("artifact_id") or not log.is_file():
+        return None
+    for _, rec, _ in AuditLog(log).records():
+        if rec and rec.get("kind") == "artifact" and rec.get("artifact_id") == lineage["artifact_id"] \
+                and rec.get("hash") == record_hash(rec):
+            return rec["sha256"], f"the digest registered in {log} (seq {rec['seq']})"
+    return None
 
 
 def outputs_allowed(artifact: str | Path) -> dict[str, bool]:

@@ -42,6 +42,8 @@ def add_governance_commands(sub):
     p.add_argument("--rehash", action=argparse.BooleanOptionalAction, default=True,
                    help="re-read and hash every data file (the default); --no-rehash trusts the hash cache "
                    "(OUT_DIR/_governance/hash_cache.sqlite) for files whose size, mtime and inode are unchanged")
+    p.add_argument("--audit-key-file", help="the audit key, to check every record's signature (default: the "
+                   "TORCHCLS_AUDIT_KEY environment variable)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_verify)
 
@@ -71,7 +73,8 @@ def _cmd_manifest(args: argparse.Namespace) -> int:
 def _cmd_verify(args: argparse.Namespace) -> int:
     from torchcls.governance.verification import verify
 
-    res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log, rehash=args.rehash)
+    res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log, rehash=args.rehash,
+                 key_file=args.audit_key_file)
     if args.json:
         print(json.dumps(res.to_dict(), indent=2))
     else:

@@ -13,6 +13,7 @@ import csv
 import datetime as dt
 import json
 import os
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,17 +101,30 @@ def records_root(records: list[dict[str, Any]]) -> str:
     return merkle_root([canonical_json(r) for r in records])
 
 
+MANIFEST_HASH_VERSION = 2  # 2: dateCreated is hashed too (retention is computed from it)
+
+
 def manifest_hash(manifest: dict[str, Any]) -> str:
-    """Hash of the manifest (data and metadata; not its creation time, so re-hashing the same data
-    with the same metadata gives the same key in the manifest store)."""
+    """Hash of the whole manifest: data, metadata and its creation time (which drives retention)."""
+    return sha256_json(manifest)
+
+
+def content_key(manifest: dict[str, Any]) -> str:
+    """Hash of everything but the creation time: the same data with the same metadata gives the same
+    key, so a run re-hashing unchanged data reuses the stored manifest (and its dateCreated). It is
+    also what records written before MANIFEST_HASH_VERSION 2 hold as manifest_sha256."""
     return sha256_json({k: v for k, v in manifest.items() if k != "dateCreated"})
 
 
 def save_manifest(manifest: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(manifest, indent=1, ensure_ascii=False))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # ranks may race
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)  # readable as any file the user writes (mkstemp makes it 0600)
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(manifest, indent=1, ensure_ascii=False))
     os.replace(tmp, path)
     return path
 

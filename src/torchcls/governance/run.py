@@ -28,10 +28,18 @@ from torchcls.governance.environment import code_version, package_versions
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.hooks import Hook, HookedImages, SampleInfo, by_stage, resolve_hooks
 from torchcls.governance.integrity import check_data, describes, record_path
+from torchcls.governance.keys import key_id, load_key
 from torchcls.governance.lineage import STORE_DIR, AuditLog, default_audit_log, manifest_store
-from torchcls.governance.manifest import BUILTIN_META, build_manifest, load_manifest, manifest_hash, save_manifest
+from torchcls.governance.manifest import (
+    BUILTIN_META,
+    MANIFEST_HASH_VERSION,
+    build_manifest,
+    load_manifest,
+    manifest_hash,
+)
 from torchcls.governance.outputs import redact_skipped, sample_grid
 from torchcls.governance.policy import Policy, facts_of, load_policy, violations
+from torchcls.governance.store import store_built, store_given
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
 
 
@@ -41,12 +49,15 @@ class Governance:
         self.cfg, self.run_path = cfg, run_path
         self.policy: Policy | None = load_policy(g.policy) if g.policy else None
         self.hooks = resolve_hooks(g.hooks)
-        self.audit = AuditLog(g.audit_log or default_audit_log(cfg.run.out_dir)) if g.lineage else None
+        self.audit = _audit_log(cfg, run_path) if g.lineage else None
         self.run_id = _previous_run_id(run_path) or uuid.uuid4().hex
-        # What every checkpoint of the run carries in its metadata; known before the first save.
+        # What every checkpoint of the run carries in its metadata; known before the first save. The
+        # log's head at the start is pinned in it: a log rewritten up to that record no longer matches.
         self.lineage: dict[str, Any] | None = None if self.audit is None else {
             "run_id": self.run_id, "audit_log": str(self.audit.path.resolve()),
-            "outputs": self.policy.outputs() if self.policy else {}}
+            "outputs": self.policy.outputs() if self.policy else {}, "chain_head": self.audit.head(),
+            **({"key_id": key_id(self.audit.key)} if self.audit.key else {}),
+            **({"policy": {"name": self.policy.name, "file": str(Path(g.policy).resolve())}} if self.policy else {})}
         self.lineage_id: str | None = self.run_id if self.audit is not None else None
         self.hashes = HashCache(Path(cfg.run.out_dir) / STORE_DIR / CACHE_FILE)  # unchanged files are not re-read
         self.data_config: DataConfig = cfg.data
@@ -59,6 +70,8 @@ class Governance:
 
     def check(self) -> None:
         g, source = self.cfg.governance, self.cfg.data.source
+        if self.audit is not None:
+            self.audit.check_key()  # a signed log takes no unsigned record: say so before training
         manifest = load_manifest(g.data_manifest) if g.data_manifest else None
         if manifest is not None and not describes(manifest, source):
             raise UserError(f"--data-manifest {g.data_manifest} describes {manifest['tc:source']}, "
@@ -71,16 +84,16 @@ class Governance:
                 self._refuse(problems, f"the data no longer matches manifest {g.data_manifest}")
         if manifest is None and not (g.lineage or self.hooks or g.sample_grid):
             return  # governance off: nothing to hash, hook or record
-        self.manifest = manifest or build_manifest(source, self.cfg.data.root, cache=self.hashes)
+        self.manifest = manifest or self._stored(build_manifest(source, self.cfg.data.root, cache=self.hashes))
         val = self.cfg.data.val_data  # read by the run too: hashed and recorded beside the training data
-        self.val_manifest = build_manifest(val, self.cfg.data.root, cache=self.hashes) if val else None
-        if self.audit is not None:
-            for m in filter(None, (self.manifest, self.val_manifest)):
-                target = manifest_store(self.audit.path) / f"{manifest_hash(m)}.json"
-                if not target.is_file():
-                    save_manifest(m, target)
+        self.val_manifest = self._stored(build_manifest(val, self.cfg.data.root, cache=self.hashes)) if val else None
+        if self.audit is not None and manifest is not None:
+            store_given(manifest, manifest_store(self.audit.path))
         self.record_infos = self._record_infos()
         self._file_hooks(source)
+
+    def _stored(self, m: dict[str, Any]) -> dict[str, Any]:
+        return m if self.audit is None else store_built(m, manifest_store(self.audit.path))
 
     def _check_policy(self, manifest: dict[str, Any] | None, source: str) -> None:
         g, val = self.cfg.governance, self.cfg.data.val_data
@@ -242,6 +255,7 @@ class Governance:
             "policy_sha256": self.policy.digest if self.policy else None, "region": cfg.governance.region,
             "hooks": summary["hooks"], "config": cfg.to_dict(), "code_version": code_version(),
             "environment": package_versions(), "metrics": _metrics(run, result), "artifacts": artifacts})
+        # The run record's hash, pinned beside the run: `verify` compares it with the log.
         (run / "lineage.json").write_text(json.dumps({**self.lineage, "record_hash": record["hash"],
                                                       "record_seq": record["seq"]}, indent=2))
         return record
@@ -284,6 +298,12 @@ def begin(cfg: Config, run_path: Path) -> Governance:
     return gov
 
 
+def _audit_log(cfg: Config, run_path: Path) -> AuditLog:
+    g = cfg.governance
+    path = Path(g.audit_log or default_audit_log(cfg.run.out_dir))
+    return AuditLog(path, load_key(getattr(g, "audit_key_file", None), near=[run_path, path.parent]))
+
+
 def _previous_run_id(run_path: Path) -> str | None:
     """A resumed run keeps its lineage id: from lineage.json, or from its last checkpoint when the
     run stopped before finishing."""
@@ -303,7 +323,8 @@ def _builtin_stub(source: str) -> dict[str, Any]:
 
 def _manifest_summary(m: dict[str, Any]) -> dict[str, Any]:
     return {"name": m.get("name"), "source": m["tc:source"], "merkle_root": m["tc:merkleRoot"],
-            "manifest_sha256": manifest_hash(m), "records": m["tc:recordCount"], "license": m.get("license"),
+            "manifest_sha256": manifest_hash(m), "manifest_hash_version": MANIFEST_HASH_VERSION,
+            "records": m["tc:recordCount"], "license": m.get("license"),
             "jurisdiction": m.get("dpv:hasJurisdiction"), "tags": m.get("rai:personalSensitiveInformation")}
 
 

@@ -1,5 +1,24 @@
-"""`torchcls verify ARTIFACT`: re-hash the artifact, check the audit log's chain, walk back to the
-run and its data manifests, re-hash the data files when present, and check the policy.
+"""`torchcls verify ARTIFACT`: re-hash the artifact, check the audit log's chain, its signatures and
+anchors, walk back to the run and its data manifests, re-hash the data files when present, and
+check the policy.
+
+What a PASS proves, and against whom:
+- The artifact is byte for byte the file the log records (artifact hash), produced by the
+  recorded run from data whose manifest still hashes to what the run recorded (dateCreated, which
+  drives retention, included), and the data files on disk still match it (data).
+- Audit log chain: no record was changed, removed, inserted or reordered by someone who did not
+  also recompute the chain. On its own this is no defence against a deliberate editor.
+- Audit log signatures (when a key is given: --audit-key-file or TORCHCLS_AUDIT_KEY): every record
+  was written by a holder of the key, as it stands. Against anyone without the key, a record cannot
+  be added, changed, removed from the middle or re-linked. Not against a key holder; and a log
+  cut off at its end, or swapped for an older copy, still verifies: the anchors catch that.
+- Audit log anchors: the records pinned outside the log (the chain head in a checkpoint's metadata
+  or an export's sidecar, the run record's hash in the run's lineage.json) are still in the log
+  unchanged. Against anyone who can rewrite the log but not those files (an artifact already
+  deployed or copied elsewhere, a run dir kept read-only or backed up).
+Nothing here is proof against someone who can rewrite the log, the artifacts and the run dir and
+holds the key (or where there is no key). A torn last line (an interrupted append) is reported,
+not failed: no complete record is missing.
 
 Data files are re-read by default (`rehash=True`): a file whose mtime was restored on purpose would
 fool the hash cache that training uses. `rehash=False` trusts that cache for unchanged files."""
@@ -12,12 +31,14 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
+from torchcls.governance.anchors import check_pins, pins_of
 from torchcls.governance.artifacts import read_lineage
 from torchcls.governance.digest import sha256_file
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
+from torchcls.governance.keys import KEY_ENV, key_id, load_key
 from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
-from torchcls.governance.manifest import manifest_hash, records_root
+from torchcls.governance.manifest import content_key, manifest_hash, records_root
 from torchcls.governance.policy import facts_of, load_policy, policy_from_dict, violations
 
 
@@ -56,9 +77,10 @@ def find_audit_log(artifact: Path, lineage: dict[str, Any] | None, given: str | 
 
 
 def verify(artifact: str | Path, policy: str | None = None, audit_log: str | None = None,
-           rehash: bool = True) -> VerifyResult:
+           rehash: bool = True, key_file: str | None = None) -> VerifyResult:
     """Every check of `artifact`'s provenance. `rehash=False`: data files unchanged since they were
-    hashed (same size, mtime and inode, per the cache beside the audit log) are not read again."""
+    hashed (same size, mtime and inode, per the cache beside the audit log) are not read again.
+    `key_file`: the audit key (default: $TORCHCLS_AUDIT_KEY), to check the records' signatures."""
     artifact = Path(artifact)
     if not artifact.is_file():
         raise UserError(f"artifact {artifact} does not exist")
@@ -67,14 +89,38 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     lineage = read_lineage(artifact)
     log = AuditLog(find_audit_log(artifact, lineage, audit_log))
     problems = log.check_chain()
-    res.add("audit log chain", not problems, f"{log.path}: intact" if not problems else
-            "; ".join(str(p) for p in problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+    torn = [p for p in problems if p.torn]
+    problems = [p for p in problems if not p.torn]
+    res.add("audit log chain", not problems, (f"{log.path}: intact" if not problems else _listed(problems))
+            + ("; " + _listed(torn) if torn else ""))
+    _check_signatures(res, log, load_key(key_file, near=[log.path.parent]))
+    records = [r for _, r, _ in log.records() if r]
+    pins = pins_of(artifact, lineage, records)
+    bad, good = check_pins(pins, records)
+    res.add("audit log anchors", None if not pins else not bad, "; ".join(bad or good) if pins else
+            "no pinned record hash found for this artifact (made before pins were recorded, and no lineage.json)")
     run = _artifact_and_run(res, log, artifact, digest, lineage)
     if run is None:
         return res
     _check_manifests(res, log, run, HashCache(None if rehash else log.path.parent / CACHE_FILE))
     _check_policy(res, run, policy)
     return res
+
+
+def _listed(items: list) -> str:
+    return "; ".join(str(p) for p in items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+
+
+def _check_signatures(res: VerifyResult, log: AuditLog, key: bytes | None) -> None:
+    if key is not None:
+        problems = log.check_signatures(key)
+        res.add("audit log signatures", not problems, _listed(problems) if problems else
+                f"every record signed with key id {key_id(key)}")
+        return
+    signers = {r.get("key_id") for _, r, _ in log.records() if r and r.get("key_id")}
+    res.add("audit log signatures", None, f"records are signed (key id {', '.join(sorted(signers))}) but no key was "
+            f"given ({KEY_ENV} or --audit-key-file): not checked" if signers else
+            "the log is unsigned (no audit key was set when it was written)")
 
 
 def _artifact_and_run(res: VerifyResult, log: AuditLog, artifact: Path, digest: str,
@@ -128,11 +174,14 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
             res.add(f"manifest {m['name']}", False, f"{path} is missing from the manifest store")
             continue
         manifest = json.loads(path.read_text())
-        if manifest_hash(manifest) != m["manifest_sha256"] or records_root(manifest["tc:records"]) != m["merkle_root"]:
+        legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
+        digest = content_key(manifest) if legacy else manifest_hash(manifest)
+        if digest != m["manifest_sha256"] or records_root(manifest["tc:records"]) != m["merkle_root"]:
             res.add(f"manifest {m['name']}", False, f"{path} was modified: it no longer hashes to the recorded "
                                                     f"{m['manifest_sha256'][:16]}… / Merkle root {m['merkle_root'][:16]}…")
             continue
-        res.add(f"manifest {m['name']}", True, f"{m['records']} records, Merkle root {m['merkle_root'][:16]}…")
+        res.add(f"manifest {m['name']}", True, f"{m['records']} records, Merkle root {m['merkle_root'][:16]}…"
+                + (" (recorded by an older torchcls: its dateCreated is not covered by the hash)" if legacy else ""))
         if not Path(manifest["tc:root"]).exists():
             res.add(f"data {m['name']}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue

@@ -1,0 +1,234 @@
+"""Governance integrity: the audit log is signed (HMAC key) and anchored (hashes pinned outside it),
+survives a torn append, manifests hash their dateCreated, exports are registered, a policy's
+`predictions = false` is honoured, and artifacts are checked against a pinned SHA-256 before loading."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import make_image_folder, tiny_config
+from torchcls.cli import main
+from torchcls.errors import UserError
+from torchcls.governance.digest import sha256_file
+from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.training import train
+
+KEY = "0123456789abcdef-test-audit-key"
+
+
+def recompute_chain(log: Path, drop_seq: int) -> None:
+    """What anyone who can write files can do without the key: delete a record and re-link the rest."""
+    recs = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    out, prev = [], "0" * 64
+    for rec in (r for r in recs if r["seq"] != drop_seq):
+        rec.update(seq=len(out), prev=prev)
+        rec["hash"] = record_hash(rec)
+        out.append(json.dumps(rec, sort_keys=True))
+        prev = rec["hash"]
+    log.write_text("\n".join(out) + "\n")
+
+
+@pytest.fixture(scope="module")
+def signed_run(tmp_path_factory):
+    """A run whose audit log is signed with a key kept outside runs/; the log held a record before it."""
+    base = tmp_path_factory.mktemp("signed")
+    (base / "keys").mkdir()
+    (base / "keys" / "audit.key").write_text(KEY + "\n")
+    folder = make_image_folder(base / "shapes", per_class=4)
+    log = AuditLog(base / "runs" / "_governance" / "audit.jsonl", KEY.encode())
+    log.append("note", {"text": "a record from before the run"})
+    cfg = tiny_config(folder, base / "runs", "r", epochs=1)
+    cfg.governance.audit_key_file = str(base / "keys" / "audit.key")
+    result = train(cfg)
+    return {"base": base, "run": result.run_dir, "log": log.path, "key": base / "keys" / "audit.key",
+            "folder": folder}
+
+
+def _copy(signed_run, tmp_path) -> tuple[Path, Path]:
+    """The runs/ tree copied, so that a test may tamper with it (verify it with --audit-log)."""
+    runs = tmp_path / "runs"
+    shutil.copytree(signed_run["base"] / "runs", runs)
+    return runs / "r" / "checkpoints" / "best.safetensors", runs / "_governance" / "audit.jsonl"
+
+
+def test_signed_log_verifies_with_its_key(signed_run, capsys):
+    ckpt = signed_run["run"] / "checkpoints" / "best.safetensors"
+    recs = [json.loads(line) for line in signed_run["log"].read_text().splitlines()]
+    assert all(r.get("hmac") and r.get("key_id") for r in recs)
+    assert main(["verify", str(ckpt), "--audit-key-file", str(signed_run["key"])]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  audit log signatures: every record signed" in out and "PASS  audit log anchors" in out
+    assert main(["verify", str(ckpt)]) == 0  # no key here: signatures are not checked, and it says so
+    assert "SKIP  audit log signatures: records are signed" in capsys.readouterr().out
+
+
+def test_deleting_a_record_and_recomputing_the_chain_is_caught(signed_run, tmp_path, capsys):
+    ckpt, log = _copy(signed_run, tmp_path)
+    key, given = signed_run["key"], ["--audit-log", str(log)]
+    assert main(["verify", str(ckpt), "--audit-key-file", str(key), *given]) == 0
+    capsys.readouterr()
+    recompute_chain(log, drop_seq=0)
+    assert AuditLog(log).check_chain() == []  # the chain alone is fooled
+    assert main(["verify", str(ckpt), "--audit-key-file", str(key), *given]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  audit log signatures" in out and "signature does not match" in out
+    # Without the key, the hashes pinned in the checkpoint and in lineage.json still catch it.
+    assert main(["verify", str(ckpt), *given]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  audit log anchors" in out and "rewritten up to that record" in out
+    assert "PASS  audit log chain" in out
+
+
+def test_the_key_stays_outside_the_log_and_a_signed_log_takes_no_unsigned_record(signed_run, tmp_path,
+                                                                                 monkeypatch):
+    cfg = tiny_config(signed_run["folder"], tmp_path / "runs", "x", epochs=1)
+    cfg.governance.audit_log = str(signed_run["log"])
+    with pytest.raises(UserError, match="is signed .*TORCHCLS_AUDIT_KEY"):
+        train(cfg)  # refused at the start, not after training
+    assert not (tmp_path / "runs" / "x").exists()
+    inside = signed_run["log"].parent / "audit.key"
+    inside.write_text(KEY)
+    try:
+        cfg.governance.audit_key_file = str(inside)
+        with pytest.raises(UserError, match="keep the audit key outside"):
+            train(cfg)
+    finally:
+        inside.unlink()
+    monkeypatch.setenv("TORCHCLS_AUDIT_KEY", "short")
+    cfg.governance.audit_key_file = None
+    with pytest.raises(UserError, match="at least 16"):
+        train(cfg)
+
+
+def test_a_torn_last_line_is_reported_and_appends_resume_after_it(tmp_path):
+    log = AuditLog(tmp_path / "audit.jsonl")
+    for i in range(3):
+        log.append("run", {"run_id": f"r{i}"})
+    with log.path.open("a") as f:
+        f.write('{"seq": 3, "prev": "ab')  # disk full in the middle of a record
+    problems = log.check_chain()
+    assert [(p.line, p.torn) for p in problems] == [(4, True)]
+    rec = log.append("run", {"run_id": "after"})  # crashed with JSONDecodeError before
+    assert rec["seq"] == 3 and rec["prev"] == json.loads(log.path.read_text().splitlines()[2])["hash"]
+    assert [(p.line, p.torn) for p in log.check_chain()] == [(4, True)]
+    # A complete record that lost only its newline is kept, never dropped.
+    text = log.path.read_text()
+    log.path.write_text(text.rstrip("\n"))
+    rec2 = log.append("run", {"run_id": "next"})
+    assert rec2["prev"] == rec["hash"] and rec2["seq"] == 4
+    assert [(p.line, p.torn) for p in log.check_chain()] == [(4, True)]
+    # An edited line is not a torn one: the record after it does not link over it.
+    lines = log.path.read_text().splitlines()
+    lines[1] = lines[1][:-5]
+    log.path.write_text("\n".join(lines) + "\n")
+    assert [(p.line, p.torn) for p in log.check_chain()][:1] == [(2, False)]
+
+
+def test_verify_reports_a_torn_line_and_a_changed_date_created(signed_run, tmp_path, capsys):
+    ckpt, log = _copy(signed_run, tmp_path)
+    with log.open("a") as f:
+        f.write('{"seq": 99, "kind": "ru')
+    assert main(["verify", str(ckpt), "--audit-key-file", str(signed_run["key"]), "--audit-log", str(log)]) == 0
+    assert "an incomplete record" in capsys.readouterr().out
+    # dateCreated drives retention (max_retention_days): it is inside the manifest's hash.
+    store = log.parent / "manifests"
+    stored = next(store.glob("*.json"))
+    m = json.loads(stored.read_text())
+    m["dateCreated"] = "2098-12-31T00:00:00+00:00"
+    stored.write_text(json.dumps(m))
+    assert main(["verify", str(ckpt), "--audit-log", str(log)]) == 1
+    assert "was modified" in capsys.readouterr().out
+
+
+def test_a_second_run_on_the_same_data_reuses_the_stored_manifest(signed_run, tmp_path):
+    runs = tmp_path / "runs"
+    shutil.copytree(signed_run["base"] / "runs" / "_governance", runs / "_governance")
+    cfg = tiny_config(signed_run["folder"], runs, "again", epochs=1)
+    cfg.governance.audit_key_file = str(signed_run["key"])
+    from torchcls import governance
+
+    before = sorted((runs / "_governance" / "manifests").glob("*.json"))
+    gov = governance.begin(cfg, runs / "again")
+    assert sorted((runs / "_governance" / "manifests").glob("*.json")) == before
+    assert gov.manifest["dateCreated"] == json.loads(before[0].read_text())["dateCreated"]
+
+
+# --- exports, predictions, pinned digests --------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def no_predictions_run(tmp_path_factory):
+    """A governed run whose policy forbids predictions leaving it, and its ONNX export."""
+    from torchcls.artifacts.exporter import export
+    from torchcls.governance.cli_api import write_manifest
+    from torchcls.governance.manifest import DatasetMeta
+
+    base = tmp_path_factory.mktemp("nopred")
+    folder = make_image_folder(base / "shapes", per_class=6)
+    manifest, _ = write_manifest(str(folder), base / "m.json", meta=DatasetMeta(license="MIT"))
+    policy = base / "no-predictions.toml"
+    policy.write_text('[policy]\nname = "research-only"\n[outputs]\npredictions = false\n')
+    cfg = tiny_config(folder, base / "runs", "np", epochs=1)
+    cfg.governance.policy, cfg.governance.data_manifest = str(policy), str(manifest)
+    run = train(cfg).run_dir
+    exported = export(run, target="onnx", max_batch=4, parity_images=8, min_agreement=0.0)
+    return {"run": run, "policy": policy, "onnx": exported.path, "folder": folder,
+            "log": base / "runs" / "_governance" / "audit.jsonl"}
+
+
+def test_export_is_registered_so_verify_and_lineage_find_it(no_predictions_run, capsys):
+    onnx = no_predictions_run["onnx"]
+    assert Path(str(onnx) + ".lineage.json").is_file()
+    assert main(["verify", str(onnx)]) == 0
+    out = capsys.readouterr().out
+    assert "PASS  artifact hash" in out and "PASS  audit log anchors" in out
+    some_file = next((no_predictions_run["folder"] / "circle").glob("*.png"))
+    assert main(["lineage", "--file", str(some_file), "--audit-log", str(no_predictions_run["log"]), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert str(onnx.resolve()) in {a["path"] for a in found["artifacts"]}
+
+
+def test_predict_and_serve_honour_predictions_false(no_predictions_run, capsys):
+    from torchcls.prediction import predict
+
+    image = next((no_predictions_run["folder"] / "circle").glob("*.png"))
+    policy = str(no_predictions_run["policy"].resolve())
+    for artifact in (no_predictions_run["run"], no_predictions_run["onnx"]):
+        with pytest.raises(UserError, match=f"policy 'research-only' \\({policy}\\).*predictions = false"):
+            predict(artifact, [image])
+    assert main(["serve", str(no_predictions_run["onnx"]), "--port", "0"]) != 0
+    assert "predictions = false" in capsys.readouterr().err
+
+
+def test_artifacts_are_checked_against_a_pinned_sha256_before_loading(no_predictions_run, signed_run, tmp_path,
+                                                                     capsys):
+    from torchcls.artifacts.artifact import load_artifact
+
+    src = no_predictions_run["onnx"]
+    onnx = tmp_path / "model.onnx"
+    shutil.copy(src, onnx)
+    shutil.copy(str(src) + ".lineage.json", str(onnx) + ".lineage.json")
+    digest = sha256_file(onnx)
+    assert load_artifact(onnx, expect_sha256=digest).info.classes == ["circle", "square"]
+    with pytest.raises(UserError, match="differs from the expected"):
+        load_artifact(onnx, expect_sha256="0" * 64)
+    with pytest.raises(UserError, match="not a SHA-256"):
+        load_artifact(onnx, expect_sha256="abc")
+    data = bytearray(onnx.read_bytes())
+    data[-1] ^= 1
+    onnx.write_bytes(bytes(data))  # a swapped file: the digest governance registered refuses it
+    with pytest.raises(UserError, match="differs from the digest registered in"):
+        load_artifact(onnx)
+    ckpt = signed_run["run"] / "checkpoints" / "best.safetensors"
+    image = next((no_predictions_run["folder"] / "circle").glob("*.png"))
+    assert main(["predict", str(ckpt), str(image), "--expect-sha256", sha256_file(ckpt)]) == 0
+    assert main(["predict", str(ckpt), str(image), "--expect-sha256", "1" * 64]) != 0
+    assert "differs from the expected" in capsys.readouterr().err
+    for command in ("predict", "serve"):
+        with pytest.raises(SystemExit):
+            main([command, "--help"])
+        out = " ".join(capsys.readouterr().out.split())
+        assert "--expect-sha256" in out and "native code" in out
