@@ -180,6 +180,9 @@ class GovernanceConfig:
     lineage: bool = opt(True, "append this run to the hash-chained audit log and stamp its checkpoints "
                         "with the lineage id")
     audit_log: str | None = opt(None, "audit log file (default: OUT_DIR/_governance/audit.jsonl)")
+    audit_key_file: str | None = opt(None, "file holding the audit key that signs each audit record (HMAC); "
+                                     "keep it outside the run and log directories (default: the "
+                                     "TORCHCLS_AUDIT_KEY environment variable; unset = unsigned)")
 
 
 @dataclass
