@@ -37,12 +37,19 @@ class EagerArtifact(LoadedArtifact):
         return (self.model(x),)
 
 
-def load_artifact(path: str | Path) -> LoadedArtifact:
+def load_artifact(path: str | Path, expect_sha256: str | None = None) -> LoadedArtifact:
     """Open an artifact by its suffix: .pt2 (AOTInductor), .onnx (ONNX Runtime), .pte (ExecuTorch),
-    .safetensors or a run dir (eager PyTorch)."""
+    .safetensors or a run dir (eager PyTorch).
+
+    A .pt2 is native code: AOTInductor loads its shared library, whose constructors run before any
+    metadata is read. The file's SHA-256 is checked first against `expect_sha256`, or, when none is
+    given, against the digest governance registered for it at export; a mismatch is refused."""
     path = Path(path)
     if not path.exists():
         raise UserError(f"artifact {path} does not exist")
+    from torchcls.governance.artifacts import check_pinned_sha256
+
+    check_pinned_sha256(path, expect_sha256)
     if path.is_dir() or path.suffix == ".safetensors":
         return EagerArtifact(path)
     target = BY_SUFFIX.get(path.suffix)

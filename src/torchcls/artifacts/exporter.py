@@ -103,6 +103,10 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
         _make_readable(parity_path)
         _make_readable(tmp)
         os.replace(tmp, path)
+    from torchcls.governance.artifacts import register_export  # the checkpoint's run has lineage: record it
+
+    register_export(path, ckpt, {"target": target, "precision": plan.label,
+                                 "top1_agreement": parity["top1_agreement"]})
     return ExportResult(path, parity_path, parity, info)
 
 

@@ -59,7 +59,10 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     from torchcls.serve.app import create_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    artifact = load_artifact(artifact_path)
+    from torchcls.governance.artifacts import refuse_forbidden_predictions
+
+    refuse_forbidden_predictions(artifact_path, "serve")  # a policy's [outputs] predictions = false
+    artifact = load_artifact(artifact_path, expect_sha256=cfg.expect_sha256)
     _check(cfg, artifact.info.max_batch)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
