@@ -60,6 +60,9 @@ class EvaluateOptions(RuntimeOptions):
                                        "backbone's (e.g. 0.7)")
     batch_size: int = opt(256, "images per forward pass")
     workers: int = opt(2, "DataLoader workers")
+    tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
+                   "mirror (two forward passes; for left-right symmetric classes); recorded in eval.json",
+                   choices=("none", "flip"))
 
 
 @dataclass
@@ -71,6 +74,8 @@ class PredictOptions(RuntimeOptions):
                                  "(a .pt2 is native code: load only artifacts you trust)")
     images: list[str] = positional("image files and/or folders (searched recursively)", nargs="+")
     topk: int = opt(3, "how many labels per image")
+    tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
+                   "mirror (two forward passes, also for exported artifacts)", choices=("none", "flip"))
     json: bool = opt(False, "print JSON instead of a table")
     expect_sha256: str | None = opt(None, "refuse to load the model unless its file has this SHA-256 (default: "
                                     "the digest governance registered for an exported artifact, if any)")

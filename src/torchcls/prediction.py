@@ -16,6 +16,7 @@ from torchcls.data.images import BadImage, load_image
 from torchcls.data.scan import list_files
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
+from torchcls.evaluation.tta import check_tta, tta_probs
 from torchcls.options import PredictOptions as _D  # the defaults, declared once
 
 ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, run on their own runtime
@@ -48,9 +49,11 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 @torch.no_grad()
 def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.topk, device: str = _D.device,
             on_bad_file: str = _D.on_bad_file, batch_size: int = 64,
-            expect_sha256: str | None = _D.expect_sha256) -> Predictions:
+            expect_sha256: str | None = _D.expect_sha256, tta: str = _D.tta) -> Predictions:
+    """Top-k labels for each image; `tta="flip"` averages the softmax of each image and its mirror."""
     from torchcls.governance.artifacts import check_pinned_sha256, refuse_forbidden_predictions
 
+    check_tta(tta)
     refuse_forbidden_predictions(checkpoint, "predict")  # a policy's [outputs] predictions = false
     if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime, on CPU
         model = load_artifact(checkpoint, expect_sha256=expect_sha256)
@@ -73,7 +76,7 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
     k = min(topk, len(meta.classes))
     for start in range(0, len(good), batch_size):
         chunk = good[start:start + batch_size]
-        probs = model(torch.stack([t for _, t in chunk]).to(dev)).float().softmax(dim=1).cpu()
+        probs = tta_probs(model, torch.stack([t for _, t in chunk]).to(dev), tta).cpu()
         values, indices = probs.topk(k, dim=1)
         for (f, _), vals, idx in zip(chunk, values, indices):
             result.items.append({"file": str(f), "top": [{"label": meta.classes[i], "prob": round(v, 6)}
