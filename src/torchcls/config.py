@@ -39,8 +39,15 @@ class DataConfig:
     channels: int | None = opt(None, "input channels, 1 or 3 (default: 1 for built-in sets, 3 for image files); "
                                "images are converted to match")
     augment: str = opt("light", "training augmentation: none; light = small shifts (digits, text); flip = shifts "
-                       "and horizontal flips; standard = random resized crops and flips (photos)",
-                       choices=("none", "light", "flip", "standard"))
+                       "and horizontal flips; standard = random resized crops and flips (photos); randaugment, "
+                       "trivialaugment, autoaugment = torchvision's policies (ImageNet op set)",
+                       choices=("none", "light", "flip", "standard", "randaugment", "trivialaugment", "autoaugment"))
+    random_erasing: float = opt(0.0, "probability of erasing a random box of each training image (after "
+                                "normalisation, so the box takes the mean colour); 0 = off")
+    mixup: float = opt(0.0, "mixup alpha: blend pairs of training images and their labels with a Beta(A, A) "
+                       "weight (soft-target loss; needs an even batch); 0 = off")
+    cutmix: float = opt(0.0, "cutmix alpha: paste a box of one training image into another, labels weighted by "
+                        "area (with --mixup, one of the two per batch); 0 = off")
     batch_size: int = opt(128, "images per training step")
     workers: int = opt(2, "DataLoader worker processes (0 = load in the main process)")
     on_bad_file: str = opt("error", "what to do with unreadable images: stop with an error, or skip them "
@@ -66,6 +73,8 @@ class ModelConfig:
                     "classification name prefixed 'tv/' (e.g. tv/resnet18); random init, nothing is downloaded",
                     flag="model")
     drop_rate: float = opt(0.0, "dropout before the classifier")
+    drop_path: float = opt(0.0, "stochastic depth: the rate at which residual branches of timm models are dropped "
+                           "in training (timm's drop_path_rate), in [0, 1); 0 = off")
     exits: int = opt(0, "early-exit models (ee/smallnet, ee/resnet18, ...): intermediate exits after the first "
                      "stages (0 = after every stage but the last)")
     exit_threshold: float = opt(0.9, "early-exit models: a sample leaves at the first exit whose max softmax "

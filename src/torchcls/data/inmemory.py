@@ -34,6 +34,7 @@ from torchcls.data.batch_augment import one_thread, resized_crop_boxes, resized_
 from torchcls.data.images import BadImage
 from torchcls.data.loaders import Preprocess
 from torchcls.data.sources import ImageSet
+from torchcls.data.transforms import batch_augmentable
 from torchcls.errors import UserError
 
 AUGMENTS = ("none", "light", "flip", "standard")
@@ -270,6 +271,12 @@ def bundle_loaders(bundle: Any, cfg: Any, seed: int, *, rank: int = 0, world: in
     None too for data that is not an indexable ImageSet (streamed shards)."""
     train_set, val_set = getattr(bundle.train, "images", None), getattr(bundle.val, "images", None)
     if not isinstance(train_set, ImageSet) or not isinstance(val_set, ImageSet):
+        return None
+    if not batch_augmentable(cfg.augment, cfg.random_erasing):  # per-sample library transforms: map-style path
+        if cfg.in_memory == "on":
+            raise UserError(f"--in-memory on batches with the presets {', '.join(AUGMENTS)} and no random erasing; "
+                            f"--augment {cfg.augment} --random-erasing {cfg.random_erasing} runs per sample: "
+                            "use --in-memory auto or off")
         return None
     sets = [train_set] if val_set is train_set else [train_set, val_set]
     need = sum(cache_bytes(s, bundle.preprocess) for s in sets)

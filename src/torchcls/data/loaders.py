@@ -21,6 +21,7 @@ from torchcls.data.images import BadImage
 from torchcls.data.skips import BadSampleError, DropBad, read_skips, record_skip, skip_log_path
 from torchcls.data.sources import IMAGENET_STATS, STATS, ImageSet, apply_size_limits, open_source
 from torchcls.data.splits import available_splits, check_same_classes
+from torchcls.data.transforms import build_transform
 from torchcls.errors import UserError
 
 
@@ -43,29 +44,6 @@ def preprocess_for(cfg: DataConfig, images: ImageSet) -> Preprocess:
     if len(mean) != channels:  # grey set shown as RGB or photos as grey: one value per channel
         mean, std = (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
     return Preprocess(size, channels, tuple(mean), tuple(std))
-
-
-def build_transform(pre: Preprocess, train: bool, augment: str = "none", source_size: int | None = None) -> v2.Transform:
-    """uint8 CxHxW tensor → normalised float tensor of shape (channels, img_size, img_size).
-
-    `source_size`: the side of every input when known to be square and fixed (built-in
-    sets); resizing is then skipped when it would be a no-op (it costs more than the
-    rest of the pipeline on 28x28 digits).
-    """
-    size = pre.img_size
-    steps: list[v2.Transform] = []
-    if train and augment == "standard":
-        steps += [v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()]
-    else:
-        if source_size != size:
-            steps += [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
-        if train and augment in ("light", "flip"):
-            # Small translations: safe for digits and text, where flips and big crops are not.
-            steps.append(v2.RandomCrop(size, padding=max(1, size // 8)))
-        if train and augment == "flip":  # for left-right symmetric classes (clothes, objects)
-            steps.append(v2.RandomHorizontalFlip())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(pre.mean, pre.std)]
-    return v2.Compose(steps)
 
 
 class Transformed(Dataset):
@@ -206,7 +184,8 @@ def build_data(cfg: DataConfig, seed: int) -> DataBundle:
         check_same_classes(images.classes, val_images.classes, val_images.origin, images.origin)
         val_set, train_idx, val_idx = val_images, torch.arange(len(images)), torch.arange(len(val_images))
     size, shape = images.side, (pre.channels, pre.img_size, pre.img_size)
-    train = Transformed(images, train_idx, build_transform(pre, True, cfg.augment, size), cfg.on_bad_file, shape)
+    train = Transformed(images, train_idx, build_transform(pre, True, cfg.augment, size, cfg.random_erasing),
+                        cfg.on_bad_file, shape)
     val = Transformed(val_set, val_idx, build_transform(pre, False, source_size=val_set.side), cfg.on_bad_file,
                       shape)
     splits = {"train": {"source": images.origin, "images": len(train_idx)},

@@ -19,17 +19,20 @@ from torchcls.data.skips import skip_log_path
 from torchcls.data.splits import available_splits
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
+from torchcls.evaluation.tta import check_tta, tta_logits
 from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 
 SPLITS = ("val", "test", "train", "all")
 
 
 @torch.no_grad()
-def predict_logits(model: torch.nn.Module, loader, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def predict_logits(model: torch.nn.Module, loader, device: torch.device,
+                   tta: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets over `loader`; with `tta` the log of the TTA-averaged probabilities."""
     model.to(device).eval()
     logits, targets = [], []
     for x, y in loader:
-        logits.append(model(x.to(device)).float().cpu())
+        logits.append(tta_logits(model, x.to(device), tta).cpu())
         targets.append(y)
     return torch.cat(logits), torch.cat(targets)
 
@@ -63,13 +66,15 @@ def classification_metrics(logits: torch.Tensor, targets: torch.Tensor, classes:
 def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None = None, split: str | None = None,
              out_dir: str | Path | None = None, batch_size: int = _D.batch_size, workers: int = _D.workers,
              device: str = _D.device, on_bad_file: str = _D.on_bad_file, threshold: float | None = None,
-             target_accuracy: float | None = None, target_compute: float | None = None) -> dict[str, Any]:
+             target_accuracy: float | None = None, target_compute: float | None = None,
+             tta: str = _D.tta) -> dict[str, Any]:
     """Evaluate `checkpoint` (a .safetensors file or a run dir) and write eval.json + confusion.png.
 
     By default it evaluates on the data it was trained with: the official test split
     where the set has one, else the seeded held-out (val) split. Results go to the run
     dir of the checkpoint, or `out_dir`.
     """
+    check_tta(tta)  # before any loading: a typo costs nothing
     path = resolve_checkpoint(checkpoint)
     model, meta = load_model(path)
     train_cfg = Config.from_dict(meta.config, origin=f"{path} metadata")
@@ -91,9 +96,9 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
 
     with tempfile.TemporaryDirectory(prefix="torchcls-eval-") as tmp:  # files skipped while decoding
         dataset.skip_log = skip_log_path(tmp)
-        logits, targets = predict_logits(model, loader, resolve_device(device))
+        logits, targets = predict_logits(model, loader, resolve_device(device), tta)
         skipped = images.skipped + [(d["file"], d["reason"]) for d in read_skips(tmp)]
-    result = {"checkpoint": str(path), "data": data_cfg.source, "split": split,
+    result = {"checkpoint": str(path), "data": data_cfg.source, "split": split, "tta": tta,
               **classification_metrics(logits, targets, meta.classes)}
     if skipped:
         result["skipped_files"] = [{"file": f, "reason": r} for f, r in skipped]

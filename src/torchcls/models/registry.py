@@ -29,11 +29,14 @@ class ModelSpec:
     drop_rate: float = 0.0
     exits: int = 0  # early-exit models ('ee/<backbone>'): intermediate exits, 0 = every stage boundary
     exit_threshold: float = 0.9  # early-exit models: softmax confidence at which a sample leaves
+    drop_path_rate: float = 0.0  # stochastic depth of timm models (training only; eval is unaffected)
 
 
 def create_model(spec: ModelSpec) -> nn.Module:
     if spec.name.startswith(EARLY_EXIT_PREFIX) or spec.exits:
         return _early_exit_model(spec)
+    if spec.drop_path_rate:
+        _check_drop_path(spec)
     if spec.name == "smallnet":
         return SmallNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
     if spec.name.startswith(TORCHVISION_PREFIX):
@@ -59,10 +62,27 @@ def _timm_model(spec: ModelSpec) -> nn.Module:
     if not timm.is_model(spec.name):
         raise UserError(_unknown(spec.name, timm.list_models()))
     kwargs = dict(pretrained=False, num_classes=spec.num_classes, in_chans=spec.in_chans, drop_rate=spec.drop_rate)
+    if spec.drop_path_rate:  # only when asked: not every timm family takes the argument
+        kwargs["drop_path_rate"] = spec.drop_path_rate
     try:  # transformers need their input size; CNNs do not take the argument
         return timm.create_model(spec.name, img_size=spec.img_size, **kwargs)
     except TypeError:
-        return timm.create_model(spec.name, **kwargs)
+        try:
+            return timm.create_model(spec.name, **kwargs)
+        except TypeError as e:
+            if "drop_path_rate" not in str(e):
+                raise
+            raise UserError(f"--drop-path: timm model '{spec.name}' has no stochastic depth (drop_path_rate); "
+                            "use --drop-path 0 or a residual family (resnet, convnext, vit, ...)") from None
+
+
+def _check_drop_path(spec: ModelSpec) -> None:
+    if not 0.0 <= spec.drop_path_rate < 1.0:
+        raise UserError(f"--drop-path must be in [0, 1), got {spec.drop_path_rate}")
+    backbone = spec.name.removeprefix(EARLY_EXIT_PREFIX)
+    if backbone == "smallnet" or backbone.startswith(TORCHVISION_PREFIX):
+        raise UserError(f"--drop-path applies to timm models (their drop_path_rate), not to '{backbone}'; "
+                        "use --drop-path 0, or a timm model such as resnet18 or convnext_atto")
 
 
 def _torchvision_model(spec: ModelSpec) -> nn.Module:
