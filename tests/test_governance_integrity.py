@@ -232,3 +232,28 @@ def test_artifacts_are_checked_against_a_pinned_sha256_before_loading(no_predict
             main([command, "--help"])
         out = " ".join(capsys.readouterr().out.split())
         assert "--expect-sha256" in out and "native code" in out
+
+
+def test_a_resumed_run_keeps_the_stamps_of_its_earlier_attempt(tmp_path):
+    """The log moved on between attempts, so the resumed run pins another head; finish rewrites nothing."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    from torchcls import governance
+
+    folder = make_image_folder(tmp_path / "shapes", per_class=2)
+    run = tmp_path / "runs" / "r"
+    first = governance.begin(tiny_config(folder, tmp_path / "runs", "r"), run)
+    (run / "checkpoints").mkdir(parents=True)
+    last = run / "checkpoints" / "last.safetensors"
+    save_file({"w": torch.zeros(2)}, last, metadata=first.checkpoint_metadata())
+    first.audit.append("note", {"text": "another run's record"})
+    cfg = tiny_config(folder, tmp_path / "runs", "r")
+    cfg.run.resume = True
+    second = governance.begin(cfg, run)
+    assert second.lineage_id == first.lineage_id and second.lineage["chain_head"]["seq"] == 0
+    before = last.read_bytes()
+    second.finish(SimpleNamespace(steps=0, val_top1=None))
+    assert last.read_bytes() == before

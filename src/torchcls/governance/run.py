@@ -242,8 +242,10 @@ class Governance:
         run, cfg = self.run_path, self.cfg
         artifacts = []
         for path in sorted(run.joinpath("checkpoints").glob("*")):
-            if path.suffix == ".safetensors" and read_lineage(path) != self.lineage:
-                stamp_checkpoint(path, self.lineage)  # saved by a trainer that did not stamp it at save time
+            # Saved by a trainer that did not stamp it at save time. A stamp of this run from an earlier
+            # attempt (another chain head) is kept: checkpoints are not rewritten after training.
+            if path.suffix == ".safetensors" and (read_lineage(path) or {}).get("run_id") != self.run_id:
+                stamp_checkpoint(path, self.lineage)
             if path.is_file() and not path.name.startswith("."):
                 kind = "checkpoint" if path.suffix == ".safetensors" else "training-state"
                 artifacts.append({"path": str(path.resolve()), "sha256": sha256_file(path),

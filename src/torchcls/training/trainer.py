@@ -148,6 +148,8 @@ def _record_skipped(data, run: RunDir, session: Session) -> None:
 
 def lineage_stamp(gov) -> dict[str, Any] | None:
     """What the checkpoints carry of the run's lineage (None: lineage is off for this run)."""
+    if isinstance(getattr(gov, "lineage", None), dict):  # governance's stamp: run id, pinned chain head, policy
+        return gov.lineage
     lineage_id = getattr(gov, "lineage_id", None)
     audit = getattr(gov, "audit", None)
     if lineage_id is None or audit is None:
