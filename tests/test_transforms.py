@@ -245,3 +245,21 @@ def test_the_flags_parse():
         "autoaugment", 0.25, 0.8, 1.0, 0.1)
     assert parser.parse_args(["evaluate", "run", "--tta", "flip"]).tta == "flip"
     assert parser.parse_args(["predict", "run", "x.png", "--tta", "flip"]).tta == "flip"
+
+
+@pytest.mark.slow  # an ONNX export (~20 s)
+def test_tta_flip_on_an_exported_artifact_matches_the_eager_model(untrained_run):
+    from PIL import Image
+
+    from torchcls.artifacts import export
+    from torchcls.prediction import predict
+
+    ckpt, base = untrained_run
+    artifact = export(ckpt, target="onnx", out=base / "onnx" / "model.onnx", parity_images=4).path
+    Image.fromarray(np.asarray(draw_shape("square", SIZE, seed=11))).save(base / "pic.png")
+    for tta in ("none", "flip"):
+        eager, exported = (predict(m, [base / "pic.png"], tta=tta).items[0]["top"] for m in (ckpt, artifact))
+        assert [t["label"] for t in exported] == [t["label"] for t in eager]
+        assert [t["prob"] for t in exported] == pytest.approx([t["prob"] for t in eager], abs=1e-5)
+    flipped = predict(artifact, [base / "pic.png"], tta="flip").items[0]["top"]
+    assert flipped != predict(artifact, [base / "pic.png"]).items[0]["top"]
