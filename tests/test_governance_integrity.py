@@ -179,6 +179,7 @@ def no_predictions_run(tmp_path_factory):
             "log": base / "runs" / "_governance" / "audit.jsonl"}
 
 
+@pytest.mark.slow  # an ONNX export
 def test_export_is_registered_so_verify_and_lineage_find_it(no_predictions_run, capsys):
     onnx = no_predictions_run["onnx"]
     assert Path(str(onnx) + ".lineage.json").is_file()
@@ -191,6 +192,7 @@ def test_export_is_registered_so_verify_and_lineage_find_it(no_predictions_run, 
     assert str(onnx.resolve()) in {a["path"] for a in found["artifacts"]}
 
 
+@pytest.mark.slow  # an ONNX export
 def test_predict_and_serve_honour_predictions_false(no_predictions_run, capsys):
     from torchcls.prediction import predict
 
@@ -203,6 +205,7 @@ def test_predict_and_serve_honour_predictions_false(no_predictions_run, capsys):
     assert "predictions = false" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # an ONNX export
 def test_artifacts_are_checked_against_a_pinned_sha256_before_loading(no_predictions_run, signed_run, tmp_path,
                                                                      capsys):
     from torchcls.artifacts.artifact import load_artifact
