@@ -79,6 +79,10 @@ class ModelConfig:
                      "stages (0 = after every stage but the last)")
     exit_threshold: float = opt(0.9, "early-exit models: a sample leaves at the first exit whose max softmax "
                                 "probability reaches this value, in [0, 1]")
+    pretrained: str | None = opt(None, "start from local weights: a torchcls run dir or checkpoint, a timm or "
+                                 "torchvision state dict (.safetensors, or .pth/.bin read with weights_only), or a "
+                                 "Hugging Face hub folder; the classifier is re-initialised when the classes differ "
+                                 "and the first convolution adapted when the channels differ")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -27,15 +28,17 @@ from torchcls.checkpoint.files import CheckpointMeta
 from torchcls.config import Config
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
-from torchcls.data.loaders import reseed
+from torchcls.data.shard_data import build_shard_data
+from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.models.early_exit import exit_loss
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
-from torchcls.training import rank0_init, sharding
+from torchcls.training import rank0_init
 from torchcls.training.compile import compile_for_training, should_compile
 from torchcls.training.distributed import Session, setup, sync_buffers
+from torchcls.training.feed import Feed, build_feed
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, warmup_cosine
 from torchcls.training.parallel import parallelize
@@ -92,8 +95,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
-    data = build_data(gov.data_config, cfg.train.seed)
-    _record_skipped(data, run, session)
+    data = _open_data(gov.data_config, cfg.train.seed, run, session)
     pre = data.preprocess
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold)
@@ -102,20 +104,20 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
                                     compile_model, compile_note)
     optimizer = build_optimizer(model, cfg.optim)
-    bs, workers = cfg.data.batch_size, cfg.data.workers
-    train_loader = sharding.train_loader(data.train, bs, workers, cfg.train.seed, session)
-    val_loader = sharding.val_loader(data.val, bs * 2, workers, session)
-    steps_per_epoch = len(train_loader)
+    feed = build_feed(cfg, data, session, device)
+    steps_per_epoch = len(feed)
     scheduler = warmup_cosine(optimizer, int(cfg.optim.warmup_epochs * steps_per_epoch),
                               steps_per_epoch * cfg.train.epochs)
     checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
                                 lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session))
-    forward = compile_for_training(model, data.train, run.path, device, memory_format,
+    # The graph-break report runs two samples; only the map-style feed has a dataset to index.
+    examples = data.train if feed.kind == "files" else [(torch.zeros(pre.channels, pre.img_size, pre.img_size), 0)] * 2
+    forward = compile_for_training(model, examples, run.path, device, memory_format,
                                    report_breaks=not session.active) if compile_model else model
     memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
     return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
                    optimizer, scheduler, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
-                   train_loader, val_loader, checkpointer, [*callbacks, memory] if memory else list(callbacks),
+                   feed, checkpointer, [*callbacks, memory] if memory else list(callbacks),
                    memory, open_writer(run.path) if cfg.train.tensorboard else None)
 
 
@@ -124,11 +126,12 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
                  compile_note: str) -> tuple[nn.Module, PrecisionPlan]:
     """The model, with governance hooks, precision and parallelism applied from outside it."""
     from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
+    factory = partial(_new_model, spec, cfg.model.pretrained, run if session.is_main else None)
     if from_rank0:  # FSDP2: no rank holds the whole model on its device
-        model, rank0_weights = rank0_init.build_on_meta(lambda: create_model(spec), session.rank)
+        model, rank0_weights = rank0_init.build_on_meta(factory, session.rank)
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
     else:
-        model = create_model(spec).to(device, memory_format=memory_format)
+        model = factory().to(device, memory_format=memory_format)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
     # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
     precision = apply_precision(model, cfg.precision, device, run, parallel=cfg.parallel.parallel,
@@ -139,11 +142,28 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
     return model, precision
 
 
-def _record_skipped(data, run: RunDir, session: Session) -> None:
-    if data.images.skipped and session.is_main:
-        skipped = [{"file": f, "reason": r} for f, r in data.images.skipped]
-        (run.path / "skipped_files.json").write_text(json.dumps({"skipped_files": skipped}, indent=2))
-        console.print(f"[yellow]skipped {len(skipped)} unreadable file(s); listed in the report[/]")
+def _new_model(spec: ModelSpec, pretrained: str | None, run: RunDir | None) -> nn.Module:
+    """The architecture `spec` names, from random init or from local --pretrained weights (recorded in the run)."""
+    model = create_model(spec)
+    if pretrained:
+        from torchcls.models.pretrained import load_pretrained
+
+        report = load_pretrained(model, pretrained, spec.num_classes)
+        if run is not None:
+            console.print(report.summary())
+            (run.path / "pretrained.json").write_text(json.dumps(report.as_dict(), indent=2))
+    return model
+
+
+def _open_data(data_cfg, seed: int, run: RunDir, session: Session):
+    """A DataBundle (folders, CSV, built-in and hf: sets) or a ShardBundle (WebDataset shards)."""
+    data = build_shard_data(data_cfg, seed) if is_shard_source(data_cfg.source) else build_data(data_cfg, seed)
+    data.log_skips_to(run.path, session.rank)  # files that fail in a worker are logged, not fatal (--on-bad-file skip)
+    if session.is_main:
+        data.write_splits(run.path)
+        if data.skipped:
+            console.print(f"[yellow]skipped {len(data.skipped)} unreadable file(s); listed in the report[/]")
+    return data
 
 
 def lineage_stamp(gov) -> dict[str, Any] | None:
@@ -176,8 +196,7 @@ class Trainer:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     criterion: nn.Module
-    train_loader: Any
-    val_loader: Any
+    feed: Feed
     checkpointer: Checkpointer
     callbacks: list[StepCallback]
     memory: Any = None  # the --memory-report recorder
@@ -194,11 +213,14 @@ class Trainer:
 
     def save(self) -> None:
         self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.progress, self.meta(), self.precision)
+        p = self.progress
+        self.feed.save_state(self.run.checkpoints, self.session.rank, p.step, p.step_in_epoch)
 
     def resume(self) -> None:
         self.progress, self.resume_rng = self.checkpointer.resume(self.model, self.optimizer, self.scheduler,
                                                                   self.meta(), self.precision)
         p = self.progress
+        self.feed.load_state(self.run.checkpoints, self.session.rank, p.step)
         self.run.truncate_metrics(p.step)
         world = f" (world size {self.session.world})" if self.session.active else ""
         console.print(f"resuming {self.run.path} at epoch {p.epoch + 1}, step {p.step}{world}")
@@ -218,11 +240,8 @@ class Trainer:
         return loss, logits, stepped
 
     def _batches(self):
-        """This epoch's batches from the checkpointed position on (replayed after a resume)."""
-        reseed(self.train_loader, self.cfg.train.seed, self.progress.epoch)
-        batches = iter(self.train_loader)
-        for _ in range(self.progress.step_in_epoch):
-            next(batches)
+        """This epoch's batches from the checkpointed position on (see training/feed.py for how each feed gets there)."""
+        batches = self.feed.epoch(self.progress.epoch, self.progress.step_in_epoch)
         if self.resume_rng is not None:
             torch.set_rng_state(self.resume_rng)
             self.resume_rng = None
@@ -230,7 +249,7 @@ class Trainer:
 
     def run_epoch(self, bar) -> dict[str, Any]:
         """Train one epoch (or its rest); returns the epoch record, validation included."""
-        cfg, p, steps = self.cfg, self.progress, len(self.train_loader)
+        cfg, p, steps = self.cfg, self.progress, len(self.feed)
         task = bar.add_task(f"epoch {p.epoch + 1}/{cfg.train.epochs}", total=steps, completed=p.step_in_epoch)
         log_every, save_every = max(1, steps // 10), cfg.checkpoint.save_every
         # Sums stay on the device: read once at the end of the epoch, not synchronised every step.
@@ -238,6 +257,8 @@ class Trainer:
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         t0, seen = time.perf_counter(), 0
         for x, y in self._batches():
+            if not len(y):  # every image of this batch failed to decode (--on-bad-file skip)
+                continue
             x, y = x.to(self.device, memory_format=self.memory_format, non_blocking=True), y.to(self.device)
             loss, logits, stepped = self.train_step(x, y)
             if stepped:  # a skipped NaN/Inf step is logged by the plan, not averaged in
@@ -257,8 +278,8 @@ class Trainer:
                   "train_loss": loss_sum.item() / max(1, seen), "train_top1": correct.item() / max(1, seen),
                   "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
         record = self.session.reduce_epoch(record)
-        if len(self.data.val):
-            record |= validate(self.forward, self.val_loader, len(self.data.val), self.device, self.precision,
+        if self.feed.val is not None:
+            record |= validate(self.forward, self.feed.val, self.feed.val_count, self.device, self.precision,
                                self.memory_format, self.session)
         return record
 
@@ -291,9 +312,20 @@ class Trainer:
         from torchcls.report import write_report
 
         if self.session.is_main:
+            self._write_skipped()
             write_report(self.run.path)
         self.gov.finish(self.result())  # redacted sample outputs, audit record
         return self.result()
+
+    def _write_skipped(self) -> None:
+        """skipped_files.json: files left out at the scan, the in-memory cache or decode time, by any rank."""
+        if self.feed.kind == "shards":
+            n = self.data.write_skipped_files(self.run.path, self.feed.decode_skips())
+        else:
+            self.data.images.skipped.extend(f for f in self.feed.skipped_at_cache if f not in self.data.images.skipped)
+            n = self.data.write_skipped_files(self.run.path)
+        if n:
+            console.print(f"[yellow]{n} file(s) left out of training; listed in skipped_files.json and the report[/]")
 
     def result(self, interrupted: bool = False) -> TrainResult:
         p, ckpt = self.progress, self.checkpointer

@@ -1,0 +1,122 @@
+"""What feeds the trainer: in-memory batches, streamed shards, or the map-style DataLoader.
+
+All three yield this rank's (x, y) batches of the same global order and resume mid-epoch:
+- memory: data that fits is decoded once into a uint8 cache and augmented a whole batch at a
+  time (no workers); `seek` jumps to the checkpointed step without touching an image.
+- shards: a StatefulDataLoader over WebDataset shards; its per-rank state is saved beside each
+  checkpoint, so a resume decodes nothing twice.
+- files: the DataLoader with workers; a resume replays the epoch's first batches, because each
+  worker's augmentation RNG depends on every sample it has processed before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchcls.checkpoint.files import atomic_write
+from torchcls.config import Config
+from torchcls.data.loaders import build_transform, needed_side, reseed
+from torchcls.data.shard_data import ShardBundle
+from torchcls.training import sharding
+from torchcls.training.distributed import Session
+
+
+@dataclass
+class Feed:
+    kind: str  # "memory" | "shards" | "files"
+    train: Any
+    val: Any  # None: no validation set
+    val_count: int  # distinct validation images (validation leaves the wrap-around padding out)
+    seed: int
+    skipped_at_cache: list[tuple[str, str]] = field(default_factory=list)
+    _restored: bool = False
+
+    def __len__(self) -> int:
+        return len(self.train)
+
+    def epoch(self, epoch: int, step_in_epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches of `epoch` from `step_in_epoch` on."""
+        if self.kind == "files":
+            reseed(self.train, self.seed, epoch)
+            return _skip(iter(self.train), step_in_epoch)
+        if self.kind == "memory":
+            self.train.set_epoch(epoch)
+            self.train.seek(step_in_epoch)
+            return iter(self.train)
+        if not self._restored:  # shards: a restored loader state carries its own epoch and position
+            self.train.set_epoch(epoch)
+            if step_in_epoch:  # a checkpoint without its loader state: replay as the map-style loader does
+                return _skip(iter(self.train), step_in_epoch)
+        self._restored = False
+        return iter(self.train)
+
+    def decode_skips(self) -> list[list[str]]:
+        return self.train.skipped + (self.val.skipped if self.val is not None else []) if self.kind == "shards" \
+            else []
+
+    # -- the streamed loader's position, saved beside the checkpoint of the same step
+    def save_state(self, checkpoints: Path, rank: int, step: int, step_in_epoch: int) -> None:
+        if self.kind != "shards":
+            return
+        if not step_in_epoch:  # an epoch boundary: set_epoch alone starts the next epoch exactly
+            _state_file(checkpoints, rank).unlink(missing_ok=True)
+            return
+        state = json.dumps({"step": step, "loader": self.train.state_dict()})
+        atomic_write(_state_file(checkpoints, rank), lambda tmp: Path(tmp).write_text(state))
+
+    def load_state(self, checkpoints: Path, rank: int, step: int) -> None:
+        path = _state_file(checkpoints, rank)
+        if self.kind != "shards" or not path.is_file():
+            return
+        saved = json.loads(path.read_text())
+        if saved["step"] == step:  # else the checkpoint is newer than the state: replay instead
+            self.train.load_state_dict(saved["loader"])
+            self._restored = True
+
+
+def _state_file(checkpoints: Path, rank: int) -> Path:
+    return checkpoints / f"loader.rank{rank}.json"
+
+
+def _skip(batches: Iterator, n: int) -> Iterator:
+    for _ in range(n):
+        next(batches)
+    return batches
+
+
+def build_feed(cfg: Config, data, session: Session, device: torch.device) -> Feed:
+    """The feed `data` (a DataBundle or ShardBundle) calls for under cfg.data (--in-memory, --workers)."""
+    d, seed, rank, world = cfg.data, cfg.train.seed, session.rank, session.world
+    if isinstance(data, ShardBundle):
+        return _shard_feed(cfg, data, session)
+    from torchcls.data.inmemory import bundle_loaders
+
+    memory = bundle_loaders(data, d, seed, rank=rank, world=world, device=device, val_batch_size=d.batch_size * 2)
+    if memory is not None:
+        train, val, bad = memory
+        return Feed("memory", train, val if val.n else None, val.n, seed, bad)
+    train = sharding.train_loader(data.train, d.batch_size, d.workers, seed, session)
+    val = sharding.val_loader(data.val, d.batch_size * 2, d.workers, session) if len(data.val) else None
+    return Feed("files", train, val, len(data.val), seed)
+
+
+def _shard_feed(cfg: Config, data: ShardBundle, session: Session) -> Feed:
+    from torchcls.data.streaming import shard_loader
+
+    d, pre, seed = cfg.data, data.preprocess, cfg.train.seed
+    common = dict(rank=session.rank, world=session.world, on_bad_file=d.on_bad_file, channels=pre.channels,
+                  max_pixels=d.max_pixels)
+    batch = sharding.per_rank_batch(d.batch_size, session)
+    train = shard_loader(data.train, batch, d.workers, seed, transform=build_transform(pre, True, d.augment,
+                         data.train.side), min_side=needed_side(pre, d.augment), **common)
+    val = None
+    if data.val is not None:
+        val = shard_loader(data.val, batch * 2, d.workers, seed, shuffle=False, min_side=pre.img_size,
+                           transform=build_transform(pre, False, source_size=data.val.side), **common)
+    return Feed("shards", train, val, len(data.val) if data.val is not None else 0, seed)
