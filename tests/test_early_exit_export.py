@@ -15,6 +15,7 @@ from torchcls.models.early_exit import CondEarlyExit, build_early_exit, confiden
 
 pytestmark = pytest.mark.slow
 TARGETS = ("aoti", "onnx", "executorch")
+SUFFIX = {"aoti": ".pt2", "onnx": ".onnx", "executorch": ".pte"}
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +36,15 @@ def exported(ee_run) -> dict[str, Path]:
     paths = {}
     for target in TARGETS:
         assert main(["export", str(ee_run), "--target", target, "--max-batch", "8", "--parity-images", "40"]) == 0
-        paths[target] = next((ee_run / "export" / f"{target}-fp32").glob("model.*"))
+        paths[target] = ee_run / "export" / f"{target}-fp32" / f"model{SUFFIX[target]}"
+        assert paths[target].is_file()
     return paths
 
 
 @pytest.mark.parametrize("target", TARGETS)
 def test_export_reports_parity_per_exit(exported, target):
     from torchcls.artifacts import load_artifact
+    from torchcls.artifacts.edge import describe
 
     parity = json.loads((exported[target].parent / "parity.json").read_text())
     assert parity["passed"] and parity["top1_agreement"] == 1.0 and parity["max_abs_diff"] < 1e-3
@@ -60,6 +63,8 @@ def test_export_reports_parity_per_exit(exported, target):
             assert entry["max_abs_diff"] < 1e-3
     art = load_artifact(exported[target])
     assert art.info.exits == 3 and art.info.target == target
+    text = describe(parity)  # what `torchcls export` prints after its common line
+    assert "exit 0:" in text and ("never taken" in text) == bool(ee["never_taken"])
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -115,3 +120,35 @@ def test_compile_fullgraph_matches_eager_on_both_branches():
                 assert torch.equal(got[1].long(), index) and torch.allclose(got[0], logits, atol=1e-4)
     finally:
         inductor_config.layout_optimization = old
+
+
+def test_serve_answers_with_an_early_exit_artifact(exported, ee_run):
+    """`torchcls serve` on the early-exit .pte: OIP inference gives the eager model's logits."""
+    httpx = pytest.importorskip("httpx")
+    from test_serve import Server, infer_body, preprocessed
+    from torchcls.checkpoint.files import load_model
+
+    files = sorted((ee_run.parent.parent / "shapes").rglob("*.png"))[::7][:5]
+    x = preprocessed(ee_run, files)
+    model, _ = load_model(ee_run)
+    with torch.no_grad():
+        expected = model.eval()(x)
+    server = Server(exported["executorch"], "--max-wait-ms", "50")
+    try:
+        r = httpx.post(f"{server.url}/v2/models/ee/infer", json=infer_body(x), timeout=60)
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}
+        torch.testing.assert_close(torch.tensor(out["logits"]["data"]).reshape(5, 2), expected, atol=1e-4, rtol=1e-4)
+    finally:
+        assert server.stop() == 0
+
+
+def test_early_exit_export_refuses_what_it_cannot_verify(ee_run, tmp_path):
+    from torchcls.artifacts import export
+    from torchcls.errors import UserError
+
+    with pytest.raises(UserError, match="fp32 only"):
+        export(ee_run, target="aoti", precision="bf16", out=tmp_path)
+    with pytest.raises(UserError, match="fp32 only"):
+        export(ee_run, target="executorch", quantize="int8", out=tmp_path)
+    assert not list(tmp_path.iterdir())
