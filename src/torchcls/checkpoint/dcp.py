@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -32,6 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torchcls.checkpoint.safe_dcp import safe_load
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, CheckpointMeta, model_state, write_weights
 from torchcls.errors import UserError
 
@@ -118,8 +120,10 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any,
     check_same_model(path, meta)
     state, param_groups = training_state(model, optimizer, scheduler, progress)
     try:
-        dcp.load(state, checkpoint_id=str(path))
-    except Exception as e:  # DCP reports a missing or mis-shaped tensor as a generic CheckpointException
+        safe_load(state, path)
+    except UserError:
+        raise
+    except (Exception, CheckpointException) as e:  # a missing or mis-shaped tensor: a generic CheckpointException
         raise UserError(f"cannot load the sharded checkpoint {path} into this model: {str(e)[:300]}") from None
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": param_groups})
@@ -156,7 +160,7 @@ def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
     state = {"model": model.state_dict()}
     with warnings.catch_warnings():  # "assuming ... a single process": that is the point here
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load(state, checkpoint_id=str(path))
+        safe_load(state, path)
     model.load_state_dict(state["model"])
     out = Path(out) if out else path.parent / "consolidated.safetensors"
     write_weights(out, model_state(model), meta)

@@ -22,6 +22,7 @@ import torch
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
 from torchcls.data.loaders import build_transform, needed_side, reseed
+from torchcls.data.inmemory import bundle_loaders, epoch_seed
 from torchcls.data.shard_data import ShardBundle
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
@@ -43,8 +44,9 @@ class Feed:
     def epoch(self, epoch: int, step_in_epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of `epoch` from `step_in_epoch` on."""
         if self.kind == "files":
-            reseed(self.train, self.seed, epoch)
+            reseed(self.train, self.seed, epoch)  # the loader's order and workers' seeds, and the global RNG
             return _skip(iter(self.train), step_in_epoch)
+        torch.manual_seed(epoch_seed(self.seed, epoch))  # dropout, drop-path: as reseed does for files
         if self.kind == "memory":
             self.train.set_epoch(epoch)
             self.train.seek(step_in_epoch)
@@ -95,8 +97,6 @@ def build_feed(cfg: Config, data, session: Session, device: torch.device) -> Fee
     d, seed, rank, world = cfg.data, cfg.train.seed, session.rank, session.world
     if isinstance(data, ShardBundle):
         return _shard_feed(cfg, data, session)
-    from torchcls.data.inmemory import bundle_loaders
-
     memory = bundle_loaders(data, d, seed, rank=rank, world=world, device=device, val_batch_size=d.batch_size * 2)
     if memory is not None:
         train, val, bad = memory
@@ -113,8 +113,9 @@ def _shard_feed(cfg: Config, data: ShardBundle, session: Session) -> Feed:
     common = dict(rank=session.rank, world=session.world, on_bad_file=d.on_bad_file, channels=pre.channels,
                   max_pixels=d.max_pixels)
     batch = sharding.per_rank_batch(d.batch_size, session)
-    train = shard_loader(data.train, batch, d.workers, seed, transform=build_transform(pre, True, d.augment,
-                         data.train.side), min_side=needed_side(pre, d.augment), **common)
+    transform = build_transform(pre, True, d.augment, data.train.side, random_erasing=d.random_erasing)
+    train = shard_loader(data.train, batch, d.workers, seed, transform=transform,
+                         min_side=needed_side(pre, d.augment), **common)
     val = None
     if data.val is not None:
         val = shard_loader(data.val, batch * 2, d.workers, seed, shuffle=False, min_side=pre.img_size,

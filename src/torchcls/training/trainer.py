@@ -28,6 +28,7 @@ from torchcls.checkpoint.files import CheckpointMeta
 from torchcls.config import Config
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
+from torchcls.data.mixing import build_mixing
 from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
@@ -35,7 +36,7 @@ from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.models.early_exit import exit_loss
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
-from torchcls.training import rank0_init
+from torchcls.training import rank0_init, sharding
 from torchcls.training.compile import compile_for_training, should_compile
 from torchcls.training.distributed import Session, setup, sync_buffers
 from torchcls.training.feed import Feed, build_feed
@@ -98,7 +99,8 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     data = _open_data(gov.data_config, cfg.train.seed, run, session)
     pre = data.preprocess
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
-                     exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold)
+                     exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
+                     drop_path_rate=cfg.model.drop_path)
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     compile_model, compile_note = should_compile(cfg.train, cfg.precision)
     model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
@@ -115,10 +117,13 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     forward = compile_for_training(model, examples, run.path, device, memory_format,
                                    report_breaks=not session.active) if compile_model else model
     memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
+    mixing = build_mixing(cfg.data, cfg.optim.label_smoothing, len(data.classes),
+                          sharding.per_rank_batch(cfg.data.batch_size, session), cfg.train.seed, session.rank)
+    criterion = mixing.loss if mixing else nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
     return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
-                   optimizer, scheduler, nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing),
-                   feed, checkpointer, [*callbacks, memory] if memory else list(callbacks),
-                   memory, open_writer(run.path) if cfg.train.tensorboard else None)
+                   optimizer, scheduler, criterion, feed, checkpointer,
+                   [*callbacks, memory] if memory else list(callbacks), mixing, memory,
+                   open_writer(run.path) if cfg.train.tensorboard else None)
 
 
 def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,
@@ -199,6 +204,7 @@ class Trainer:
     feed: Feed
     checkpointer: Checkpointer
     callbacks: list[StepCallback]
+    mixing: Any = None  # --mixup/--cutmix (torchcls.data.mixing), keyed by the global step: resumes exactly
     memory: Any = None  # the --memory-report recorder
     writer: Any = None  # TensorBoard
     progress: Progress = field(default_factory=Progress)
@@ -228,9 +234,12 @@ class Trainer:
     def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """One optimizer step on a batch already on the device. Returns the loss, the (final exit's)
         logits and whether the step was applied (False: a NaN/Inf step skipped under --nonfinite skip)."""
+        targets = y
+        if self.mixing is not None:  # soft targets; training accuracy stays against the hard labels
+            x, targets = self.mixing(x, y, step=self.progress.step)
         with self.precision.autocast():
             logits = self.forward(x)
-        loss, logits = exit_loss(self.criterion, logits, y, self.model)  # early-exit models: all exits
+        loss, logits = exit_loss(self.criterion, logits, targets, self.model)  # early-exit models: all exits
         self.optimizer.zero_grad(set_to_none=True)
         stepped = self.precision.backward_step(loss, self.optimizer, self.model, self.cfg.optim.grad_clip,
                                                self.progress.step + 1)
