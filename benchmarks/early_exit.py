@@ -17,12 +17,12 @@ from pathlib import Path
 
 import torch
 
+from torchcls.checkpoint.files import load_model
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
 from torchcls.evaluation.early_exit import all_exit_logits, calibrate, exit_costs, sweep, sweep_point
 from torchcls.evaluation.evaluator import predict_logits
 from torchcls.training import train
-from torchcls.checkpoint.files import load_model
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 
