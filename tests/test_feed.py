@@ -83,3 +83,22 @@ def test_feed_kind_follows_the_data(tmp_path: Path, sources: dict[str, Path]) ->
         assert splits["train"]["images"] + splits["val"]["images"] == 56, splits
         records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
         assert records[-1]["kind"] == "epoch" and "val_top1" in records[-1]
+
+
+@pytest.mark.slow
+def test_ddp_over_shards_with_two_ranks(tmp_path: Path, sources: dict[str, Path]) -> None:
+    import json
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "torchcls",
+           "train", "--data", str(sources["shards"]), "--out-dir", str(tmp_path), "--name", "ddp", "--parallel", "ddp",
+           "--epochs", "2", "--batch-size", "8", "--workers", "1", "--img-size", "32", "--no-progress",
+           "--no-lineage", "--dist-timeout", "120"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
+    epochs = [rec for rec in records if rec["kind"] == "epoch"]
+    assert len(epochs) == 2 and all(0.0 <= e["val_top1"] <= 1.0 for e in epochs)
+    splits = json.loads((tmp_path / "ddp" / "data_splits.json").read_text())
+    assert splits["train"]["images"] + splits["val"]["images"] == 56

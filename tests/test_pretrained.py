@@ -76,3 +76,35 @@ def test_other_architecture_names_the_keys(tmp_path: Path) -> None:
         load_pretrained(create_model(ModelSpec("resnet34", 10, 3, 64)), path, num_classes=10)
     with pytest.raises(UserError, match="does not exist"):
         load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), tmp_path / "nope.pth", num_classes=2)
+
+
+def _three_class_folder(root: Path, per_class: int) -> Path:
+    """Another data set: different class names and one class more than the shapes run."""
+    from PIL import Image
+
+    from conftest import draw_shape
+
+    for name, kind in (("ring", "circle"), ("block", "square"), ("blank", None)):
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            im = draw_shape(kind, 32, seed=7_000 + i) if kind else Image.new("RGB", (32, 32), (i * 5 % 80, 20, 40))
+            im.save(root / name / f"{i:03d}.png")
+    return root
+
+
+@pytest.mark.slow
+def test_fine_tuning_beats_scratch_on_a_small_set(trained_run: Path, tmp_path: Path) -> None:
+    import json
+
+    from conftest import tiny_config
+    from torchcls.training import train
+
+    data = _three_class_folder(tmp_path / "three", per_class=12)
+    results = {}
+    for name, pretrained in (("scratch", None), ("tuned", str(trained_run))):
+        cfg = tiny_config(data, tmp_path / "runs", name, epochs=2)
+        cfg.model.pretrained, cfg.optim.lr, cfg.governance.lineage = pretrained, 1e-3, False
+        results[name] = train(cfg)
+    report = json.loads((results["tuned"].run_dir / "pretrained.json").read_text())
+    assert report["reinitialised"] and report["loaded"] > 20 and not report["missing"]
+    assert results["tuned"].val_top1 > results["scratch"].val_top1, {k: r.val_top1 for k, r in results.items()}

@@ -12,6 +12,7 @@ All three yield this rank's (x, y) batches of the same global order and resume m
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,15 @@ class Feed:
                 return _skip(iter(self.train), step_in_epoch)
         self._restored = False
         return iter(self.train)
+
+    def val_own(self, rank: int, world: int) -> int:
+        """How many of the validation images that `rank` reads are its own (see validation.validate)."""
+        if self.kind == "shards":  # each rank streams a disjoint range, no wrap-around
+            from torchcls.data.streaming import rank_range
+
+            lo, hi = rank_range(self.val_count, rank, world)
+            return hi - lo
+        return math.ceil((self.val_count - rank) / world)
 
     def decode_skips(self) -> list[list[str]]:
         return self.train.skipped + (self.val.skipped if self.val is not None else []) if self.kind == "shards" \

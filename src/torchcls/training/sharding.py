@@ -16,6 +16,7 @@ import math
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from torchcls.data.loaders import collate_for, make_loader
 from torchcls.training.distributed import Session
 
 
@@ -55,21 +56,17 @@ def per_rank_batch(batch_size: int, session: Session) -> int:
 
 
 def train_loader(ds: Dataset, batch_size: int, workers: int, seed: int, session: Session) -> DataLoader:
-    from torchcls.data import make_loader
-
     if not session.active:
         return make_loader(ds, batch_size, workers, shuffle=True, seed=seed)
     g = torch.Generator().manual_seed(seed)
     return DataLoader(ds, batch_size=per_rank_batch(batch_size, session), num_workers=workers, generator=g,
                       sampler=ShardedShuffleSampler(len(ds), session.rank, session.world, g),
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=torch.cuda.is_available(), collate_fn=collate_for(ds))
 
 
 def val_loader(ds: Dataset, batch_size: int, workers: int, session: Session) -> DataLoader:
-    from torchcls.data import make_loader
-
     if not session.active:
         return make_loader(ds, batch_size, workers, shuffle=False)
     return DataLoader(ds, batch_size=batch_size, num_workers=workers,
                       sampler=ShardedSequentialSampler(len(ds), session.rank, session.world),
-                      pin_memory=torch.cuda.is_available())
+                      pin_memory=torch.cuda.is_available(), collate_fn=collate_for(ds))

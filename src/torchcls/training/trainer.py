@@ -288,8 +288,9 @@ class Trainer:
                   "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
         record = self.session.reduce_epoch(record)
         if self.feed.val is not None:
-            record |= validate(self.forward, self.feed.val, self.feed.val_count, self.device, self.precision,
-                               self.memory_format, self.session)
+            own = self.feed.val_own(self.session.rank, self.session.world)
+            record |= validate(self.forward, self.feed.val, own, self.device, self.precision, self.memory_format,
+                               self.session)
         return record
 
     def end_epoch(self, record: dict[str, Any]) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -13,17 +11,17 @@ from torchcls.training.distributed import Session, sync_buffers
 
 
 @torch.no_grad()
-def validate(model: nn.Module, loader, n_total: int, device: torch.device, precision: PrecisionPlan,
+def validate(model: nn.Module, loader, own: int, device: torch.device, precision: PrecisionPlan,
              memory_format: torch.memory_format, session: Session) -> dict[str, float]:
     """Held-out loss/top-1/top-5 over all ranks (one process: a world of 1).
 
-    Rank r reads positions r, r+W, r+2W, ... of the held-out set, wrapped around at the end so
-    that all ranks run equally many batches; the wrapped duplicates (the tail of the last
-    batch) are left out, and sums are reduced so every rank reports the same numbers."""
+    `own`: how many of the images this rank reads are its own. The map-style and in-memory feeds
+    give rank r positions r, r+W, r+2W, ... of the held-out set, wrapped around at the end so that
+    all ranks run equally many batches; the wrapped duplicates (the tail of the last batch) are
+    left out. Sums are reduced so every rank reports the same numbers."""
     sync_buffers(model, session)  # every rank evaluates (and later saves) the same BN statistics
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=device)  # loss, top1, top5, n: read once at the end
-    own = math.ceil((n_total - session.rank) / session.world)  # positions of this rank's that are real
     offset = 0
     for x, y in loader:
         x, y = x.to(device, memory_format=memory_format), y.to(device)
