@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from torchcls.checkpoint.files import load_model
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
 from torchcls.evaluation.evaluator import predict_logits
 from torchcls.training import train
-from torchcls.checkpoint.files import load_model
 
 TARGET = 0.94
 

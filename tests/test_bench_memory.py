@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from torchcls.bench import memory_fit as mf
-from torchcls.errors import UserError
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 GiB = 2**30

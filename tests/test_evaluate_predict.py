@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from conftest import draw_shape
+from torchcls.checkpoint.files import load_model
 from torchcls.errors import UserError
 from torchcls.evaluation import evaluate
 from torchcls.prediction import predict
-from torchcls.checkpoint.files import load_model
 
 
 def test_eval_json_and_plots(trained_run):

@@ -6,9 +6,9 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from torchcls.options import DemoOptions as _D  # the defaults, declared once
 from torchcls.config import Config
 from torchcls.console import console
+from torchcls.options import DemoOptions as _D  # the defaults, declared once
 
 
 def demo_config(out_dir: str = "runs", name: str = "demo", epochs: int | None = None) -> Config:

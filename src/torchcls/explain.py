@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from torchcls.options import ExplainOptions as _D  # the defaults, declared once
+from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
+from torchcls.options import ExplainOptions as _D  # the defaults, declared once
 from torchcls.prediction import expand_inputs
-from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 
 METHODS = ("integrated-gradients", "saliency")
 

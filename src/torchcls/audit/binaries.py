@@ -119,8 +119,8 @@ def triton_kernels(prefixes: list[str]) -> list[TritonKernel]:
     """`@triton.jit` / `@triton.autotune` kernels defined in imported modules under `prefixes`."""
     if "triton" not in sys.modules:
         return []  # nothing can define a Triton kernel without importing triton
-    from triton.runtime.jit import JITFunction
     from triton.runtime.autotuner import Autotuner
+    from triton.runtime.jit import JITFunction
 
     kernels = []
     for mod_name, mod in list(sys.modules.items()):

@@ -23,8 +23,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchcls.checkpoint.safe_dcp import safe_load
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, CheckpointMeta, model_state, write_weights
+from torchcls.checkpoint.safe_dcp import safe_load
 from torchcls.errors import UserError
 
 META = "meta.json"

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
+from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 from torchcls.config import Config, DataConfig
 from torchcls.data import eval_dataset, make_loader, read_skips
 from torchcls.data.skips import skip_log_path
@@ -20,7 +20,7 @@ from torchcls.data.splits import available_splits
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_logits
-from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
+from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
 
 SPLITS = ("val", "test", "train", "all")
 
@@ -38,9 +38,14 @@ def predict_logits(model: torch.nn.Module, loader, device: torch.device,
 
 
 def classification_metrics(logits: torch.Tensor, targets: torch.Tensor, classes: list[str]) -> dict[str, Any]:
-    from torchmetrics.classification import (MulticlassAccuracy, MulticlassCalibrationError,
-                                             MulticlassConfusionMatrix, MulticlassF1Score,
-                                             MulticlassPrecision, MulticlassRecall)
+    from torchmetrics.classification import (
+        MulticlassAccuracy,
+        MulticlassCalibrationError,
+        MulticlassConfusionMatrix,
+        MulticlassF1Score,
+        MulticlassPrecision,
+        MulticlassRecall,
+    )
 
     k = len(classes)
     probs = logits.softmax(dim=1)

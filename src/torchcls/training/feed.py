@@ -22,8 +22,8 @@ import torch
 
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
-from torchcls.data.loaders import build_transform, needed_side, reseed
 from torchcls.data.inmemory import bundle_loaders, epoch_seed
+from torchcls.data.loaders import build_transform, needed_side, reseed
 from torchcls.data.shard_data import ShardBundle
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
