@@ -70,8 +70,6 @@ class HFImageSet:
         except image_files.BadImage as e:
             raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
 
-    def sample_files(self) -> list[str]:
-        return []
 
     def encoded(self, i: int) -> tuple[bytes, str]:
         """Row i's image as stored (no re-encode) and its format's extension, for write_shards."""

@@ -63,8 +63,6 @@ class ShardSet:
     def files(self) -> list[Path]:
         return [s.path for s in self.shards]
 
-    def sample_files(self) -> list[str]:
-        return [str(p) for p in self.files]
 
 
 # ---------------------------------------------------------------- writing

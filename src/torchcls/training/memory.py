@@ -18,8 +18,6 @@ from torch import nn
 
 from torchcls.training.distributed import Session
 
-KINDS = ("param_bytes", "grad_bytes", "optimizer_bytes")
-
 
 def _tensors(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, list[torch.Tensor]]:
     params = [p for p in model.parameters()]
