@@ -78,9 +78,9 @@ def images_of(trained_run: Path) -> list[tuple[Path, str]]:
 
 
 def preprocessed(trained_run: Path, files: list[Path]) -> torch.Tensor:
+    from torchcls.checkpoint.files import load_model
     from torchcls.data import build_transform
     from torchcls.data.images import load_image
-    from torchcls.checkpoint.files import load_model
 
     _, meta = load_model(trained_run)
     t = build_transform(meta.preprocess, train=False)
@@ -265,3 +265,30 @@ def test_mismatched_artifact_exits_2(tmp_path, capsys):
     bad.write_bytes(b"\x00garbage" * 10)
     assert main(["serve", str(bad), "--port", str(free_port())]) == 2
     assert "not a safetensors checkpoint" in capsys.readouterr().err
+
+
+def test_model_process_serves_the_same_logits_and_stops_with_the_server(trained_run):
+    """--model-process: the model runs in a child process; same answers, and SIGTERM stops both (exit 0)."""
+    psutil = pytest.importorskip("psutil")
+    from torchcls.checkpoint.files import load_model
+
+    s = Server(trained_run, "--model-process", "--max-batch", "8", "--threads", "1")
+    try:
+        children = psutil.Process(s.proc.pid).children()
+        assert [c.cmdline()[1:3] for c in children] == [["-m", "torchcls.serve.worker"]]
+        model, _ = load_model(trained_run)
+        x = preprocessed(trained_run, [f for f, _ in images_of(trained_run)[::9]][:5])
+        with torch.no_grad():
+            expected = model(x)
+        r = httpx.post(f"{s.url}/v2/models/shapes/infer", json=infer_body(x), timeout=60)
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}
+        torch.testing.assert_close(torch.tensor(out["logits"]["data"]).reshape(5, 2), expected, atol=1e-4, rtol=1e-4)
+        r = httpx.post(f"{s.url}/predict?topk=1", content=images_of(trained_run)[0][0].read_bytes(), timeout=60)
+        assert r.status_code == 200 and len(r.json()["predictions"][0]["top"]) == 1
+        r = httpx.post(f"{s.url}/v2/models/shapes/infer", json=infer_body(torch.zeros(9, 3, 32, 32)))
+        assert r.status_code == 400  # validated in the server, before the model process
+    finally:
+        assert s.stop() == 0
+    psutil.wait_procs(children, timeout=30)
+    assert not any(c.is_running() for c in children)

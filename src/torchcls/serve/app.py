@@ -1,7 +1,9 @@
 """The HTTP app: Open Inference Protocol v2 endpoints, /predict for image uploads, /metrics.
 
-Requests are parsed and validated on the event loop (cheap, and every fault is a 4xx
-naming what was wrong); the model runs only in the batcher's worker thread.
+Requests are refused (503) before any parsing when the model cannot take them; bodies are
+parsed and images decoded in worker threads, and every fault is a 4xx naming what was wrong.
+The model runs in the batcher's worker thread, or (--model-process) in a process of its own
+(serve/worker.py) that the batcher thread feeds, so that it never waits for this process's GIL.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import orjson
 import torch
 from fastapi import FastAPI, Request
@@ -24,10 +27,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from torchcls.artifacts.artifact import ArtifactInfo, LoadedArtifact
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
-from torchcls.artifacts.artifact import LoadedArtifact
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
 from torchcls.serve.config import ServeConfig
@@ -49,15 +52,17 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 
 def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = None,
-               on_ready: Callable[[BaseException | None], None] = lambda e: None) -> FastAPI:
+               on_ready: Callable[[BaseException | None], None] = lambda e: None,
+               model_path: str | Path | None = None) -> FastAPI:
+    """The app serving `artifact`; with `model_path` (the artifact's file) and `cfg.model_process`, the model
+    runs in a child process that loads it from that file."""
     info = artifact.info
-    name = cfg.name or info.name
     metrics = ServeMetrics()
     batcher = DynamicBatcher(artifact, max_batch=cfg.max_batch or info.max_batch, max_wait_s=cfg.max_wait_ms / 1e3,
                              max_queue=cfg.max_queue, on_batch=metrics.observe_batch,
                              on_depth=metrics.queue_depth.set)
+    svc = Service(cfg.name or info.name, info, batcher)
     pre = info.preprocess
-    transform = build_transform(pre, train=False)
     shape = (pre.channels, pre.img_size, pre.img_size)
     max_body = int(cfg.max_body_mb * 2**20)
 
@@ -65,10 +70,13 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     async def lifespan(app: FastAPI):
         with tempfile.TemporaryDirectory(prefix="torchcls-serve-") as tmp:
             app.state.upload_dir = Path(tmp)
+            worker = start_model_process(batcher, cfg, model_path) if model_path is not None else None
             # Warm up with the smallest and largest batch: compiled artifacts specialise on first calls.
             batcher.start([torch.zeros(1, *shape), torch.zeros(batcher.max_batch, *shape)], on_ready)
             yield
             batcher.close(timeout=cfg.graceful_timeout)  # uvicorn has already let in-flight requests finish
+            if worker is not None:
+                worker.close()
 
     app = FastAPI(title="torchcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher, app.state.metrics = batcher, metrics
@@ -76,7 +84,13 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     if token:
         app.add_middleware(AuthMiddleware, token=token, public=PUBLIC_PATHS, compare=secrets.compare_digest)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: sees 401/413 too
+    add_error_handlers(app)
+    add_info_routes(app, svc, metrics)
+    add_inference_routes(app, svc, max_body)
+    return app
 
+
+def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(HTTPError)
     async def _http_error(request: Request, e: HTTPError) -> Response:
         return error_response(e.status, e.message, e.headers)
@@ -99,36 +113,58 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
         log.exception("request %s failed", request.url.path)
         return error_response(500, "internal error; the server log has the details")  # no internals to clients
 
-    def check_model(model_name: str) -> None:
-        if model_name != name:
-            raise HTTPError(404, f"unknown model {model_name!r}; this server serves {name!r}")
 
-    def check_ready() -> None:
-        if not batcher.ready.is_set():
-            raise HTTPError(503, "the model is still warming up; poll /v2/health/ready", {"Retry-After": "1"})
+class Service:
+    """What the routes share: the model's name and metadata, the batcher, admission and the decode stage."""
 
-    def admit(n: int = 1) -> None:
+    def __init__(self, name: str, info: ArtifactInfo, batcher: DynamicBatcher):
+        self.name, self.info, self.batcher = name, info, batcher
+        self.transform = build_transform(info.preprocess, train=False)
+        # Decoding and JSON parsing run in worker threads, never on the event loop (health probes stay
+        # prompt); at most one decode per core at a time so uploads cannot pile up decoded copies.
+        self.decode_slots = asyncio.Semaphore(os.cpu_count() or 1)
+
+    def check_model(self, model_name: str) -> None:
+        if model_name != self.name:
+            raise HTTPError(404, f"unknown model {model_name!r}; this server serves {self.name!r}")
+
+    def admit(self, n: int = 1) -> None:
         """Refuse (503) before any parsing or decoding when the model cannot take the work now."""
-        check_ready()
+        if not self.batcher.ready.is_set():
+            raise HTTPError(503, "the model is still warming up; poll /v2/health/ready", {"Retry-After": "1"})
         try:
-            batcher.check_room(n)
+            self.batcher.check_room(n)
         except QueueFull as e:
             raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
 
-    async def run(x: torch.Tensor):
-        admit(len(x))
+    async def run(self, x: torch.Tensor):
+        self.admit(len(x))
         try:
-            return await batcher.submit(x)
+            return await self.batcher.submit(x)
         except QueueFull as e:
             raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
 
-    # Decoding and JSON parsing run in worker threads, never on the event loop (health probes stay
-    # prompt); at most one decode per core at a time so uploads cannot pile up decoded copies.
-    decode_slots = asyncio.Semaphore(os.cpu_count() or 1)
-
-    async def off_loop(fn, *args):
-        async with decode_slots:
+    async def off_loop(self, fn, *args):
+        async with self.decode_slots:
             return await run_in_threadpool(fn, *args)
+
+    def decode_all(self, uploads: list[tuple[str, bytes]], folder: Path) -> torch.Tensor:
+        pre = self.info.preprocess
+        tensors = []
+        for fname, data in uploads:
+            # load_image reads files (and handles every odd format): hand it the bytes as one.
+            with tempfile.NamedTemporaryFile(dir=folder, suffix=Path(fname).suffix) as f:
+                f.write(data)
+                f.flush()
+                try:  # min_side bounds the resize
+                    tensors.append(self.transform(load_image(f.name, pre.channels, pre.img_size)))
+                except BadImage as e:
+                    raise HTTPError(400, f"{fname}: {e}") from None
+        return torch.stack(tensors)
+
+
+def add_info_routes(app: FastAPI, svc: Service, metrics: ServeMetrics) -> None:
+    ready_now = svc.batcher.ready.is_set
 
     @app.get("/v2")
     async def server_metadata() -> Response:
@@ -143,68 +179,72 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     # The protocol answers health questions with the status: 200 = true, 4xx = false.
     @app.get("/v2/health/ready")
     async def ready() -> Response:
-        return json_response({"ready": batcher.ready.is_set()}, 200 if batcher.ready.is_set() else 400)
+        return json_response({"ready": ready_now()}, 200 if ready_now() else 400)
 
     @app.get("/v2/models/{model_name}")
     async def model_metadata(model_name: str) -> Response:
-        check_model(model_name)
-        return json_response(oip.model_metadata(name, info))
+        svc.check_model(model_name)
+        return json_response(oip.model_metadata(svc.name, svc.info))
 
     @app.get("/v2/models/{model_name}/ready")
     async def model_ready(model_name: str) -> Response:
-        check_model(model_name)
-        return json_response({"name": name, "ready": batcher.ready.is_set()}, 200 if batcher.ready.is_set() else 400)
-
-    @app.post("/v2/models/{model_name}/infer")
-    async def infer(model_name: str, request: Request) -> Response:
-        check_model(model_name)
-        admit()
-        body = await request.body()
-        x, req = await off_loop(oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER), info,
-                                batcher.max_batch)
-        outputs = oip.requested_outputs(req)
-        result = await run(x)
-        body = oip.infer_response(name, req, outputs, result.logits, result.probs, info.classes)
-        return json_response(body, headers={"X-Batch-Size": str(result.batch_size)})
-
-    @app.post("/predict")
-    async def predict(request: Request, topk: int = 5) -> Response:
-        if topk < 1:
-            raise HTTPError(400, f"topk must be at least 1, got {topk}")
-        admit()
-        uploads = await read_uploads(request, max_files=batcher.max_batch, max_part_bytes=max_body)
-        if len(uploads) > batcher.max_batch:
-            raise HTTPError(400, f"{len(uploads)} images are above this server's max batch {batcher.max_batch}")
-        admit(len(uploads))
-        x = await off_loop(decode_all, uploads, request.app.state.upload_dir)
-        result = await run(x)
-        k = min(topk, len(info.classes))
-        values, indices = result.probs.topk(k, dim=1)
-        predictions = [{"file": fname, "top": [{"label": info.classes[i], "prob": round(v, 6)}
-                                               for v, i in zip(vals.tolist(), idx.tolist())]}
-                       for (fname, _), vals, idx in zip(uploads, values, indices)]
-        return json_response({"model_name": name, "predictions": predictions},
-                             headers={"X-Batch-Size": str(result.batch_size)})
-
-    def decode_all(uploads: list[tuple[str, bytes]], folder: Path) -> torch.Tensor:
-        tensors = []
-        for fname, data in uploads:
-            # load_image reads files (and handles every odd format): hand it the bytes as one.
-            with tempfile.NamedTemporaryFile(dir=folder, suffix=Path(fname).suffix) as f:
-                f.write(data)
-                f.flush()
-                try:
-                    tensors.append(transform(load_image(f.name, pre.channels, pre.img_size)))  # bounds the resize
-                except BadImage as e:
-                    raise HTTPError(400, f"{fname}: {e}") from None
-        return torch.stack(tensors)
+        svc.check_model(model_name)
+        return json_response({"name": svc.name, "ready": ready_now()}, 200 if ready_now() else 400)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         body, content_type = metrics.render()
         return Response(body, media_type=content_type)
 
-    return app
+
+def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
+    info, max_batch = svc.info, svc.batcher.max_batch
+
+    @app.post("/v2/models/{model_name}/infer")
+    async def infer(model_name: str, request: Request) -> Response:
+        svc.check_model(model_name)
+        svc.admit()
+        body = await request.body()
+        x, req = await svc.off_loop(oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER), info, max_batch)
+        outputs = oip.requested_outputs(req)
+        result = await svc.run(x)
+        body = oip.infer_response(svc.name, req, outputs, result.logits, result.probs, result.top1, info.classes)
+        return json_response(body, headers={"X-Batch-Size": str(result.batch_size)})
+
+    @app.post("/predict")
+    async def predict(request: Request, topk: int = 5) -> Response:
+        if topk < 1:
+            raise HTTPError(400, f"topk must be at least 1, got {topk}")
+        svc.admit()
+        uploads = await read_uploads(request, max_files=max_batch, max_part_bytes=max_body)
+        if len(uploads) > max_batch:
+            raise HTTPError(400, f"{len(uploads)} images are above this server's max batch {max_batch}")
+        svc.admit(len(uploads))
+        x = await svc.off_loop(svc.decode_all, uploads, request.app.state.upload_dir)
+        result = await svc.run(x)
+        predictions = [{"file": fname, "top": top} for (fname, _), top in
+                       zip(uploads, top_k(result.probs, topk, info.classes))]
+        return json_response({"model_name": svc.name, "predictions": predictions},
+                             headers={"X-Batch-Size": str(result.batch_size)})
+
+
+def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: str | Path):
+    """With --model-process: the batcher's model becomes a child process that loads `model_path`."""
+    if not cfg.model_process:
+        return None
+    from torchcls.serve.worker import ModelProcess
+
+    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads)
+    batcher.fn = worker
+    return worker
+
+
+def top_k(probs: np.ndarray, k: int, classes: list[str]) -> list[list[dict]]:
+    """Per image, the k most probable classes (numpy: no torch call on the event loop)."""
+    indices = np.argsort(-probs, axis=1, kind="stable")[:, :min(k, len(classes))]
+    values = np.take_along_axis(probs, indices, axis=1)
+    return [[{"label": classes[i], "prob": round(v, 6)} for v, i in zip(vals.tolist(), idx.tolist())]
+            for vals, idx in zip(values, indices)]
 
 
 async def read_uploads(request: Request, max_files: int, max_part_bytes: int) -> list[tuple[str, bytes]]:

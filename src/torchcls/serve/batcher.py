@@ -2,6 +2,10 @@
 
 The queue is bounded in images: `submit` refuses (QueueFull) instead of growing without
 limit, and every job it accepted is answered, also during shutdown (`close` drains).
+
+Results leave the worker thread as numpy arrays, softmax and top-1 computed once per batch:
+a torch call on the event loop releases the GIL and must take it back from the model thread
+(the one in each request's answer cost ~0.15 ms of the loop's time under load).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 log = logging.getLogger("torchcls.serve")
@@ -25,8 +30,9 @@ class QueueFull(Exception):
 
 @dataclass
 class Result:
-    logits: torch.Tensor  # (n, classes) float32
-    probs: torch.Tensor  # (n, classes) float32
+    logits: np.ndarray  # (n, classes) float32
+    probs: np.ndarray  # (n, classes) float32
+    top1: np.ndarray  # (n,) int64: index of the largest logit
     batch_size: int  # size of the batch this request ran in
 
 
@@ -132,8 +138,8 @@ class DynamicBatcher:
         start = time.perf_counter()
         try:
             x = jobs[0].x if len(jobs) == 1 else torch.cat([j.x for j in jobs])
-            logits = self.fn(x)
-            probs = logits.softmax(dim=1)
+            out = self.fn(x)
+            logits, probs, top1 = out.numpy(), out.softmax(dim=1).numpy(), out.argmax(dim=1).numpy()
         except BaseException as e:  # noqa: BLE001 - handed to every request of the batch
             for j in jobs:
                 j.loop.call_soon_threadsafe(_deliver, j.future, e, True)
@@ -143,6 +149,6 @@ class DynamicBatcher:
         offset = 0
         for j in jobs:
             k = j.x.shape[0]
-            result = Result(logits[offset:offset + k], probs[offset:offset + k], n)
+            result = Result(logits[offset:offset + k], probs[offset:offset + k], top1[offset:offset + k], n)
             j.loop.call_soon_threadsafe(_deliver, j.future, result, False)
             offset += k

@@ -27,6 +27,8 @@ class ServeConfig:
                                "at once instead of queueing without bound")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     threads: int = opt(0, "intra-op CPU threads for the model (0 = torch default)")
+    model_process: bool = opt(False, "run the model in a process of its own (it never waits for the GIL that "
+                              "request parsing holds; costs a second interpreter's memory and a copy per batch)")
     expect_sha256: str | None = opt(None, "refuse to load the artifact unless its file has this SHA-256 (a .pt2 "
                                     "is native code; default: the digest governance registered for it, if any)")
 

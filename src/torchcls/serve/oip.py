@@ -132,14 +132,14 @@ def requested_outputs(request: dict[str, Any]) -> list[str]:
     return names
 
 
-def infer_response(name: str, request: dict[str, Any], outputs: list[str], logits: torch.Tensor,
-                   probs: torch.Tensor, classes: list[str]) -> bytes:
+def infer_response(name: str, request: dict[str, Any], outputs: list[str], logits: np.ndarray,
+                   probs: np.ndarray, top1: np.ndarray, classes: list[str]) -> bytes:
+    """The answer JSON; numpy in (no torch call here: this runs on the event loop)."""
     n, k = logits.shape
     tensors = {
-        "logits": lambda: {"datatype": "FP32", "shape": [n, k], "data": logits.numpy().reshape(-1)},
-        "probabilities": lambda: {"datatype": "FP32", "shape": [n, k], "data": probs.numpy().reshape(-1)},
-        "labels": lambda: {"datatype": "BYTES", "shape": [n],
-                           "data": [classes[i] for i in logits.argmax(dim=1).tolist()]},
+        "logits": lambda: {"datatype": "FP32", "shape": [n, k], "data": logits.reshape(-1)},
+        "probabilities": lambda: {"datatype": "FP32", "shape": [n, k], "data": probs.reshape(-1)},
+        "labels": lambda: {"datatype": "BYTES", "shape": [n], "data": [classes[i] for i in top1.tolist()]},
     }
     answer: dict[str, Any] = {"model_name": name, "model_version": "1",
                               "outputs": [{"name": o, **tensors[o]()} for o in outputs]}

@@ -81,7 +81,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
         failure.append(error)
         server.should_exit = True  # warm-up failed: the artifact cannot serve
 
-    app = create_app(artifact, cfg, token=token, on_ready=on_ready)
+    app = create_app(artifact, cfg, token=token, on_ready=on_ready, model_path=artifact_path)
     config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=cfg.graceful_timeout,  # seconds, 0 = none
                             limit_concurrency=cfg.max_connections, loop="auto", http="auto")

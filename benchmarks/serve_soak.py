@@ -1,0 +1,351 @@
+"""Soak test of `torchcls serve` under hostile load on loopback: every request answered, no 5xx.
+
+    python benchmarks/serve_soak.py                          # 10,000 requests, 32 clients, ResNet-18 at 64 px
+    python benchmarks/serve_soak.py runs/demo --requests 2000 --concurrency 16
+
+A real server process gets --requests requests from --concurrency keep-alive clients (a minimal
+asyncio HTTP/1.1 client). A fifth of them are hostile: a 2,000,000x4 PNG, a 16-bit 8000x8000
+PNG (decodes at 64 MP: one per --heavy-every hostile requests), an EPS file, garbage bytes, a
+truncated JPEG, an empty body, bad JSON, duplicate and unknown outputs, an oversize batch, a
+wrong shape, a binary header that lies, a body above the size limit, an unknown model. The rest
+are good OIP infer requests (JSON and binary) and /predict uploads.
+
+Reported: answers by status, 5xx other than 503 (must be 0), accepted requests lost (sent and never
+answered: must be 0), 503 count, wrong statuses (a good request refused or a hostile one accepted:
+must be 0), p50/p99 latency, health-probe latency during the soak, and the server's RSS (with its
+model process) before, at peak and after. Bounded: no new request after --timeout seconds, and
+every request waits at most --request-timeout for its answer. Prints JSON, then a Markdown table;
+exits 1 if any 5xx, lost request or wrong status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import itertools
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import numpy as np
+import psutil
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from serve_load import free_port, make_checkpoint  # noqa: E402
+
+OK, REFUSED = {200, 503}, {400, 404, 413, 503}
+
+
+def http(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
+    head = {"Host": "127.0.0.1", "Content-Length": str(len(body)), **(headers or {})}
+    return (f"{method} {path} HTTP/1.1\r\n" + "".join(f"{k}: {v}\r\n" for k, v in head.items())
+            + "\r\n").encode() + body
+
+
+def png(im: Image.Image) -> bytes:
+    out = io.BytesIO()
+    im.save(out, format="PNG", compress_level=9)
+    return out.getvalue()
+
+
+def encoded(im: Image.Image, fmt: str) -> bytes:
+    out = io.BytesIO()
+    im.save(out, format=fmt)
+    return out.getvalue()
+
+
+def infer_json(shape: list[int], data: list[float] | None = None, **extra) -> bytes:
+    values = data if data is not None else np.random.default_rng(0).standard_normal(int(np.prod(shape))).tolist()
+    return json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": shape, "data": values}],
+                       **extra}).encode()
+
+
+def request_kinds(name: str, channels: int, size: int, max_batch: int, heavy: bool) -> tuple[dict, dict, dict]:
+    """(good, hostile, heavy): kind -> (request bytes, the statuses that are right for it)."""
+    infer, predict = f"/v2/models/{name}/infer", "/predict"
+    js = {"Content-Type": "application/json"}
+    shape = [1, channels, size, size]
+    photo = Image.fromarray(np.random.default_rng(1).integers(0, 255, (size, size, 3), dtype=np.uint8))
+    x = np.random.default_rng(2).standard_normal(shape).astype("<f4")
+    header = json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": shape,
+                                     "parameters": {"binary_data_size": x.nbytes}}]}).encode()
+    jpeg = encoded(photo, "JPEG")
+    good = {
+        "infer json": (http("POST", infer, infer_json(shape, outputs=[{"name": "probabilities"},
+                                                                     {"name": "labels"}]), js), OK),
+        "infer binary": (http("POST", infer, header + x.tobytes(),
+                              {"Inference-Header-Content-Length": str(len(header))}), OK),
+        "predict png": (http("POST", predict + "?topk=3", png(photo)), OK),
+    }
+    small = [0.0] * int(np.prod(shape))
+    hostile = {
+        "wide png 2000000x4": (http("POST", predict, png(Image.new("L", (2_000_000, 4)))), REFUSED),
+        "eps file": (http("POST", predict, encoded(photo, "EPS")), REFUSED),
+        "garbage bytes": (http("POST", predict, bytes(range(256)) * 8), REFUSED),
+        "truncated jpeg": (http("POST", predict, jpeg[:len(jpeg) // 2]), REFUSED),
+        "empty body": (http("POST", predict), REFUSED),
+        "bad json": (http("POST", infer, b'{"inputs": [{"name": "input", "data": [1, 2,', js), REFUSED),
+        "garbage infer": (http("POST", infer, bytes(range(256)) * 8, js), REFUSED),
+        "duplicate outputs": (http("POST", infer, infer_json(shape, small, outputs=[{"name": "logits"}] * 50),
+                                   js), REFUSED),
+        "unknown output": (http("POST", infer, infer_json(shape, small, outputs=[{"name": "embeddings"}]), js),
+                           REFUSED),
+        "oversize batch": (http("POST", infer, infer_json([max_batch + 1, channels, size, size], [0.0]), js),
+                           REFUSED),
+        "wrong shape": (http("POST", infer, infer_json([1, channels, size + 1, size], [0.0]), js), REFUSED),
+        "lying binary header": (http("POST", infer, header + x.tobytes()[:100],
+                                     {"Inference-Header-Content-Length": str(len(header))}), REFUSED),
+        "body above limit": (http("POST", infer, b"", {**js, "Content-Length": str(2**30)}), REFUSED),
+        "unknown model": (http("POST", "/v2/models/nope/infer", infer_json(shape, small), js), REFUSED),
+    }
+    if not heavy:
+        return good, hostile, {}
+    big = np.zeros((8000, 8000), np.uint16)  # ~125 KB as a PNG; 64 MP, 16 bits per pixel decoded
+    big[::97] = 60000
+    return good, hostile, {"16-bit png 8000x8000": (http("POST", predict, png(Image.fromarray(big))), OK)}
+
+
+def schedule(n: int, good: dict, hostile: dict, heavy: dict, heavy_every: int) -> list[str]:
+    """Kinds of the n requests in order: every fifth hostile (one in `heavy_every` of those heavy)."""
+    goods, bads, heavies = itertools.cycle(good), itertools.cycle(hostile), itertools.cycle(heavy)
+    kinds, n_hostile = [], 0
+    for i in range(n):
+        if i % 5 != 4:
+            kinds.append(next(goods))
+            continue
+        kinds.append(next(heavies) if heavy and n_hostile % heavy_every == 0 else next(bads))
+        n_hostile += 1
+    return kinds
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split()[1])
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    if "content-length" in headers:
+        await reader.readexactly(int(headers["content-length"]))
+    else:
+        await reader.read()  # no length: the body ends with the connection
+        headers["connection"] = "close"
+    return status, headers
+
+
+async def client(port: int, queue: list, requests: dict, state: dict, request_timeout: float) -> None:
+    conn = None
+    while queue and time.monotonic() < state["deadline"]:
+        kind = queue.pop()
+        payload, _ = requests[kind]
+        state["sent"][kind] += 1
+        t0 = time.perf_counter()
+        try:
+            if conn is None:
+                conn = await asyncio.open_connection("127.0.0.1", port)
+            conn[1].write(payload)
+            status, headers = await asyncio.wait_for(read_response(conn[0]), request_timeout)
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError) as e:
+            state["lost"][kind] += 1
+            state["lost_reasons"][type(e).__name__] += 1
+            if conn is not None:
+                conn[1].close()
+            conn = None
+            continue
+        state["answers"].append((kind, status, time.perf_counter() - t0))
+        if headers.get("connection", "").lower() == "close":
+            conn[1].close()
+            conn = None
+    if conn is not None:
+        conn[1].close()
+
+
+def tree_rss_mb(pid: int) -> float:
+    proc = psutil.Process(pid)
+    procs = [proc, *proc.children(recursive=True)]
+    total = 0
+    for p in procs:
+        try:
+            total += p.memory_info().rss
+        except psutil.NoSuchProcess:
+            pass
+    return total / 2**20
+
+
+async def monitor(port: int, pid: int, state: dict, done: asyncio.Event) -> None:
+    """RSS peak and health-probe latency, sampled while the soak runs."""
+    while not done.is_set():
+        state["rss_peak_mb"] = max(state["rss_peak_mb"], tree_rss_mb(pid))
+        t0 = time.perf_counter()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(http("GET", "/v2/health/live", headers={"Connection": "close"}))
+            status, _ = await asyncio.wait_for(read_response(reader), 30)
+            writer.close()
+            state["probes"].append((status, time.perf_counter() - t0))
+        except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
+            state["probes"].append((0, time.perf_counter() - t0))
+        try:
+            await asyncio.wait_for(done.wait(), 0.5)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def soak(port: int, pid: int, kinds: list[str], requests: dict, concurrency: int, timeout: float,
+               request_timeout: float) -> dict:
+    state = {"deadline": time.monotonic() + timeout, "sent": Counter(), "lost": Counter(),
+             "lost_reasons": Counter(), "answers": [], "probes": [], "rss_peak_mb": 0.0}
+    queue = list(reversed(kinds))  # pop() from the end takes them in schedule order
+    done = asyncio.Event()
+    watcher = asyncio.create_task(monitor(port, pid, state, done))
+    t0 = time.perf_counter()
+    await asyncio.gather(*(client(port, queue, requests, state, request_timeout) for _ in range(concurrency)))
+    state["seconds"] = time.perf_counter() - t0
+    done.set()
+    await watcher
+    state["unsent"] = len(queue)
+    return state
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else float("nan")
+
+
+def summarise(state: dict, requests: dict, good: dict) -> dict:
+    by_kind: dict[str, dict] = {}
+    statuses, latencies = defaultdict(Counter), defaultdict(list)
+    for kind, status, seconds in state["answers"]:
+        statuses[kind][status] += 1
+        latencies[kind].append(seconds)
+    wrong = 0
+    for kind, (_, allowed) in requests.items():
+        bad = sum(n for s, n in statuses[kind].items() if s not in allowed and not 500 <= s < 600)
+        wrong += bad
+        by_kind[kind] = {"hostile": kind not in good, "sent": state["sent"][kind], "lost": state["lost"][kind],
+                         "statuses": {str(s): n for s, n in sorted(statuses[kind].items())}, "wrong_status": bad,
+                         "p50_ms": pct(latencies[kind], 0.5), "p99_ms": pct(latencies[kind], 0.99)}
+    every = Counter(s for _, s, _ in state["answers"])
+    all_lat = [sec for _, _, sec in state["answers"]]
+    good_lat = [sec for kind, s, sec in state["answers"] if kind in good and s == 200]
+    probes = [sec for _, sec in state["probes"]]
+    return {
+        "sent": sum(state["sent"].values()), "answered": len(state["answers"]), "unsent": state["unsent"],
+        "lost": sum(state["lost"].values()), "lost_reasons": dict(state["lost_reasons"]),
+        "server_errors_5xx": sum(n for s, n in every.items() if 500 <= s < 600 and s != 503),
+        "rejected_503": every[503], "wrong_status": wrong,
+        "hostile_sent": sum(v["sent"] for v in by_kind.values() if v["hostile"]),
+        "seconds": state["seconds"], "requests_per_s": len(state["answers"]) / state["seconds"],
+        "p50_ms": pct(all_lat, 0.5), "p99_ms": pct(all_lat, 0.99),
+        "good_p50_ms": pct(good_lat, 0.5), "good_p99_ms": pct(good_lat, 0.99),
+        "probe_p99_ms": pct(probes, 0.99), "probe_max_ms": max(probes, default=float("nan")) * 1e3,
+        "probes_failed": sum(1 for s, _ in state["probes"] if s != 200),
+        "rss_peak_mb": state["rss_peak_mb"], "by_kind": by_kind,
+    }
+
+
+def start_server(artifact: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torchcls", "serve", artifact, "--port", str(port), "--max-batch",
+           str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms), "--max-body-mb", str(args.max_body_mb),
+           "--threads", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            time.sleep(0.25)
+    proc.kill()
+    raise SystemExit(f"the server did not become ready: {proc.stderr.read()[-2000:]}")
+
+
+def markdown(r: dict) -> str:
+    rows = ["| request | hostile | sent | lost | statuses | wrong | p50 ms | p99 ms |", "|---|---|---|---|---|---|---|---|"]
+    for kind, v in r["by_kind"].items():
+        codes = ", ".join(f"{s}: {n}" for s, n in v["statuses"].items())
+        rows.append(f"| {kind} | {'yes' if v['hostile'] else ''} | {v['sent']} | {v['lost']} | {codes} | "
+                    f"{v['wrong_status']} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} |")
+    return (f"{r['model']} ({r['input_shape']}), {r['sent']} requests ({r['hostile_sent']} hostile) from "
+            f"{r['concurrency']} clients in {r['seconds']:.0f} s\n\n"
+            f"| 5xx (not 503) | lost | 503 | wrong status | p50 ms | p99 ms | probe p99 ms | RSS before MB | "
+            f"RSS peak MB | RSS after MB |\n|---|---|---|---|---|---|---|---|---|---|\n"
+            f"| {r['server_errors_5xx']} | {r['lost']} | {r['rejected_503']} | {r['wrong_status']} | "
+            f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['probe_p99_ms']:.1f} | {r['rss_before_mb']:.0f} | "
+            f"{r['rss_peak_mb']:.0f} | {r['rss_after_mb']:.0f} |\n\n" + "\n".join(rows))
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("artifact", nargs="?", help="artifact to serve (default: an untrained --model checkpoint)")
+    p.add_argument("--model", default="resnet18")
+    p.add_argument("--img-size", type=int, default=64)
+    p.add_argument("--classes", type=int, default=10)
+    p.add_argument("--requests", type=int, default=10_000)
+    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=900.0, help="no new request after this many seconds")
+    p.add_argument("--request-timeout", type=float, default=120.0, help="longest wait for one answer")
+    p.add_argument("--heavy-every", type=int, default=200,
+                   help="one 16-bit 8000x8000 PNG per this many hostile requests (0 = none)")
+    p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--max-wait-ms", type=float, default=2.0)
+    p.add_argument("--max-body-mb", type=float, default=32.0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads of the server's model")
+    p.add_argument("--json-out", help="also write the JSON result here")
+    return p.parse_args()
+
+
+def main() -> int:
+    args = parse_args()
+    from torchcls.artifacts.artifact import load_artifact
+
+    with tempfile.TemporaryDirectory(prefix="serve-soak-") as tmp:
+        path = args.artifact or str(make_checkpoint(args.model, args.img_size, args.classes, Path(tmp)))
+        info = load_artifact(path).info
+        pre = info.preprocess
+        good, hostile, heavy = request_kinds(info.name, pre.channels, pre.img_size, args.max_batch,
+                                             args.heavy_every > 0)
+        requests = {**good, **hostile, **heavy}
+        kinds = schedule(args.requests, good, hostile, heavy, args.heavy_every)
+        port = free_port()
+        server = start_server(path, port, args)
+        try:
+            asyncio.run(soak(port, server.pid, [next(iter(good))] * args.concurrency, requests, args.concurrency,
+                             60, args.request_timeout))  # warm the connections and the batcher
+            rss_before = tree_rss_mb(server.pid)
+            state = asyncio.run(soak(port, server.pid, kinds, requests, args.concurrency, args.timeout,
+                                     args.request_timeout))
+            time.sleep(1.0)
+            rss_after = tree_rss_mb(server.pid)
+        finally:
+            server.send_signal(signal.SIGTERM)
+            try:
+                exit_code = server.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                exit_code = server.wait()
+    result = {"model": info.name if args.artifact else args.model, "target": info.target,
+              "input_shape": [1, pre.channels, pre.img_size, pre.img_size], "concurrency": args.concurrency,
+              "requests": args.requests, "max_batch": args.max_batch, "cpu_count": psutil.cpu_count(),
+              **summarise(state, requests, good), "rss_before_mb": rss_before, "rss_after_mb": rss_after,
+              "server_exit_code": exit_code}
+    print(json.dumps(result, indent=2))
+    print()
+    print(markdown(result))
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=2))
+    failed = result["server_errors_5xx"] or result["lost"] or result["wrong_status"] or exit_code != 0
+    print(f"\n{'FAIL' if failed else 'PASS'}: {result['server_errors_5xx']} 5xx (not 503), {result['lost']} lost, "
+          f"{result['wrong_status']} wrong statuses, {result['rejected_503']} 503, server exit {exit_code}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
