@@ -121,8 +121,10 @@ class Service:
         self.name, self.info, self.batcher = name, info, batcher
         self.transform = build_transform(info.preprocess, train=False)
         # Decoding and JSON parsing run in worker threads, never on the event loop (health probes stay
-        # prompt); at most one decode per core at a time so uploads cannot pile up decoded copies.
+        # prompt); at most one decode per core at a time so uploads cannot pile up decoded copies. Two
+        # pools: slow image decodes (seconds for a 64 MP 16-bit PNG) must not hold up JSON requests.
         self.decode_slots = asyncio.Semaphore(os.cpu_count() or 1)
+        self.parse_slots = asyncio.Semaphore(os.cpu_count() or 1)
 
     def check_model(self, model_name: str) -> None:
         if model_name != self.name:
@@ -144,8 +146,8 @@ class Service:
         except QueueFull as e:
             raise HTTPError(503, str(e), {"Retry-After": "1"}) from None
 
-    async def off_loop(self, fn, *args):
-        async with self.decode_slots:
+    async def off_loop(self, slots: asyncio.Semaphore, fn, *args):
+        async with slots:
             return await run_in_threadpool(fn, *args)
 
     def decode_all(self, uploads: list[tuple[str, bytes]], folder: Path) -> torch.Tensor:
@@ -205,7 +207,8 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
         svc.check_model(model_name)
         svc.admit()
         body = await request.body()
-        x, req = await svc.off_loop(oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER), info, max_batch)
+        x, req = await svc.off_loop(svc.parse_slots, oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER),
+                                    info, max_batch)
         outputs = oip.requested_outputs(req)
         result = await svc.run(x)
         body = oip.infer_response(svc.name, req, outputs, result.logits, result.probs, result.top1, info.classes)
@@ -220,7 +223,7 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
         if len(uploads) > max_batch:
             raise HTTPError(400, f"{len(uploads)} images are above this server's max batch {max_batch}")
         svc.admit(len(uploads))
-        x = await svc.off_loop(svc.decode_all, uploads, request.app.state.upload_dir)
+        x = await svc.off_loop(svc.decode_slots, svc.decode_all, uploads, request.app.state.upload_dir)
         result = await svc.run(x)
         predictions = [{"file": fname, "top": top} for (fname, _), top in
                        zip(uploads, top_k(result.probs, topk, info.classes))]
