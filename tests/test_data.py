@@ -72,6 +72,25 @@ def test_data_order_depends_only_on_seed_and_epoch(shapes_dir):
     assert torch.equal(first_epoch_batch(0), e0) and not torch.equal(first_epoch_batch(1), e0)
 
 
+
+def test_map_style_loader_starts_mid_epoch_without_replay_and_keeps_its_workers(shapes_dir):
+    """Every sample's augmentation is seeded by its place in the order: starting a pass at position 8
+    gives exactly the rest of the full pass, in the same persistent workers or in a new loader."""
+    bundle = build_data(DataConfig(source=str(shapes_dir), img_size=16, augment="standard"), seed=0)
+    loader = make_loader(bundle.train, 4, workers=2, shuffle=True, seed=5)
+    reseed(loader, 5, 1)
+    full = [x for x, _ in loader]
+    workers = loader._iterator
+    reseed(loader, 5, 1, start=8)
+    rest = [x for x, _ in loader]
+    assert loader._iterator is workers  # persistent: no re-fork per pass
+    assert len(rest) == len(full) - 2 and all(torch.equal(a, b) for a, b in zip(full[2:], rest))
+    fresh = make_loader(bundle.train, 4, workers=1, shuffle=True, seed=5)  # another worker count, new process
+    reseed(fresh, 5, 1, start=8)
+    assert all(torch.equal(a, b) for a, b in zip(rest, (x for x, _ in fresh)))
+    reseed(loader, 5, 2)
+    assert not torch.equal(next(iter(loader))[0], full[0])  # a new epoch: new order and augmentation
+
 def test_csv_manifest(tmp_path, shapes_dir):
     manifest = tmp_path / "m.csv"
     files = sorted(shapes_dir.rglob("*.png"))

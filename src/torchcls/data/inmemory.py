@@ -33,16 +33,13 @@ from torchvision.transforms.v2 import functional as TF
 from torchcls.data.batch_augment import one_thread, resized_crop_boxes, resized_crop_flip, shift_flip
 from torchcls.data.images import BadImage
 from torchcls.data.loaders import Preprocess
+from torchcls.data.sampling import epoch_seed
 from torchcls.data.sources import ImageSet
 from torchcls.data.transforms import batch_augmentable
 from torchcls.errors import UserError
 
 AUGMENTS = ("none", "light", "flip", "standard")
 MODES = ("auto", "on", "off")
-
-
-def epoch_seed(seed: int, epoch: int) -> int:
-    return seed * 100_003 + epoch  # the same formula as loaders.reseed: both paths draw the same order
 
 
 def cache_bytes(images: ImageSet, pre: Preprocess) -> int:

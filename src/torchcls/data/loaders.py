@@ -18,6 +18,7 @@ from torchvision.transforms import v2
 
 from torchcls.config import DataConfig
 from torchcls.data.images import BadImage
+from torchcls.data.sampling import EpochSampler, epoch_seed
 from torchcls.data.skips import BadSampleError, DropBad, read_skips, record_skip, skip_log_path
 from torchcls.data.sources import IMAGENET_STATS, STATS, ImageSet, apply_size_limits, open_source
 from torchcls.data.splits import available_splits, check_same_classes
@@ -63,7 +64,11 @@ class Transformed(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int] | None:
+    def __getitem__(self, item: int | tuple[int, int]) -> tuple[torch.Tensor, int] | None:
+        """Sample `item`: an index, or (index, key) from an EpochSampler, whose key seeds the augmentation."""
+        i, key = item if isinstance(item, tuple) else (item, None)
+        if key is not None:  # the CPU generator only: torch.manual_seed would also seed every GPU, per sample
+            torch.default_generator.manual_seed(key)
         j = int(self.indices[i])
         try:
             img = self.images.load(j)
@@ -234,16 +239,18 @@ def collate_for(ds: Dataset) -> DropBad:
     return DropBad(getattr(ds, "sample_shape", None))
 
 
-def make_loader(ds: Dataset, batch_size: int, workers: int, shuffle: bool, seed: int = 0) -> DataLoader:
-    # The generator drives both the shuffle order and the workers' seeds; re-seeding it
-    # each epoch (see `reseed`) makes every epoch reproducible on its own, which is what
-    # exact resume needs. Workers are not persistent for the same reason.
-    return DataLoader(ds, batch_size=batch_size, shuffle=shuffle, num_workers=workers,
-                      generator=torch.Generator().manual_seed(seed), drop_last=False, collate_fn=collate_for(ds),
-                      pin_memory=torch.cuda.is_available())
+def make_loader(ds: Dataset, batch_size: int, workers: int, shuffle: bool, seed: int = 0, rank: int = 0,
+                world: int = 1) -> DataLoader:
+    """A loader over `ds` whose order, and every sample's augmentation, are functions of (seed, epoch,
+    position) (see sampling.py): workers persist across epochs, and `reseed(loader, seed, epoch, start)`
+    makes the next pass serve `epoch` from this rank's position `start` on, with nothing replayed."""
+    return DataLoader(ds, batch_size=batch_size, sampler=EpochSampler(len(ds), seed, shuffle, rank, world),
+                      num_workers=workers, persistent_workers=workers > 0, drop_last=False,
+                      collate_fn=collate_for(ds), pin_memory=torch.cuda.is_available())
 
 
-def reseed(loader: DataLoader, seed: int, epoch: int) -> None:
-    """Make the next iteration of `loader` (order, worker RNG, main-process RNG) a function of (seed, epoch)."""
-    loader.generator.manual_seed(seed * 100_003 + epoch)
-    torch.manual_seed(seed * 100_003 + epoch)  # used by transforms when workers == 0, and by dropout
+def reseed(loader: DataLoader, seed: int, epoch: int, start: int = 0) -> None:
+    """Make the next pass of `loader` serve `epoch` from position `start`, and seed the main process's
+    RNG (dropout, drop-path) from (seed, epoch)."""
+    loader.sampler.set_epoch(epoch, start)
+    torch.manual_seed(epoch_seed(seed, epoch))

@@ -5,8 +5,8 @@ All three yield this rank's (x, y) batches of the same global order and resume m
   time (no workers); `seek` jumps to the checkpointed step without touching an image.
 - shards: a StatefulDataLoader over WebDataset shards; its per-rank state is saved beside each
   checkpoint, so a resume decodes nothing twice.
-- files: the DataLoader with workers; a resume replays the epoch's first batches, because each
-  worker's augmentation RNG depends on every sample it has processed before.
+- files: the DataLoader with persistent workers; every sample's augmentation is seeded by its
+  place in the epoch's order (data/sampling.py), so a resume starts at the checkpointed position.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import torch
 
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
-from torchcls.data.inmemory import bundle_loaders, epoch_seed
+from torchcls.data.inmemory import bundle_loaders
 from torchcls.data.loaders import build_transform, needed_side, reseed
+from torchcls.data.sampling import epoch_seed
 from torchcls.data.shard_data import ShardBundle
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
@@ -44,9 +45,9 @@ class Feed:
 
     def epoch(self, epoch: int, step_in_epoch: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches of `epoch` from `step_in_epoch` on."""
-        if self.kind == "files":
-            reseed(self.train, self.seed, epoch)  # the loader's order and workers' seeds, and the global RNG
-            return _skip(iter(self.train), step_in_epoch)
+        if self.kind == "files":  # start at the step's position: each sample's augmentation has its own seed
+            reseed(self.train, self.seed, epoch, start=step_in_epoch * self.train.batch_size)
+            return iter(self.train)
         torch.manual_seed(epoch_seed(self.seed, epoch))  # dropout, drop-path: as reseed does for files
         if self.kind == "memory":
             self.train.set_epoch(epoch)
@@ -54,7 +55,7 @@ class Feed:
             return iter(self.train)
         if not self._restored:  # shards: a restored loader state carries its own epoch and position
             self.train.set_epoch(epoch)
-            if step_in_epoch:  # a checkpoint without its loader state: replay as the map-style loader does
+            if step_in_epoch:  # a checkpoint without its loader state (killed between the two writes): replay
                 return _skip(iter(self.train), step_in_epoch)
         self._restored = False
         return iter(self.train)
