@@ -153,3 +153,23 @@ def test_bad_data_dirs(tmp_path, shapes_dir, layout, message):
         (root / "square").rmdir()
     with pytest.raises(UserError, match=message):
         build_data(DataConfig(source=str(root), workers=0), seed=0)
+
+
+def test_epoch_sampler_ranks_cover_the_order_with_the_same_keys():
+    from torchcls.data.sampling import EpochSampler
+
+    one = EpochSampler(10, seed=3, shuffle=True)
+    one.set_epoch(2)
+    single = list(one)
+    ranks = []
+    for r in range(3):
+        s = EpochSampler(10, seed=3, shuffle=True, rank=r, world=3)
+        s.set_epoch(2)
+        ranks.append(list(s))
+    assert all(len(share) == 4 for share in ranks)  # 10 padded to 12: every rank runs as many steps
+    merged = [ranks[pos % 3][pos // 3] for pos in range(12)]
+    assert merged[:10] == single  # (index, augmentation key) pairs: the same whatever the world size
+    assert [i for i, _ in merged[10:]] == [i for i, _ in single[:2]]  # the wrap-around padding
+    s = EpochSampler(10, seed=3, shuffle=True, rank=1, world=3)
+    s.set_epoch(2, start=2)
+    assert list(s) == ranks[1][2:]
