@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +40,8 @@ def make_image_folder(root: Path, per_class: int = 16, size: int = 32, classes=(
     for c in classes:
         (root / c).mkdir(parents=True, exist_ok=True)
         for i in range(per_class):
-            draw_shape(c, size, seed=hash((c, i)) % 10_000).save(root / c / f"{c}_{i:03d}.png")
+            # crc32, not hash(): str hashes change with every process (PYTHONHASHSEED), the images must not
+            draw_shape(c, size, seed=zlib.crc32(f"{c}{i}".encode()) % 10_000).save(root / c / f"{c}_{i:03d}.png")
     return root
 
 

@@ -209,7 +209,7 @@ REFUSALS = {
 
 @pytest.mark.parametrize("case", list(REFUSALS))
 def test_policy_violation_stops_training_before_data_is_read(case, dataset, tmp_path, monkeypatch):
-    import torchcls.training.trainer as loop
+    import torchcls.training.build as loop
 
     meta, change, message = REFUSALS[case]
     data = tmp_path / "data"

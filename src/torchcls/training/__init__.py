@@ -12,7 +12,7 @@ import importlib
 from typing import Any
 
 _API = {
-    "train": "torchcls.training.trainer",
+    "train": "torchcls.training.build",
     "TrainResult": "torchcls.training.trainer",
 }
 

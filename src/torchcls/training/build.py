@@ -1,0 +1,162 @@
+"""`train(cfg)`: build a Trainer from the config, then run its epochs.
+
+build: data (a DataBundle or a ShardBundle, and the feed that batches it), model (random init or
+--pretrained, governance hooks, precision, parallelism, rank-0 init), optimizer and schedule,
+mixing, checkpointer, compile. Governance refuses before any data is read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchcls import governance
+from torchcls.checkpoint.checkpointer import Checkpointer
+from torchcls.config import Config
+from torchcls.console import console, progress_bar
+from torchcls.data import build_data
+from torchcls.data.mixing import build_mixing
+from torchcls.data.shard_data import build_shard_data
+from torchcls.data.shards import is_shard_source
+from torchcls.devices import resolve_device
+from torchcls.memory.recorder import recorder_for
+from torchcls.models import ModelSpec, create_model
+from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
+from torchcls.training import rank0_init, sharding
+from torchcls.training.compile import compile_for_training, should_compile
+from torchcls.training.distributed import Session, setup, sync_buffers
+from torchcls.training.feed import build_feed
+from torchcls.training.memory import record_memory
+from torchcls.training.optim import build_optimizer, warmup_cosine
+from torchcls.training.parallel import parallelize
+from torchcls.training.rundir import RunDir
+from torchcls.training.tensorboard import open_writer
+from torchcls.training.trainer import StepCallback, Trainer, TrainResult
+
+
+def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
+    """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues."""
+    session = setup(cfg)  # torchrun ranks (ddp/fsdp2); inactive for --parallel none
+    run = session.prepare_run(cfg)
+    t = build(cfg, session, run, callbacks)
+    if cfg.run.resume:
+        t.resume()
+    try:
+        with progress_bar(cfg.train.progress) as bar:
+            while t.progress.epoch < cfg.train.epochs:
+                t.end_epoch(t.run_epoch(bar))
+        if session.active:
+            record_memory(run.path, t.model, t.optimizer, session)  # per-rank bytes vs full / world
+    except KeyboardInterrupt:
+        t.save()
+        console.print(f"[yellow]interrupted at step {t.progress.step}; checkpoint saved. Continue with: "
+                      f"torchcls train --config {run.path / 'config.toml'} --resume[/]")
+        return t.result(interrupted=True)
+    except NonFiniteLoss:  # --nonfinite stop: the failed step was not applied; keep the last good state
+        t.save()
+        raise
+    finally:
+        t.close()
+    return t.finish()
+
+
+def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
+    """Everything a run needs, in dependency order; governance refuses before any data is read."""
+    if session.is_main:
+        cfg.save_toml(run.path / "config.toml")
+    device = resolve_device(cfg.train.device)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    torch.manual_seed(cfg.train.seed)
+    gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
+    data = _open_data(gov.data_config, cfg.train.seed, run, session)
+    pre = data.preprocess
+    spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
+                     exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
+                     drop_path_rate=cfg.model.drop_path)
+    memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    compile_model, compile_note = should_compile(cfg.train, cfg.precision)
+    model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
+                                    compile_model, compile_note)
+    optimizer = build_optimizer(model, cfg.optim)
+    feed = build_feed(cfg, data, session, device)
+    steps_per_epoch = len(feed)
+    scheduler = warmup_cosine(optimizer, int(cfg.optim.warmup_epochs * steps_per_epoch),
+                              steps_per_epoch * cfg.train.epochs)
+    checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
+                                lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session))
+    # The graph-break report runs two samples; only the map-style feed has a dataset to index.
+    examples = data.train if feed.kind == "files" else [(torch.zeros(pre.channels, pre.img_size, pre.img_size), 0)] * 2
+    forward = compile_for_training(model, examples, run.path, device, memory_format,
+                                   report_breaks=not session.active) if compile_model else model
+    memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
+    mixing = build_mixing(cfg.data, cfg.optim.label_smoothing, len(data.classes),
+                          sharding.per_rank_batch(cfg.data.batch_size, session), cfg.train.seed, session.rank)
+    criterion = mixing.loss if mixing else nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+    return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
+                   optimizer, scheduler, criterion, feed, checkpointer,
+                   [*callbacks, memory] if memory else list(callbacks), mixing, memory,
+                   open_writer(run.path) if cfg.train.tensorboard else None)
+
+
+def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,
+                 memory_format: torch.memory_format, compile_model: bool,
+                 compile_note: str) -> tuple[nn.Module, PrecisionPlan]:
+    """The model, with governance hooks, precision and parallelism applied from outside it."""
+    from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
+    factory = partial(_new_model, spec, cfg.model.pretrained, run if session.is_main else None)
+    if from_rank0:  # FSDP2: no rank holds the whole model on its device
+        model, rank0_weights = rank0_init.build_on_meta(factory, session.rank)
+        model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
+    else:
+        model = factory().to(device, memory_format=memory_format)
+    model = gov.install(data, model)  # data/model hooks of the governed processing path
+    # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
+    precision = apply_precision(model, cfg.precision, device, run, parallel=cfg.parallel.parallel,
+                                compile=compile_model, compile_note=compile_note)
+    model = parallelize(model, cfg.parallel, device)
+    if from_rank0:
+        rank0_init.materialize(model, rank0_weights, device, cfg.parallel)
+    return model, precision
+
+
+def _new_model(spec: ModelSpec, pretrained: str | None, run: RunDir | None) -> nn.Module:
+    """The architecture `spec` names, from random init or from local --pretrained weights (recorded in the run)."""
+    model = create_model(spec)
+    if pretrained:
+        from torchcls.models.pretrained import load_pretrained
+
+        report = load_pretrained(model, pretrained, spec.num_classes)
+        if run is not None:
+            console.print(report.summary())
+            (run.path / "pretrained.json").write_text(json.dumps(report.as_dict(), indent=2))
+    return model
+
+
+def _open_data(data_cfg, seed: int, run: RunDir, session: Session):
+    """A DataBundle (folders, CSV, built-in and hf: sets) or a ShardBundle (WebDataset shards)."""
+    data = build_shard_data(data_cfg, seed) if is_shard_source(data_cfg.source) else build_data(data_cfg, seed)
+    data.log_skips_to(run.path, session.rank)  # files that fail in a worker are logged, not fatal (--on-bad-file skip)
+    if session.is_main:
+        data.write_splits(run.path)
+        if data.skipped:
+            console.print(f"[yellow]skipped {len(data.skipped)} unreadable file(s); listed in the report[/]")
+    return data
+
+
+def lineage_stamp(gov) -> dict[str, Any] | None:
+    """What the checkpoints carry of the run's lineage (None: lineage is off for this run)."""
+    if isinstance(getattr(gov, "lineage", None), dict):  # governance's stamp: run id, pinned chain head, policy
+        return gov.lineage
+    lineage_id = getattr(gov, "lineage_id", None)
+    audit = getattr(gov, "audit", None)
+    if lineage_id is None or audit is None:
+        return None
+    policy = getattr(gov, "policy", None)
+    return {"run_id": lineage_id, "audit_log": str(audit.path.resolve()),
+            "outputs": policy.outputs() if policy else {}}
