@@ -195,13 +195,14 @@ def jpeg_loaders(args, folder: Path) -> tuple[dict[str, object], float]:
 
 # ---------------------------------------------------------------- training
 
-def test_top1(model: torch.nn.Module, size: int) -> float:
-    """Top-1 on the official Fashion-MNIST test set, preprocessed as torchcls's eval transform does."""
+def test_top1(model: torch.nn.Module, size: int, mean: float, std: float) -> float:
+    """Top-1 on the official Fashion-MNIST test set, resized as torchcls's eval transform does and
+    normalised with the statistics the model was trained with (each side's own)."""
     from torchvision.transforms.v2 import functional as TF
 
     test = open_source("fashion-mnist", None, "test", 1, "error")
     x = TF.resize(test.images.unsqueeze(1), size, antialias=True).float().div(255)
-    x = (x - FMNIST_STATS[0][0]) / FMNIST_STATS[1][0]
+    x = (x - mean) / std
     model.eval()
     with torch.no_grad():
         pred = torch.cat([model(b).argmax(1) for b in x.split(500)])
@@ -221,8 +222,9 @@ def torchcls_training(args, folder: Path, out: Path, i: int) -> dict[str, float]
     wall = time.perf_counter() - t0
     epochs = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     rates = [r["img_per_s"] for r in epochs if r.get("kind") == "epoch"]
-    model, _ = load_model(result.last_checkpoint)
-    return {"img_per_s": statistics.median(rates), "wall_s": wall, "test_top1": test_top1(model, 32)}
+    model, meta = load_model(result.last_checkpoint)
+    top1 = test_top1(model, 32, meta.preprocess.mean[0], meta.preprocess.std[0])  # a folder: ImageNet grey stats
+    return {"img_per_s": statistics.median(rates), "wall_s": wall, "test_top1": top1}
 
 
 def timm_training(args, folder: Path, i: int) -> dict[str, float]:
@@ -256,7 +258,8 @@ def timm_training(args, folder: Path, i: int) -> dict[str, float]:
             seen += len(y)
         rates.append(seen / (time.perf_counter() - t_epoch))
     wall = time.perf_counter() - t0
-    return {"img_per_s": statistics.median(rates), "wall_s": wall, "test_top1": test_top1(model, 32)}
+    return {"img_per_s": statistics.median(rates), "wall_s": wall,
+            "test_top1": test_top1(model, 32, FMNIST_STATS[0][0], FMNIST_STATS[1][0])}
 
 
 def smallnet_img_per_s(args, out: Path, mode: str, i: int) -> float:
