@@ -66,10 +66,9 @@ class HFImageSet:
         value = self._column[i].as_py()
         try:
             data = _image_bytes(value, self.image_column)
-            return decode_bytes(data, self.channels, self.min_side, self.max_pixels)
+            return image_files.decode_bytes(data, self.channels, self.min_side, self.max_pixels)
         except image_files.BadImage as e:
             raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
-
 
     def encoded(self, i: int) -> tuple[bytes, str]:
         """Row i's image as stored (no re-encode) and its format's extension, for write_shards."""
@@ -78,59 +77,11 @@ class HFImageSet:
             self._column = _open_table(*self.location).column(self.image_column)
         try:
             data = _image_bytes(self._column[i].as_py(), self.image_column)
-            with Image.open(io.BytesIO(data)) as im:
+            with Image.open(io.BytesIO(data), formats=image_files.ALLOWED_FORMATS) as im:
                 fmt = (im.format or "img").lower()
         except (image_files.BadImage, UnidentifiedImageError, OSError) as e:
             raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
         return data, {"jpeg": "jpg"}.get(fmt, fmt)
-
-
-def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
-                 max_pixels: int = image_files.MAX_PIXELS) -> torch.Tensor:
-    """Encoded image bytes (a shard member, an Arrow cell) -> uint8 (channels, H, W), by the rules of
-    images.load_image (reduced JPEG decoding, --max-pixels, the resize bound); BadImage with the reason.
-    Shared by the shard reader and the HF view, so both decode exactly as image files do."""
-    import numpy as np
-    from PIL import Image, ImageOps, UnidentifiedImageError
-    if not data:
-        raise image_files.BadImage("empty file (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data)) as im:
-            scale = image_files.plan_decode(im.format, im.width, im.height, min_side, max_pixels)
-            if im.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
-                decoded = _decode_jpeg_turbo(data, channels)
-                if decoded is not None:
-                    return decoded
-            if scale > 1:
-                im.draft("L" if channels == 1 else "RGB", (im.width // scale, im.height // scale))
-            im.load()
-            im = image_files.normalize_mode(ImageOps.exif_transpose(im), channels)
-    except image_files.BadImage:
-        raise
-    except UnidentifiedImageError:
-        raise image_files.BadImage("not an image (unrecognised format)") from None
-    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as e:
-        raise image_files.BadImage(f"truncated or corrupted: {e}") from None
-    t = torch.from_numpy(np.asarray(im).copy())
-    return t.unsqueeze(0) if t.ndim == 2 else t.permute(2, 0, 1).contiguous()
-
-
-def _decode_jpeg_turbo(data: bytes, channels: int) -> torch.Tensor | None:
-    # libjpeg-turbo through torchvision decodes a JPEG faster than Pillow (as images.load_image
-    # does for files); None where this torchvision no longer ships the decoder.
-    import warnings
-    try:
-        from torchvision.io import ImageReadMode, decode_jpeg
-    except ImportError:
-        return None
-    raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return decode_jpeg(raw, mode=ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB,
-                               apply_exif_orientation=True)
-    except RuntimeError as e:
-        raise image_files.BadImage(f"truncated or corrupted: {str(e).rsplit(', ', 1)[-1]}") from None
 
 
 def _image_bytes(value: Any, column: str) -> bytes:

@@ -13,6 +13,7 @@ so the start-up scan and the decoder in training, predict and serve refuse the s
 
 from __future__ import annotations
 
+import io
 import math
 import os
 import warnings
@@ -114,7 +115,7 @@ def _turbo_decoder():
     return decode_jpeg, ImageReadMode
 
 
-def _decode_turbo(path: Path, channels: int) -> torch.Tensor | None:
+def _decode_turbo(data: bytes, channels: int) -> torch.Tensor | None:
     # libjpeg-turbo through torchvision: ~1.6 ms vs Pillow's ~2.6 ms for a 500x375 JPEG here.
     # torchvision 0.29 deprecates its decoders in favour of torchcodec (not installed here):
     # silenced, and the caller falls back to Pillow once they are gone.
@@ -122,11 +123,11 @@ def _decode_turbo(path: Path, channels: int) -> torch.Tensor | None:
     if found is None:
         return None
     decode_jpeg, read_mode = found
-    data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    encoded = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            return decode_jpeg(data, mode=read_mode.GRAY if channels == 1 else read_mode.RGB,
+            return decode_jpeg(encoded, mode=read_mode.GRAY if channels == 1 else read_mode.RGB,
                                apply_exif_orientation=True)
     except RuntimeError as e:
         raise BadImage(f"truncated or corrupted: {str(e).rsplit(', ', 1)[-1]}") from None
@@ -144,17 +145,40 @@ def _check_entry(path: Path) -> None:
 
 def load_image(path: str | Path, channels: int, min_side: int | None = None,
                max_pixels: int = MAX_PIXELS) -> torch.Tensor:
-    """Decode `path` to a uint8 tensor of shape (channels, H, W), or raise BadImage.
-
-    `min_side`: the shortest side the transform needs; big JPEGs are decoded reduced to the
-    smallest DCT scale still at least that size, and extreme aspect ratios are refused."""
+    """Decode the file `path` to a uint8 tensor of shape (channels, H, W), or raise BadImage
+    (see `decode_bytes`; here also: missing, unreadable, a directory, a broken symlink)."""
     path = Path(path)
     try:
         _check_entry(path)
-        with Image.open(path, formats=ALLOWED_FORMATS) as im:
+        data = path.read_bytes()
+    except BadImage:
+        raise
+    except FileNotFoundError:
+        raise BadImage("file not found") from None
+    except PermissionError:
+        raise BadImage("permission denied (not readable by this user)") from None
+    except IsADirectoryError:
+        raise BadImage("a directory, not an image file") from None
+    except OSError as e:
+        raise BadImage(f"unreadable: {e}") from None
+    return decode_bytes(data, channels, min_side, max_pixels)
+
+
+def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
+                 max_pixels: int = MAX_PIXELS) -> torch.Tensor:
+    """Encoded image bytes (a file's, a shard member's, an Arrow cell's, an upload's) -> uint8
+    (channels, H, W), or BadImage with the reason. The one decoder: every path gets the format
+    allow-list, the size checks from the header, reduced JPEG decoding and libjpeg-turbo.
+
+    `min_side`: the shortest side the transform needs; big JPEGs are decoded reduced to the
+    smallest DCT scale still at least that size, and extreme aspect ratios are refused."""
+    if not data:
+        raise BadImage("empty file (0 bytes)")
+    try:
+        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
             scale = plan_decode(im.format, im.width, im.height, min_side, max_pixels)
             if im.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
-                decoded = _decode_turbo(path, channels)
+                decoded = _decode_turbo(data, channels)
                 if decoded is not None:
                     return decoded
             if scale > 1:
@@ -164,12 +188,6 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
             im = normalize_mode(im, channels)
     except BadImage:
         raise
-    except FileNotFoundError:
-        raise BadImage("file not found") from None
-    except PermissionError:
-        raise BadImage("permission denied (not readable by this user)") from None
-    except IsADirectoryError:
-        raise BadImage("a directory, not an image file") from None
     except UnidentifiedImageError:
         raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})") from None
     except Image.DecompressionBombError as e:

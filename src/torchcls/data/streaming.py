@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from torchcls.data import images as image_files
-from torchcls.data.hf import decode_bytes
+from torchcls.data.images import decode_bytes
 from torchcls.data.shards import IMAGE_EXTS, ShardSet, iter_members, open_tar
 from torchcls.errors import UserError
 

@@ -13,7 +13,6 @@ import contextlib
 import logging
 import os
 import secrets
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from torchcls.artifacts.artifact import ArtifactInfo, LoadedArtifact
 from torchcls.data import build_transform
-from torchcls.data.images import BadImage, load_image
+from torchcls.data.images import BadImage, decode_bytes
 from torchcls.errors import UserError
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
@@ -68,15 +67,13 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        with tempfile.TemporaryDirectory(prefix="torchcls-serve-") as tmp:
-            app.state.upload_dir = Path(tmp)
-            worker = start_model_process(batcher, cfg, model_path) if model_path is not None else None
-            # Warm up with the smallest and largest batch: compiled artifacts specialise on first calls.
-            batcher.start([torch.zeros(1, *shape), torch.zeros(batcher.max_batch, *shape)], on_ready)
-            yield
-            batcher.close(timeout=cfg.graceful_timeout)  # uvicorn has already let in-flight requests finish
-            if worker is not None:
-                worker.close()
+        worker = start_model_process(batcher, cfg, model_path) if model_path is not None else None
+        # Warm up with the smallest and largest batch: compiled artifacts specialise on first calls.
+        batcher.start([torch.zeros(1, *shape), torch.zeros(batcher.max_batch, *shape)], on_ready)
+        yield
+        batcher.close(timeout=cfg.graceful_timeout)  # uvicorn has already let in-flight requests finish
+        if worker is not None:
+            worker.close()
 
     app = FastAPI(title="torchcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher, app.state.metrics = batcher, metrics
@@ -150,18 +147,14 @@ class Service:
         async with slots:
             return await run_in_threadpool(fn, *args)
 
-    def decode_all(self, uploads: list[tuple[str, bytes]], folder: Path) -> torch.Tensor:
+    def decode_all(self, uploads: list[tuple[str, bytes]]) -> torch.Tensor:
         pre = self.info.preprocess
         tensors = []
         for fname, data in uploads:
-            # load_image reads files (and handles every odd format): hand it the bytes as one.
-            with tempfile.NamedTemporaryFile(dir=folder, suffix=Path(fname).suffix) as f:
-                f.write(data)
-                f.flush()
-                try:  # min_side bounds the resize
-                    tensors.append(self.transform(load_image(f.name, pre.channels, pre.img_size)))
-                except BadImage as e:
-                    raise HTTPError(400, f"{fname}: {e}") from None
+            try:  # the decoder every file goes through; min_side bounds the resize
+                tensors.append(self.transform(decode_bytes(data, pre.channels, pre.img_size)))
+            except BadImage as e:
+                raise HTTPError(400, f"{fname}: {e}") from None
         return torch.stack(tensors)
 
 
@@ -223,7 +216,7 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
         if len(uploads) > max_batch:
             raise HTTPError(400, f"{len(uploads)} images are above this server's max batch {max_batch}")
         svc.admit(len(uploads))
-        x = await svc.off_loop(svc.decode_slots, svc.decode_all, uploads, request.app.state.upload_dir)
+        x = await svc.off_loop(svc.decode_slots, svc.decode_all, uploads)
         result = await svc.run(x)
         predictions = [{"file": fname, "top": top} for (fname, _), top in
                        zip(uploads, top_k(result.probs, topk, info.classes))]
