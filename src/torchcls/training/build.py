@@ -40,12 +40,25 @@ from torchcls.training.trainer import StepCallback, Trainer, TrainResult
 
 
 def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
-    """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues."""
+    """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues.
+    A run that fails before its first step removes the run dir it created (nothing else), so the
+    same command can be run again once the cause is fixed."""
     session = setup(cfg)  # torchrun ranks (ddp/fsdp2); inactive for --parallel none
     run = session.prepare_run(cfg)
-    t = build(cfg, session, run, callbacks)
-    if cfg.run.resume:
-        t.resume()
+    t = None
+    try:
+        t = build(cfg, session, run, callbacks)
+        if cfg.run.resume:
+            t.resume()
+        return _run_epochs(t, cfg, session, run)
+    except BaseException:
+        first_step_not_taken = t is None or t.progress.step == 0
+        if session.is_main and not cfg.run.resume and first_step_not_taken and run.discard_failed_start():
+            console.print(f"[yellow]removed {run.path}: the run stopped before its first step[/]")
+        raise
+
+
+def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> TrainResult:
     try:
         with progress_bar(cfg.train.progress) as bar:
             while t.progress.epoch < cfg.train.epochs:

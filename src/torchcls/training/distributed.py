@@ -32,7 +32,7 @@ from torchcls.checkpoint.files import CHECKPOINTS
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
-from torchcls.training.rundir import RunDir
+from torchcls.training.rundir import RunDir, created_by_this_job
 
 FAULT_STEP_ENV, FAULT_RANK_ENV = "TORCHCLS_FAULT_STEP", "TORCHCLS_FAULT_RANK"
 
@@ -227,8 +227,8 @@ def _prepare_restart(s: Session, cfg: Config) -> None:
     if Checkpointer(path / CHECKPOINTS).has_state():
         cfg.run.resume = True
         console.print(f"[yellow]elastic restart {s.restart_count}: resuming {path} from its last checkpoint[/]")
-    elif s.is_main and (path / "config.toml").is_file():
-        shutil.rmtree(path)  # the failed attempt left no checkpoint: start this run again
+    elif s.is_main and created_by_this_job(path):
+        shutil.rmtree(path)  # an earlier attempt of this job made it and left no checkpoint: start again
     s.barrier()
 
 

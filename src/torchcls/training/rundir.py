@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,6 +14,23 @@ from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE
 from torchcls.config import Config
 from torchcls.errors import UserError
+
+# Written into a run dir this job created: only such a dir may be removed again (after a failed
+# start, or by an elastic restart of the same torchrun job). A dir that held anything before, a
+# user's own files included, is never deleted.
+CREATED_BY = ".created-by.json"
+
+
+def job_id() -> str:
+    """The same for every attempt of one torchrun job (torchrun's run id), else this process."""
+    return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
+
+
+def created_by_this_job(path: Path) -> bool:
+    try:
+        return json.loads((path / CREATED_BY).read_text()).get("job") == job_id()
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @dataclass
@@ -38,7 +57,10 @@ class RunDir:
         if not cfg.run.resume and path.exists() and any(path.iterdir()):
             raise UserError(f"run dir {path} already exists: pass --resume to continue it, "
                             "or choose another --name")
+        fresh = not path.exists() or not any(path.iterdir())
         path.mkdir(parents=True, exist_ok=True)
+        if fresh:
+            (path / CREATED_BY).write_text(json.dumps({"job": job_id()}))
         run = cls(path)
         run.checkpoints.mkdir(exist_ok=True)
         if not cfg.run.resume:
@@ -48,6 +70,14 @@ class RunDir:
     def log(self, record: dict[str, Any]) -> None:
         with self.metrics_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
+
+    def discard_failed_start(self) -> bool:
+        """After a start that failed before any checkpoint: remove the dir if this job created it,
+        so that the same command can simply be run again. Returns whether it was removed."""
+        if not created_by_this_job(self.path) or Checkpointer(self.checkpoints).has_state():
+            return False
+        shutil.rmtree(self.path, ignore_errors=True)
+        return True
 
     def truncate_metrics(self, after_step: int) -> None:
         """On resume, drop records logged after the checkpoint so the log reads like one run."""

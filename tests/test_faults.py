@@ -1,0 +1,57 @@
+"""Faults around a run's start: nothing a job did not create is ever deleted, and what a failed start
+created is removed so that the same command can simply be run again."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import tiny_config
+from torchcls.errors import UserError
+
+
+def test_a_start_that_fails_before_the_first_step_leaves_no_run_dir(tmp_path: Path, shapes_dir: Path) -> None:
+    from torchcls.training import train
+
+    (shapes_dir / "circle" / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n truncated")
+    cfg = tiny_config(shapes_dir, tmp_path, "again", epochs=1)
+    with pytest.raises(UserError, match="broken.png"):
+        train(cfg)
+    assert not (tmp_path / "again").exists()  # used to stay, and the retry was refused as "already exists"
+    (shapes_dir / "circle" / "broken.png").unlink()
+    assert train(tiny_config(shapes_dir, tmp_path, "again", epochs=1)).steps > 0
+
+
+def test_a_users_existing_dir_is_never_removed(tmp_path: Path, shapes_dir: Path) -> None:
+    from torchcls.training import train
+
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "eval.json").write_text(json.dumps({"top1": 0.9}))
+    (shapes_dir / "circle" / "broken.png").write_bytes(b"not an image")
+    with pytest.raises(UserError, match="already exists"):
+        train(tiny_config(shapes_dir, tmp_path, "keep", epochs=1))
+    assert (keep / "eval.json").is_file()
+
+
+@pytest.mark.slow
+def test_an_elastic_restart_keeps_a_dir_it_did_not_create(tmp_path: Path, shapes_dir: Path) -> None:
+    """runs/keep holds a user's files; attempt 0 is refused ("already exists"); the restart used to
+    delete the dir (it had a config.toml and no checkpoint) and start over."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    (keep / "config.toml").write_text("[train]\nepochs = 1\n")
+    (keep / "eval.json").write_text(json.dumps({"top1": 0.9}))
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=1",
+           "-m", "torchcls", "train", "--data", str(shapes_dir), "--out-dir", str(tmp_path), "--name", "keep",
+           "--parallel", "ddp", "--epochs", "1", "--batch-size", "8", "--workers", "0", "--img-size", "16",
+           "--no-progress", "--no-lineage", "--dist-timeout", "60"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode != 0 and "already exists" in r.stdout + r.stderr
+    assert (keep / "eval.json").is_file() and (keep / "config.toml").read_text().startswith("[train]")
