@@ -55,3 +55,47 @@ def test_an_elastic_restart_keeps_a_dir_it_did_not_create(tmp_path: Path, shapes
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode != 0 and "already exists" in r.stdout + r.stderr
     assert (keep / "eval.json").is_file() and (keep / "config.toml").read_text().startswith("[train]")
+
+
+NAN_ON_RANK_1 = """
+import os, sys, torch
+from torchcls.config import Config
+from torchcls.training import train
+cfg = Config()
+cfg.data.source, cfg.data.workers, cfg.data.batch_size, cfg.data.img_size = sys.argv[1], 0, 8, 16
+cfg.train.epochs, cfg.train.progress, cfg.governance.lineage = 2, False, False
+cfg.precision.nonfinite, cfg.parallel.parallel, cfg.parallel.dist_timeout = "skip", "ddp", 60
+cfg.run.out_dir, cfg.run.name = sys.argv[2], "nan"
+saved = {}
+def poison(step):  # rank 1's weights are NaN for exactly one step (step 6): only its loss is non-finite
+    if os.environ["RANK"] != "1" or step not in (5, 6):
+        return
+    p = next(iter(train_model[0].parameters()))
+    with torch.no_grad():
+        if step == 5:
+            saved["w"] = p.clone(); p.fill_(float("nan"))
+        else:
+            p.copy_(saved["w"])
+train_model = []
+import torchcls.training.build as build
+real = build.build
+def keep(*a, **k):
+    t = real(*a, **k); train_model.append(t.model); return t
+build.build = keep
+train(cfg, callbacks=[poison])
+"""
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_rank_is_skipped_by_every_rank(tmp_path: Path, shapes_dir: Path) -> None:
+    """Each rank used to decide alone: rank 1 skipped, rank 0 waited in the all-reduce until gloo timed out."""
+    script = tmp_path / "nan.py"
+    script.write_text(NAN_ON_RANK_1)
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+           str(shapes_dir), str(tmp_path)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [rec for rec in records if rec["kind"] == "nonfinite"]
+    assert [rec["step"] for rec in skipped] == [6] and records[-1]["kind"] == "epoch"

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from torchcls.console import console
@@ -70,8 +71,9 @@ class PrecisionPlan:
         """Backward, clip, optimizer step. Returns False when a NaN/Inf step was skipped (--nonfinite skip);
         raises NonFiniteLoss under --nonfinite stop. Never applies a non-finite update."""
         value = loss.item()
-        if not math.isfinite(value):
-            return self._nonfinite("loss", value, step)
+        if not _finite_everywhere(math.isfinite(value), loss.device):
+            what = "loss" if not math.isfinite(value) else "loss on another rank"
+            return self._nonfinite(what, value, step)
         (self.scaler.scale(loss) if self.scaler else loss).backward()
         if grad_clip > 0:
             if self.scaler:
@@ -171,3 +173,14 @@ def _report(plan: PrecisionPlan, cfg: PrecisionConfig, device: torch.device, com
             **summary(f.layers), "layers": [d.to_dict() for d in f.layers],
         }
     return report
+
+
+def _finite_everywhere(finite_here: bool, device: torch.device) -> bool:
+    """Under torchrun, whether the loss was finite on every rank: all ranks skip (or stop) together.
+    A rank that skipped alone would leave the others waiting in the gradient all-reduce until the
+    process group timed out."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return finite_here
+    flag = torch.tensor([1.0 if finite_here else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
