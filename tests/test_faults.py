@@ -99,3 +99,39 @@ def test_a_nan_on_one_rank_is_skipped_by_every_rank(tmp_path: Path, shapes_dir: 
     records = [json.loads(line) for line in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
     skipped = [rec for rec in records if rec["kind"] == "nonfinite"]
     assert [rec["step"] for rec in skipped] == [6] and records[-1]["kind"] == "epoch"
+
+
+def test_a_kill_between_the_two_checkpoint_writes_resumes_one_consistent_step(tmp_path: Path,
+                                                                              shapes_dir: Path) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from torchcls.training import train
+
+    full = train(tiny_config(shapes_dir, tmp_path, "full", epochs=3))
+
+    def interrupt(step):
+        if step == 6:
+            raise KeyboardInterrupt
+
+    cfg = tiny_config(shapes_dir, tmp_path, "cut", epochs=3)
+    train(cfg, callbacks=[interrupt])
+    ckpt = tmp_path / "cut" / "checkpoints"
+    # The next save's weights landed, its training state did not (killed between the two writes).
+    with safe_open(str(ckpt / "last.safetensors"), "pt") as f:
+        meta = f.metadata()
+    newer = {k: v + 1 for k, v in load_file(ckpt / "last.safetensors").items()}
+    save_file(newer, str(ckpt / "last.safetensors"), metadata=meta)
+    cfg.run.resume = True
+    resumed = train(cfg)
+    a, b = load_file(full.last_checkpoint), load_file(resumed.last_checkpoint)
+    assert all(torch.equal(a[k], b[k]) for k in a)  # the state's own weights were used, not the newer file
+
+    # A state file from before this change (no weights inside) beside weights of another step: refused.
+    state = torch.load(ckpt / "last.state.pt", weights_only=True)
+    del state["model"]
+    state["step"] -= 1
+    torch.save(state, ckpt / "last.state.pt")
+    with pytest.raises(UserError, match="stopped between the two writes"):
+        train(cfg)

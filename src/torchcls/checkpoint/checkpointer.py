@@ -28,6 +28,8 @@ from torchcls.checkpoint.files import (
     CheckpointMeta,
     load_training_state,
     load_weights_into,
+    model_state,
+    read_meta,
     save_training_state,
     write_weights,
 )
@@ -101,8 +103,10 @@ class Checkpointer:
         if self.ranks.active:
             return self._save_sharded(model, optimizer, scheduler, progress, meta)
         self.save_weights(self.last_weights, model, meta)
+        # The state file carries the weights too: one atomic file is one commit, so a kill between
+        # this write and last.safetensors' can never resume new weights with old optimizer state.
         save_training_state(self.last_state, {
-            "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+            "model": model_state(model), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
             "epoch": progress.epoch, "step": progress.step, "step_in_epoch": progress.step_in_epoch,
             "best_top1": progress.best_top1, "rng": torch.get_rng_state(),
             "precision": precision.state_dict() if precision is not None else {},
@@ -155,7 +159,11 @@ class Checkpointer:
             progress = Progress(*fields)
         else:
             state = load_training_state(self.last_state)
-            load_weights_into(model, self.last_weights)
+            if "model" in state:
+                load_weights_into(model, self.last_state, state["model"])
+            else:  # written before the state carried the weights: the pair must be of one step
+                _check_same_step(self.last_weights, state["step"])
+                load_weights_into(model, self.last_weights)
             optimizer.load_state_dict(state["optimizer"])
             scheduler.load_state_dict(state["scheduler"])
             if precision is not None:
@@ -164,3 +172,11 @@ class Checkpointer:
             rng = state["rng"]
         return progress, rng if progress.step_in_epoch else None
 
+
+def _check_same_step(weights: Path, step: int) -> None:
+    saved = read_meta(weights).step
+    if saved != step:
+        raise UserError(f"{weights} is from step {saved} but the training state beside it from step {step}: the "
+                        "run was stopped between the two writes of a checkpoint. Resuming would pair weights and "
+                        "optimizer state of different steps; start the run again (or from best.safetensors with "
+                        "--pretrained)")

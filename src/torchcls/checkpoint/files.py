@@ -127,8 +127,10 @@ def load_model(path: str | Path) -> tuple[nn.Module, CheckpointMeta]:
     return model.eval(), meta
 
 
-def load_weights_into(model: nn.Module, path: Path) -> None:
-    state = load_file(str(path))
+def load_weights_into(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Load the safetensors file `path` (or `state`, read from `path` already) into `model`, refusing
+    with the mismatching keys named when it does not fit."""
+    state = load_file(str(path)) if state is None else state
     expected = model.state_dict()
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
