@@ -95,3 +95,16 @@ def test_checkpoint_of_other_model_is_refused(tmp_path, trained_run):
     pickle.write_bytes(b"\x80\x04\x95 not safetensors")
     with pytest.raises(UserError, match="not a safetensors checkpoint"):
         load_model(pickle)
+
+
+def test_log_every_sets_the_step_records(tmp_path, shapes_dir):
+    cfg = tiny_config(shapes_dir, tmp_path, "logs", epochs=1)
+    cfg.train.log_every = 2
+    result = train(cfg)
+    steps = [json.loads(line)["step"] for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "step"]
+    assert steps == list(range(2, result.steps + 1, 2))
+    cfg = tiny_config(shapes_dir, tmp_path, "bad", epochs=1)
+    cfg.train.log_every = -1
+    with pytest.raises(UserError, match="--log-every"):
+        train(cfg)

@@ -24,6 +24,7 @@ from torchcls.data.mixing import build_mixing
 from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
+from torchcls.errors import UserError
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
@@ -80,6 +81,9 @@ def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> Train
 
 def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """Everything a run needs, in dependency order; governance refuses before any data is read."""
+    if cfg.train.log_every < 0:
+        raise UserError(f"--log-every {cfg.train.log_every}: give a number of steps >= 1, or 0 for ten records an "
+                        "epoch")
     if session.is_main:
         cfg.save_toml(run.path / "config.toml")
     device = resolve_device(cfg.train.device)

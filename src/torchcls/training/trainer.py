@@ -121,7 +121,7 @@ class Trainer:
         """Train one epoch (or its rest); returns the epoch record, validation included."""
         cfg, p, steps = self.cfg, self.progress, len(self.feed)
         task = bar.add_task(f"epoch {p.epoch + 1}/{cfg.train.epochs}", total=steps, completed=p.step_in_epoch)
-        log_every, save_every = max(1, steps // 10), cfg.checkpoint.save_every
+        log_every, save_every = cfg.train.log_every or max(1, steps // 10), cfg.checkpoint.save_every
         # Sums stay on the device: read once at the end of the epoch, not synchronised every step.
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
