@@ -109,8 +109,8 @@ class TrainConfig:
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     threads: int = opt(0, "intra-op CPU threads (0 = torch default)")
     tensorboard: bool = opt(False, "also log scalars to TensorBoard (needs the 'tensorboard' package)")
-    log_every: int = opt(0, "write a step record (loss, learning rate) every N optimizer steps (0 = ten times "
-                         "an epoch); the loss is read from the device only at these steps")
+    log_every: int = opt(0, "write a step record (loss averaged over ranks, learning rate) every N optimizer "
+                         "steps (0 = ten times an epoch)")
     progress: bool = opt(True, "show a progress bar")
     memory_report: bool = opt(False, "write allocator.json: on CUDA the caching allocator's stats per step (allocated "
                               "vs reserved, fragmentation, alloc retries, OOMs) with advice; on CPU the profiler's "
