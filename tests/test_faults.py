@@ -135,3 +135,27 @@ def test_a_kill_between_the_two_checkpoint_writes_resumes_one_consistent_step(tm
     torch.save(state, ckpt / "last.state.pt")
     with pytest.raises(UserError, match="stopped between the two writes"):
         train(cfg)
+
+
+def test_resume_applies_a_new_lr_records_it_and_refuses_another_image_size(tmp_path: Path,
+                                                                             shapes_dir: Path) -> None:
+    import tomllib
+
+    from torchcls.training import train
+
+    cfg = tiny_config(shapes_dir, tmp_path, "more", epochs=1)
+    cfg.optim.warmup_epochs = 0.0
+    first = train(cfg)
+    cfg.run.resume, cfg.train.epochs, cfg.optim.lr = True, 2, 3e-4
+    train(cfg)
+    records = [json.loads(line) for line in (first.run_dir / "metrics.jsonl").read_text().splitlines()]
+    resume = next(r for r in records if r["kind"] == "resume")
+    assert resume["changed"]["optim.lr"] == {"before": 3e-3, "now": 3e-4}
+    assert resume["changed"]["train.epochs"] == {"before": 1, "now": 2}
+    lrs = [r["lr"] for r in records if r["kind"] == "step" and r["step"] > resume["step"]]
+    assert lrs and max(lrs) <= 3e-4  # the restored schedule used to keep the old peak of 3e-3
+    assert tomllib.loads((first.run_dir / "config.toml").read_text())["optim"]["lr"] == 3e-4
+    cfg.data.img_size = 16
+    with pytest.raises(UserError, match="--img-size 32 -> 16"):
+        train(cfg)
+    assert (first.run_dir / "checkpoints" / "last.safetensors").is_file()  # nothing lost

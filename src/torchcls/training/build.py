@@ -35,6 +35,7 @@ from torchcls.training.feed import build_feed
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, warmup_cosine
 from torchcls.training.parallel import parallelize
+from torchcls.training.resume_options import option_changes
 from torchcls.training.rundir import RunDir
 from torchcls.training.tensorboard import open_writer
 from torchcls.training.trainer import StepCallback, Trainer, TrainResult
@@ -84,6 +85,8 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     if cfg.train.log_every < 0:
         raise UserError(f"--log-every {cfg.train.log_every}: give a number of steps >= 1, or 0 for ten records an "
                         "epoch")
+    saved = run.path / "config.toml"  # before it is overwritten: what a resume may change
+    changes = option_changes(saved, cfg) if cfg.run.resume and saved.is_file() else {}
     if session.is_main:
         cfg.save_toml(run.path / "config.toml")
     device = resolve_device(cfg.train.device)
@@ -118,7 +121,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
                    optimizer, scheduler, criterion, feed, checkpointer,
                    [*callbacks, memory] if memory else list(callbacks), mixing, memory,
-                   open_writer(run.path) if cfg.train.tensorboard else None)
+                   open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes)
 
 
 def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,

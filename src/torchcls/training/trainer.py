@@ -28,6 +28,8 @@ from torchcls.models.early_exit import exit_loss
 from torchcls.precision.training import PrecisionPlan
 from torchcls.training.distributed import Session
 from torchcls.training.feed import Feed
+from torchcls.training.resume_options import apply_optim_changes
+from torchcls.training.resume_options import record as resume_record
 from torchcls.training.rundir import RunDir
 from torchcls.training.tensorboard import write_scalars
 from torchcls.training.validation import validate
@@ -70,6 +72,7 @@ class Trainer:
     writer: Any = None  # TensorBoard
     progress: Progress = field(default_factory=Progress)
     resume_rng: torch.Tensor | None = None  # restored once a resumed epoch is replayed to its step
+    resume_changes: dict[str, Any] = field(default_factory=dict)  # options changed by --resume (resume_options)
 
     def __post_init__(self) -> None:
         self.model.train()
@@ -89,6 +92,11 @@ class Trainer:
         p = self.progress
         self.feed.load_state(self.run.checkpoints, self.session.rank, p.step)
         self.run.truncate_metrics(p.step)
+        if self.resume_changes:
+            apply_optim_changes(self.optimizer, self.scheduler, self.resume_changes)
+            self.log(resume_record(self.resume_changes, p.step))
+            console.print("changed on resume: " + ", ".join(f"{k} {b!r} -> {n!r}"
+                                                           for k, (b, n) in self.resume_changes.items()))
         world = f" (world size {self.session.world})" if self.session.active else ""
         console.print(f"resuming {self.run.path} at epoch {p.epoch + 1}, step {p.step}{world}")
 
