@@ -135,7 +135,9 @@ class Trainer:
         correct = torch.zeros((), dtype=torch.int64, device=self.device)
         t0, seen = time.perf_counter(), 0
         for x, y in self._batches():
-            if not len(y):  # every image of this batch failed to decode (--on-bad-file skip)
+            # Every image of this batch failed to decode (--on-bad-file skip). Known limit: under torchrun
+            # only this rank skips the step, and the others wait for it in the gradient all-reduce.
+            if not len(y):
                 continue
             x, y = x.to(self.device, memory_format=self.memory_format, non_blocking=True), y.to(self.device)
             loss, logits, stepped = self.train_step(x, y)
