@@ -13,10 +13,12 @@ so the start-up scan and the decoder in training, predict and serve refuse the s
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -149,8 +151,19 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
     (see `decode_bytes`; here also: missing, unreadable, a directory, a broken symlink)."""
     path = Path(path)
     try:
-        _check_entry(path)
-        data = path.read_bytes()
+        with _entry_errors():
+            _check_entry(path)
+            data = path.read_bytes()
+    except OSError as e:  # anything else the disk says (EIO...): still a named bad file, not a crash
+        raise BadImage(f"unreadable: {e}") from None
+    return decode_bytes(data, channels, min_side, max_pixels)
+
+
+@contextlib.contextmanager
+def _entry_errors() -> Iterator[None]:
+    """What reaching a file can go wrong with, as BadImage reasons (shared by load_image and read_header)."""
+    try:
+        yield
     except BadImage:
         raise
     except FileNotFoundError:
@@ -159,9 +172,6 @@ def load_image(path: str | Path, channels: int, min_side: int | None = None,
         raise BadImage("permission denied (not readable by this user)") from None
     except IsADirectoryError:
         raise BadImage("a directory, not an image file") from None
-    except OSError as e:
-        raise BadImage(f"unreadable: {e}") from None
-    return decode_bytes(data, channels, min_side, max_pixels)
 
 
 def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
@@ -202,15 +212,12 @@ def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
 def read_header(path: Path) -> tuple[str, int, int]:
     """(format, width, height) from the header alone, never the pixels; BadImage if unidentifiable."""
     try:
-        _check_entry(path)
-        with Image.open(path, formats=ALLOWED_FORMATS) as im:
-            return im.format or "?", im.width, im.height
+        with _entry_errors():
+            _check_entry(path)
+            with Image.open(path, formats=ALLOWED_FORMATS) as im:
+                return im.format or "?", im.width, im.height
     except BadImage:
         raise
-    except FileNotFoundError:
-        raise BadImage("file not found") from None
-    except PermissionError:
-        raise BadImage("permission denied (not readable by this user)") from None
     except UnidentifiedImageError:
         raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})") from None
     except (OSError, SyntaxError, ValueError) as e:
