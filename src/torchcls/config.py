@@ -67,6 +67,11 @@ class DataConfig:
                          "--memory-limit-mb; on = always (refused if it does not fit); off = the per-sample loader",
                          choices=("auto", "on", "off"))
     memory_limit_mb: int = opt(4096, "largest in-memory cache (MB, per process) that --in-memory auto/on builds")
+    task: str = opt("multiclass", "multiclass: one label per image (cross-entropy); multilabel: any number of labels "
+                    "per image, from a CSV `labels` column separated by ';' (one sigmoid per class, BCE loss)",
+                    choices=("multiclass", "multilabel"))
+    balanced_sampler: bool = opt(False, "draw training images with probability inversely proportional to their "
+                                 "class frequency (each epoch still has as many images as the training set)")
 
 
 @dataclass
@@ -81,6 +86,8 @@ class ModelConfig:
                      "stages (0 = after every stage but the last)")
     exit_threshold: float = opt(0.9, "early-exit models: a sample leaves at the first exit whose max softmax "
                                 "probability reaches this value, in [0, 1]")
+    freeze: str = opt("", "train only part of the model: backbone = everything but the classifier; stages:N = "
+                      "the stem and the first N stages; empty = nothing frozen")
     pretrained: str | None = opt(None, "start from local weights: a torchcls run dir or checkpoint, a timm or "
                                  "torchvision state dict (.safetensors, or .pth/.bin read with weights_only), or a "
                                  "Hugging Face hub folder; the classifier is re-initialised when the classes differ "
@@ -89,8 +96,26 @@ class ModelConfig:
 
 @dataclass
 class OptimConfig:
-    optimizer: str = opt("adamw", "optimizer", choices=("adamw", "sgd"))
-    lr: float = opt(3e-3, "peak learning rate (reached after warm-up, then cosine decay to 0)")
+    optimizer: str = opt("adamw", "optimizer (timm's optimizer factory; parameters a model names in "
+                         "no_weight_decay(), norms and biases are not decayed)",
+                         choices=("adamw", "sgd", "adam", "lamb", "lion", "lars", "rmsprop", "adopt"))
+    lr: float = opt(3e-3, "peak learning rate (reached after warm-up, then follows --sched)")
+    sched: str = opt("cosine", "learning-rate schedule after the warm-up: cosine to 0; step = x0.1 at 1/3 and 2/3 of "
+                     "the epochs; onecycle = one cycle (warm-up, then cosine annealing to 0, SGD momentum cycled); "
+                     "plateau = x0.1 when the validation loss stops improving", choices=("cosine", "step",
+                                                                                        "onecycle", "plateau"))
+    layer_decay: float = opt(0.0, "layer-wise learning-rate decay: each block further from the head gets F times "
+                             "its successor's rate (timm's layer_decay; e.g. 0.75 for fine-tuning a ViT); 0 = off")
+    head_lr: float = opt(1.0, "learning rate of the classifier head as a multiple of --lr (e.g. 10 when "
+                         "fine-tuning a pretrained backbone)")
+    accum_steps: int = opt(1, "accumulate gradients over N micro-batches of --batch-size before each optimizer "
+                           "step (an effective batch of N x --batch-size; no gradient sync on the inner steps "
+                           "under ddp/fsdp2)")
+    ema: float = opt(0.0, "keep an exponential moving average of the weights with this decay (e.g. 0.999); it is "
+                     "validated every epoch beside the raw weights and the better one becomes best.safetensors; "
+                     "0 = off")
+    class_weights: str = opt("none", "weight the loss of each class: auto = inversely to its frequency in the "
+                             "training set; none = equal", choices=("none", "auto"))
     weight_decay: float = opt(0.05, "decoupled weight decay (not applied to norms and biases)")
     momentum: float = opt(0.9, "SGD momentum (Nesterov)")
     warmup_epochs: float = opt(0.5, "linear warm-up length in epochs")
@@ -112,6 +137,13 @@ class TrainConfig:
     log_every: int = opt(0, "write a step record (loss averaged over ranks, learning rate) every N optimizer "
                          "steps (0 = ten times an epoch)")
     progress: bool = opt(True, "show a progress bar")
+    early_stop: int = opt(0, "stop when the validation top-1 (multilabel: mAP) has not improved for N epochs "
+                          "(0 = train all --epochs)")
+    tracking: str = opt("none", "also log the run (params, metrics per step and epoch, report, final checkpoint) "
+                        "to an experiment tracker", choices=("none", "mlflow"))
+    tracking_uri: str | None = opt(None, "--tracking mlflow: the tracking store: a server URL, sqlite:///FILE or a "
+                                   "folder (default: ./mlruns)")
+    tracking_experiment: str = opt("torchcls", "--tracking mlflow: the experiment the run is logged under")
     memory_report: bool = opt(False, "write allocator.json: on CUDA the caching allocator's stats per step (allocated "
                               "vs reserved, fragmentation, alloc retries, OOMs) with advice; on CPU the profiler's "
                               "memory events over steps 3-5 and peak RSS")

@@ -16,8 +16,9 @@ from torchcls.errors import UserError
 # Changing one of these would resume other data or another order of batches. (Another --model is
 # refused by the checkpoint itself; another --parallel or world size is what DCP resharding is for.)
 FIXED = {"data": ("source", "root", "val_data", "val_fraction", "img_size", "channels", "batch_size",
-                  "image_column", "label_column", "in_memory"),
-         "model": ("exits", "drop_rate", "drop_path"),
+                  "image_column", "label_column", "in_memory", "task", "balanced_sampler"),
+         "model": ("exits", "drop_rate", "drop_path", "freeze"),
+         "optim": ("accum_steps", "ema"),
          "train": ("seed",)}
 
 
