@@ -33,6 +33,7 @@ from torchcls.checkpoint.files import (
     save_training_state,
     write_weights,
 )
+from torchcls.console import console
 from torchcls.errors import UserError
 
 
@@ -83,6 +84,14 @@ class Checkpointer:
     def has_state(self) -> bool:
         """Is there a training state to resume from (either format)?"""
         return self.last_state.is_file() or dcp.is_complete(self.last_dcp)
+
+    def recover(self) -> str | None:
+        """Finish a sharded checkpoint's commit that a crash interrupted, before anything asks has_state
+        (rank 0 or one process only: it renames). Returns what it did, None when nothing was needed."""
+        done = dcp.recover(self.last_dcp) if self.directory.is_dir() else None
+        if done:
+            console.print(f"[yellow]{self.directory}: {done}[/]")
+        return done
 
     def resumes_from_dcp(self) -> bool:
         """Ranks always resume from DCP; a single process does when its DCP state is the newer one."""

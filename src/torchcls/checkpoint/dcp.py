@@ -7,6 +7,11 @@ The state holds tensors only (weights, optimizer moments, progress counters, lea
 RNG): no pickled objects are written or loaded. Every save goes to a temporary dir that rank 0
 renames into place once all ranks finished: a crash mid-save keeps the old one.
 
+The commit is two renames (last.dcp -> .last.dcp.old, .last.dcp.tmp -> last.dcp). A crash between
+them leaves no last.dcp at all; `recover` finishes the commit instead (the temporary dir holds
+meta.json only once every rank's write finished, so it is the newer complete checkpoint), or puts
+.last.dcp.old back when there is nothing newer. Nothing is deleted to get out of that window.
+
 Which directory is the run's (`last.dcp`) and when to save is the Checkpointer's business;
 these functions take the directory.
 """
@@ -33,7 +38,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, CheckpointMeta, model_state, write_weights
+from torchcls.checkpoint.files import (
+    CHECKPOINTS,
+    LAST_DCP,
+    CheckpointMeta,
+    atomic_write,
+    model_state,
+    write_weights,
+)
 from torchcls.checkpoint.safe_dcp import safe_load
 from torchcls.errors import UserError
 
@@ -88,11 +100,21 @@ def _tmp(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+def _old(path: Path) -> Path:
+    return path.with_name(f".{path.name}.old")
+
+
+def _finished(path: Path) -> bool:
+    """A checkpoint dir every rank finished writing: commit puts meta.json into it only after that."""
+    return is_complete(path) and (path / META).is_file()
+
+
 def start_save(path: Path, state: dict[str, Any], ranks: Ranks, group=None):
     """Write `state` into the temporary dir beside `path` (all ranks call). With a process `group`,
     in a background thread: returns its future (then `commit` after it completed); else None."""
     if ranks.is_main:
-        shutil.rmtree(_tmp(path), ignore_errors=True)  # left by a crash
+        recover(path)  # a finished write of a crashed commit is kept, not overwritten
+        shutil.rmtree(_tmp(path), ignore_errors=True)  # what is left is a write a crash cut short
     ranks.barrier()
     if group is not None:
         return dcp.async_save(state, checkpoint_id=str(_tmp(path)), process_group=group)
@@ -104,13 +126,31 @@ def commit(path: Path, meta_json: str, ranks: Ranks) -> None:
     """Rank 0 puts the finished temporary dir in place of `path` (every rank's shards are on disk)."""
     if not ranks.is_main:
         return
-    tmp, old = _tmp(path), path.with_name(f".{path.name}.old")
-    (tmp / META).write_text(meta_json)
-    shutil.rmtree(old, ignore_errors=True)
-    if path.exists():
+    atomic_write(_tmp(path) / META, lambda f: Path(f).write_text(meta_json))  # marks the write finished
+    _swap(path)
+
+
+def _swap(path: Path) -> None:
+    """The commit's renames, from wherever a crash interrupted them: each step can be done again."""
+    tmp, old = _tmp(path), _old(path)
+    if path.exists():  # not there: a crash came between the two renames, and .old is the previous one
+        shutil.rmtree(old, ignore_errors=True)
         path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def recover(path: Path) -> str | None:
+    """Finish a commit that a crash interrupted (rank 0 or one process, before anyone looks for a
+    checkpoint). Returns what was done, None when there was nothing to do."""
+    tmp, old = _tmp(path), _old(path)
+    if _finished(tmp):
+        _swap(path)
+        return f"finished the commit a crash interrupted: {tmp.name} (step {saved_step(path)}) is now {path.name}"
+    if not path.exists() and _finished(old):
+        old.rename(path)
+        return f"restored {path.name} (step {saved_step(path)}) from {old.name}: a crash came during its commit"
+    return None
 
 
 def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any,

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import secrets
 import shutil
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,7 +186,7 @@ def _init_process_group(s: Session, device: str, timeout_s: int) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-        dist.init_process_group(backend, store=_generation_store(store, s.world), rank=s.rank,
+        dist.init_process_group(backend, store=_generation_store(store, s.rank, s.world, timeout_s), rank=s.rank,
                                 world_size=s.world, timeout=timeout)
     except (RuntimeError, ValueError, TimeoutError) as e:
         raise UserError(f"rank {s.rank} could not join the process group at {addr} within {timeout_s}s "
@@ -192,17 +194,49 @@ def _init_process_group(s: Session, device: str, timeout_s: int) -> None:
                         f"{s.world} processes were started; --dist-timeout changes the wait") from None
 
 
-def _generation_store(store: dist.Store, world: int) -> dist.Store:
+def _generation_store(store: dist.Store, rank: int, world: int, timeout_s: float) -> dist.Store:
     """Give every start of the job its own key space in the rendezvous store.
 
     torchrun's agent keeps one TCPStore for the whole job (TORCHELASTIC_USE_AGENT_STORE), so
     after an elastic restart the previous attempt's keys are still there: gloo could read a dead
-    peer's address and fail with "Connection refused" (pytorch/pytorch#135712). A counter in the
-    store numbers the attempts the same way on every rank and node, unlike
-    TORCHELASTIC_RESTART_COUNT, which each node's agent counts on its own.
+    peer's address and fail with "Connection refused" (pytorch/pytorch#135712). Every rank of one
+    start must pick the same fresh prefix. Neither a count of ranks started (a rank that dies
+    before adding itself shifts every later start) nor TORCHELASTIC_RESTART_COUNT (each node's
+    agent counts its own restarts: a node restarted because another node failed does not count
+    one) can promise that. So rank 0 draws the generation and hands it to each rank in answer to
+    a nonce that rank made up for this start: an answer meant for a rank of an earlier start can
+    never be taken for this one. Every rank of an earlier start is gone before a new one begins.
     """
-    generation = (store.add("torchcls/ranks_started", 1) - 1) // world
+    deadline = time.monotonic() + timeout_s
+    if rank == 0:
+        generation = store.add("torchcls/generation", 1)
+        _answer_ranks(store, generation, world, deadline)
+    else:
+        nonce = secrets.token_hex(16)
+        store.set(f"torchcls/hello/{rank}", nonce)
+        store.wait([f"torchcls/welcome/{nonce}"], datetime.timedelta(seconds=timeout_s))
+        generation = int(store.get(f"torchcls/welcome/{nonce}"))
+        store.set(f"torchcls/generation_{generation}/joined/{rank}", b"1")
     return dist.PrefixStore(f"torchcls/generation_{generation}", store)
+
+
+def _answer_ranks(store: dist.Store, generation: int, world: int, deadline: float) -> None:
+    """Rank 0: tell each rank's latest nonce the generation until every rank confirmed it. A nonce
+    left by an earlier start is answered too (harmlessly) and later replaced by the rank's new one."""
+    waiting, answered = set(range(1, world)), {}
+    while waiting:
+        for r in sorted(waiting):
+            if store.check([f"torchcls/generation_{generation}/joined/{r}"]):
+                waiting.discard(r)
+            elif store.check([f"torchcls/hello/{r}"]):
+                nonce = store.get(f"torchcls/hello/{r}").decode()
+                if answered.get(r) != nonce:
+                    store.set(f"torchcls/welcome/{nonce}", str(generation))
+                    answered[r] = nonce
+        if waiting and time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {sorted(waiting)} did not join generation {generation} in time")
+        if waiting:
+            time.sleep(0.01)
 
 
 def _agree_on_name(s: Session, cfg: Config) -> None:
@@ -224,7 +258,11 @@ def _prepare_restart(s: Session, cfg: Config) -> None:
     path = Path(cfg.run.out_dir) / cfg.run.name
     if cfg.run.resume:
         return
-    if Checkpointer(path / CHECKPOINTS).has_state():
+    checkpointer = Checkpointer(path / CHECKPOINTS)
+    if s.is_main:
+        checkpointer.recover()  # a crash between the two renames of a commit: before has_state looks
+    s.barrier()
+    if checkpointer.has_state():
         cfg.run.resume = True
         console.print(f"[yellow]elastic restart {s.restart_count}: resuming {path} from its last checkpoint[/]")
     elif s.is_main and created_by_this_job(path):

@@ -51,6 +51,7 @@ class RunDir:
         cfg.run.name = name
         path = Path(cfg.run.out_dir) / name
         checkpointer = Checkpointer(path / CHECKPOINTS)
+        checkpointer.recover()  # a crash between the two renames of a sharded commit left no last.dcp/
         if cfg.run.resume and not checkpointer.has_state():
             raise UserError(f"--resume: {path} has no {CHECKPOINTS}/{LAST_STATE} (or {LAST_DCP}/) to continue "
                             "from; check --name and --out-dir")
