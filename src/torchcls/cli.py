@@ -20,6 +20,11 @@ from torchcls.options import add_config_flags, config_from_args  # noqa: F401  (
 def _cmd_train(args: argparse.Namespace) -> int:
     from torchcls.training import train
 
+    if args.recipe == "list":  # show the named recipes instead of training
+        from torchcls.recipes import describe
+
+        print(describe())
+        return 0
     result = train(config_from_args(args))
     if result.interrupted:
         return 130

@@ -250,8 +250,8 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], origin: str = "config") -> Config:
-        cfg = cls()
+    def from_dict(cls, raw: dict[str, Any], origin: str = "config", base: Config | None = None) -> Config:
+        cfg = base if base is not None else cls()  # base: a recipe the file's options override
         for section, values in raw.items():
             if section not in SECTIONS:
                 raise UserError(f"{origin}: unknown section [{section}]; known: {', '.join(SECTIONS)}")
@@ -286,7 +286,7 @@ def moved_section(section: str, key: str) -> str:
     return MOVED.get((section, key), section)
 
 
-def load_toml(path: str | Path) -> Config:
+def load_toml(path: str | Path, base: Config | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file {path} does not exist")
@@ -294,7 +294,7 @@ def load_toml(path: str | Path) -> Config:
         raw = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"config file {path} is not valid TOML: {e}") from None
-    return Config.from_dict(raw, origin=str(path))
+    return Config.from_dict(raw, origin=str(path), base=base)
 
 
 def field_type(f: dataclasses.Field) -> type:

@@ -33,7 +33,8 @@ def required(help: str) -> Any:
 
 @dataclass
 class RuntimeOptions:
-    device: str = opt("auto", "auto, cpu, cuda, cuda:N")
+    device: str = opt("auto", "auto, cpu, cuda, cuda:N (auto: an exported .pt2 runs where it was built; "
+                      "otherwise cuda when a GPU is visible)")
     on_bad_file: str = opt("error", "unreadable images: stop with an error, or skip them and list them",
                            choices=BAD_FILE_CHOICES)
 
@@ -125,6 +126,11 @@ class ExportOptions:
                               choices=("xnnpack", "portable"))
     calibration_images: int | None = opt(None, "executorch int8: training images used to calibrate activation "
                                          "ranges (default: up to 256, at least 16)")
+    device: str = opt("cpu", "where the artifact will run: cpu, cuda, cuda:N, or auto (cuda when a GPU is visible). "
+                      "The model is captured, compiled and checked there; a CUDA .pt2 runs only on GPUs of the "
+                      "build GPU's compute capability (recorded in its metadata)")
+    autotune: bool = opt(False, "aoti: Inductor max-autotune (benchmarks GEMM/convolution kernels while compiling: "
+                         "minutes longer, faster kernels on a GPU)")
 
 
 @dataclass
@@ -310,14 +316,19 @@ def kwargs_of(options: Any, *skip: str) -> dict[str, Any]:
 
 def add_config_flags(parser: argparse.ArgumentParser) -> None:
     """`torchcls train`'s flags: one per field of every config section."""
+    parser.add_argument("--recipe", metavar="NAME", help="start from a named recipe (`--recipe list` shows them); "
+                        "--config and flags override it")
     parser.add_argument("--config", metavar="FILE.toml", help="load options from a TOML file; flags override it")
     for section, cls in SECTIONS.items():
         add_flags(parser.add_argument_group(f"[{section}] options"), cls, prefix=section, suppress_defaults=True)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    """The TOML file of --config (or the defaults), overridden by the flags given."""
-    cfg = load_toml(args.config) if args.config else Config()
+    """The recipe of --recipe (or the defaults), overridden by the TOML file of --config, then by the flags given."""
+    from torchcls.recipes import load_recipe
+
+    base = load_recipe(args.recipe) if getattr(args, "recipe", None) else Config()
+    cfg = load_toml(args.config, base) if args.config else base
     for dest, value in vars(args).items():
         if "." in dest:
             section, key = dest.split(".", 1)

@@ -1,4 +1,4 @@
-"""One name string → a model: 'smallnet', any timm name, or 'tv/<torchvision name>'.
+"""One name string → a model: 'smallnet', 'fastnet', any timm name, or 'tv/<torchvision name>'.
 
 Weights always start from random init: nothing is downloaded. `num_classes` and input
 channels are adapted to the data.
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from torchcls.errors import UserError
+from torchcls.models.fastnet import FastNet
 from torchcls.models.smallnet import SmallNet
 
 TORCHVISION_PREFIX = "tv/"
@@ -39,6 +40,8 @@ def create_model(spec: ModelSpec) -> nn.Module:
         _check_drop_path(spec)
     if spec.name == "smallnet":
         return SmallNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
+    if spec.name == "fastnet":
+        return FastNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
     if spec.name.startswith(TORCHVISION_PREFIX):
         return _torchvision_model(spec)
     return _timm_model(spec)
@@ -111,7 +114,7 @@ def _adapt_first_conv(model: nn.Module, in_chans: int) -> None:
 
 
 def _unknown(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known + ["smallnet"], n=5, cutoff=0.6)
+    close = difflib.get_close_matches(name, known + ["smallnet", "fastnet"], n=5, cutoff=0.6)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return (f"unknown model '{name}'.{hint} Use 'smallnet', a timm name (timm.list_models()), "
             f"or '{TORCHVISION_PREFIX}<name>' for torchvision (e.g. {TORCHVISION_PREFIX}resnet18).")

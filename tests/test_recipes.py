@@ -1,0 +1,87 @@
+"""Named recipes (`torchcls train --recipe NAME`) and FastNet, the fmnist-fast recipe's model."""
+
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchcls.cli import build_parser, main
+from torchcls.options import config_from_args
+from torchcls.recipes import describe, load_recipe, names, recipe_evaluation
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_config(*argv):
+    return config_from_args(build_parser().parse_args(["train", *map(str, argv)]))
+
+
+def test_fmnist_fast_recipe_loads():
+    assert "fmnist-fast" in names()
+    cfg = load_recipe("fmnist-fast")
+    assert (cfg.data.source, cfg.data.val_fraction, cfg.model.name) == ("fashion-mnist", 0.0, "fastnet")
+    assert (cfg.optim.optimizer, cfg.precision.precision, cfg.train.channels_last) == ("sgd", "bf16", True)
+    assert cfg.data.batch_size == 256 and cfg.optim.lr > 0.01  # the recipe's values, not the defaults
+    assert recipe_evaluation("fmnist-fast") == {"tta": "flip"}
+    assert "fmnist-fast" in describe() and "94%" in describe()
+
+
+def test_recipe_is_the_base_config_and_flags_override_it(tmp_path):
+    cfg = train_config("--recipe", "fmnist-fast", "--epochs", 3, "--lr", 0.05)
+    assert (cfg.train.epochs, cfg.optim.lr) == (3, 0.05)
+    assert (cfg.model.name, cfg.optim.optimizer, cfg.data.val_fraction) == ("fastnet", "sgd", 0.0)  # kept
+    # --config overrides the recipe, and flags override both.
+    (tmp_path / "c.toml").write_text("[optim]\nlr = 0.01\n[train]\nepochs = 2\n[data]\nbatch_size = 64\n")
+    cfg = train_config("--recipe", "fmnist-fast", "--config", tmp_path / "c.toml", "--epochs", 4)
+    assert (cfg.optim.lr, cfg.train.epochs, cfg.data.batch_size) == (0.01, 4, 64)
+    assert (cfg.model.name, cfg.precision.precision) == ("fastnet", "bf16")
+    # Without --recipe nothing changes: the defaults.
+    assert train_config().model.name == "smallnet"
+
+
+def test_unknown_recipe_is_refused_naming_the_recipes(capsys):
+    assert main(["train", "--recipe", "fmnist-fastt"]) == 2
+    err = capsys.readouterr().err
+    assert "no recipe named 'fmnist-fastt'" in err and "fmnist-fast" in err and "Traceback" not in err
+
+
+def test_recipe_list_prints_the_recipes(capsys):
+    assert main(["train", "--recipe", "list"]) == 0
+    assert "fmnist-fast" in capsys.readouterr().out
+
+
+def test_recipes_ship_with_the_package():
+    cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    assert "recipes/*.toml" in cfg["tool"]["setuptools"]["package-data"]["torchcls"]
+
+
+def test_fastnet_shape_size_and_downsampling():
+    from torchcls.models.registry import ModelSpec, create_model
+
+    model = create_model(ModelSpec("fastnet", num_classes=10, in_chans=1, img_size=28)).eval()
+    n = sum(p.numel() for p in model.parameters())
+    assert 0.3e6 < n < 1e6
+    x = torch.randn(4, 1, 28, 28).to(memory_format=torch.channels_last)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model(x).shape == (4, 10)
+    # 28 px only in the stem: the first stage already works at 14 px.
+    with torch.no_grad():
+        assert model.stages[0](model.stem(x)).shape[-2:] == (14, 14)
+    rgb = create_model(ModelSpec("fastnet", num_classes=3, in_chans=3, img_size=32))
+    assert rgb(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
+@pytest.mark.slow
+def test_recipe_trains_end_to_end_with_overrides(tmp_path, shapes_dir):
+    """The recipe's whole setup (fastnet, SGD, bf16, channels_last, in-memory batches) on a tiny set."""
+    r = subprocess.run([sys.executable, "-m", "torchcls", "train", "--recipe", "fmnist-fast", "--data",
+                        str(shapes_dir), "--val-fraction", "0.25", "--epochs", "1", "--batch-size", "8",
+                        "--img-size", "28", "--out-dir", str(tmp_path), "--name", "r", "--no-progress"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    saved = tomllib.loads((tmp_path / "r" / "config.toml").read_text())
+    assert saved["model"]["name"] == "fastnet" and saved["optim"]["optimizer"] == "sgd"
+    assert saved["data"]["batch_size"] == 8 and saved["precision"]["precision"] == "bf16"
