@@ -55,8 +55,9 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
 
     check_tta(tta)
     refuse_forbidden_predictions(checkpoint, "predict")  # a policy's [outputs] predictions = false
-    if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime, on CPU
-        model = load_artifact(checkpoint, expect_sha256=expect_sha256)
+    if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime
+        # Host batches in: the artifact moves them to its device (pinned copy) and returns host logits.
+        model = load_artifact(checkpoint, expect_sha256=expect_sha256, device=device)
         meta, dev, batch_size = model.info, torch.device("cpu"), min(batch_size, model.info.max_batch)
     else:
         check_pinned_sha256(checkpoint, expect_sha256)

@@ -26,9 +26,11 @@ import torch
 from torch import nn
 
 from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_images, measure_parity
+from torchcls.artifacts.placement import portable_device
 from torchcls.artifacts.targets import get_target
 from torchcls.artifacts.targets.base import ArtifactInfo, ExportRequest, LoadedArtifact, Plan
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
+from torchcls.devices import BuildDevice
 from torchcls.errors import UserError
 from torchcls.models.early_exit import CondEarlyExit, EarlyExitNet
 from torchcls.options import ExportOptions as _D  # the defaults, declared once
@@ -51,7 +53,8 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
            max_batch: int = _D.max_batch, out: str | Path | None = None, min_agreement: float | None = None,
            parity_images: int = _D.parity_images,
            data: str | None = None, root: str | None = None, quantize: str | None = None,
-           backend: str | None = None, calibration_images: int | None = None) -> ExportResult:
+           backend: str | None = None, calibration_images: int | None = None, device: str = _D.device,
+           autotune: bool = _D.autotune) -> ExportResult:
     """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package (aoti), an ONNX
     model (onnx) or an ExecuTorch program (executorch); early-exit models export their torch.cond form.
 
@@ -60,10 +63,17 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     `min_agreement` (default 0.999 for fp32, 0.99 for bf16, 0.95 for int8).
     --target executorch takes `quantize` (none|int8), `backend` (xnnpack|portable) and
     `calibration_images` (int8); see torchcls.artifacts.targets.executorch.
+    `device` (cpu, cuda, cuda:N; auto = cuda when a GPU is visible): capture, compile and check parity there;
+    a CUDA .pt2 runs only on GPUs of this one's compute capability, which its metadata records.
+    `autotune`: aoti with Inductor max-autotune.
     """
     _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend, calibration_images)
     tgt = get_target(target)
-    req = ExportRequest(precision, max_batch, quantize, backend, calibration_images, data, root)
+    if autotune and target != "aoti":
+        raise UserError(f"--autotune applies to --target aoti only (got --target {target})")
+    dev = portable_device(device)  # a CUDA device that is not here fails now, before any work
+    req = ExportRequest(precision, max_batch, quantize, backend, calibration_images, data, root, device=dev.type,
+                        autotune=autotune)
     tgt.check(req)  # before reading the checkpoint: fail fast
     ckpt = resolve_checkpoint(checkpoint)
     model, meta = load_model(ckpt)
@@ -81,17 +91,24 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
         images, labels, selection = _early_exit_images(model, meta, parity_images, data, root)
     else:
         images, labels = held_out_images(meta, parity_images, data, root)
+    built = BuildDevice.of(dev)
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
-                        max_batch, precision, model.num_exits if early_exit else 0)
+                        max_batch, precision, model.num_exits if early_exit else 0, built.type, built.capability,
+                        built.gpu)
     extra = {"source": str(ckpt), "model": meta.spec.name, "torch": torch.__version__}
     if early_exit:
         extra["threshold"] = str(model.threshold)
-    ep = capture(copy.deepcopy(model), info)
+    ep = capture(copy.deepcopy(model).to(dev), info, dev)
     with _partial_file(path) as tmp:
         report = plan.build(ep, info, tmp, extra)
-        artifact = tgt.load(tmp)
-        parity = measure_parity(model, artifact, images, labels, min_agreement)
-        parity.update(target=target, precision=precision, checkpoint=str(ckpt.resolve()), artifact=path.name)
+        artifact = tgt.load(tmp, device=str(dev))
+        # The eager reference runs on the same device (early-exit models: on the CPU, where their exits are chosen).
+        reference = model if early_exit or dev.type == "cpu" else OnDevice(model, dev)
+        parity = measure_parity(reference, artifact, images, labels, min_agreement)
+        parity.update(target=target, precision=precision, checkpoint=str(ckpt.resolve()), artifact=path.name,
+                      device=built.type)
+        if built.type == "cuda":
+            parity.update(compute_capability=built.capability, gpu=built.gpu)
         parity.update(report)
         if plan.finish:
             plan.finish(parity)
@@ -110,9 +127,21 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     return ExportResult(path, parity_path, parity, info)
 
 
-def capture(model: nn.Module, info: ArtifactInfo) -> torch.export.ExportedProgram:
+class OnDevice(nn.Module):
+    """`model` on a GPU, called with host images: the eager reference of a CUDA export's parity."""
+
+    def __init__(self, model: nn.Module, device: torch.device):
+        super().__init__()
+        self.model, self.device = model.to(device), device
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x.to(self.device)).float().cpu()
+
+
+def capture(model: nn.Module, info: ArtifactInfo, device: torch.device | str = "cpu") -> torch.export.ExportedProgram:
     """torch.export of what the artifact computes (float32 normalised images → float32 logits; early-exit
-    models also return the exit per image), batch dimension dynamic in [1, max_batch] (static at 1)."""
+    models also return the exit per image), batch dimension dynamic in [1, max_batch] (static at 1). The
+    model and the example batch are on `device`: AOTInductor compiles for the device the program holds."""
     pre = info.preprocess
     if isinstance(model, EarlyExitNet):
         module: nn.Module = CondEarlyExit(model)  # a Python `if` on a tensor cannot be exported
@@ -121,7 +150,7 @@ def capture(model: nn.Module, info: ArtifactInfo) -> torch.export.ExportedProgra
     else:
         module = CastIO(model, DTYPES[info.precision])
     batch = 2 if info.max_batch >= 2 else 1  # an example batch of 1 would be specialised to 1 by export
-    example = torch.randn(batch, pre.channels, pre.img_size, pre.img_size)
+    example = torch.randn(batch, pre.channels, pre.img_size, pre.img_size, device=device)
     dynamic = {"x": {0: torch.export.Dim("batch", min=1, max=info.max_batch)}} if info.max_batch >= 2 else None
     try:
         with torch.no_grad():

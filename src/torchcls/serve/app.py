@@ -4,6 +4,9 @@ Requests are refused (503) before any parsing when the model cannot take them; b
 parsed and images decoded in worker threads, and every fault is a 4xx naming what was wrong.
 The model runs in the batcher's worker thread, or (--model-process) in a process of its own
 (serve/worker.py) that the batcher thread feeds, so that it never waits for this process's GIL.
+On a GPU (--device), each batch the batcher forms goes to the device through the artifact's one
+pinned host buffer (LoadedArtifact.to_device: an asynchronous DMA copy) and the logits come back
+to the host before the results are handed out.
 """
 
 from __future__ import annotations
@@ -230,7 +233,7 @@ def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: s
         return None
     from torchcls.serve.worker import ModelProcess
 
-    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads)
+    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device)
     batcher.fn = worker
     return worker
 

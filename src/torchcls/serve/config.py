@@ -26,6 +26,8 @@ class ServeConfig:
     max_connections: int = opt(1024, "open connections and requests at once; beyond it the server answers 503 "
                                "at once instead of queueing without bound")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
+    device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
+                      "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")
     threads: int = opt(0, "intra-op CPU threads for the model (0 = torch default)")
     model_process: bool = opt(False, "run the model in a process of its own (it never waits for the GIL that "
                               "request parsing holds; costs a second interpreter's memory and a copy per batch)")

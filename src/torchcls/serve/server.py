@@ -62,7 +62,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     from torchcls.governance.artifacts import refuse_forbidden_predictions
 
     refuse_forbidden_predictions(artifact_path, "serve")  # a policy's [outputs] predictions = false
-    artifact = load_artifact(artifact_path, expect_sha256=cfg.expect_sha256)
+    artifact = load_artifact(artifact_path, expect_sha256=cfg.expect_sha256, device=cfg.device)
     _check(cfg, artifact.info.max_batch)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -75,8 +75,8 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
 
     def on_ready(error: BaseException | None) -> None:
         if error is None:
-            log.info("model %r (%s, max batch %d) ready on %s/v2/models/%s", name, artifact.info.target,
-                     artifact.info.max_batch, url, name)
+            log.info("model %r (%s on %s, max batch %d) ready on %s/v2/models/%s", name, artifact.info.target,
+                     artifact.runs_on, artifact.info.max_batch, url, name)
             return
         failure.append(error)
         server.should_exit = True  # warm-up failed: the artifact cannot serve

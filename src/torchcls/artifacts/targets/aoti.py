@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from torchcls.artifacts.placement import compiled_device
 from torchcls.artifacts.targets.base import (
     META_KEY,
     ArtifactInfo,
@@ -27,22 +28,38 @@ from torchcls.errors import UserError
 
 
 class AOTIArtifact(LoadedArtifact):
-    def __init__(self, path: str | Path):
+    """A .pt2 package, loaded on the device it was built for (see torchcls.artifacts.placement)."""
+
+    def __init__(self, path: str | Path, device: str = "auto"):
         path = Path(path)
-        try:
-            self.runner = torch._inductor.aoti_load_package(str(path))
-        except Exception as e:  # the loader raises RuntimeError or zipfile errors on foreign or broken files
-            raise UserError(f"{path} is not a loadable AOTInductor package ({first_line(e)}); export one with "
-                            "`torchcls export CHECKPOINT --target aoti`") from None
-        meta = self.runner.get_metadata()
+        meta = package_metadata(path)  # before the shared library is loaded: a foreign build is refused first
         if META_KEY not in meta:
             raise UserError(f"{path} is an AOTInductor package without torchcls metadata (class names, "
                             "preprocessing); export it with `torchcls export --target aoti`")
         self.info = checked_info(meta[META_KEY], path, "aoti")
+        # AOTInductor's own key says what the compiled code is; ours adds the capability and GPU name.
+        built = meta.get("AOTI_DEVICE_KEY") or self.info.device
+        self.device = compiled_device(built, self.info.compute_capability, self.info.gpu, path, device)
+        index = self.device.index if self.device.type == "cuda" else -1
+        try:
+            self.runner = torch._inductor.aoti_load_package(str(path), device_index=index)
+        except Exception as e:  # the loader raises RuntimeError or zipfile errors on foreign or broken files
+            raise UserError(f"{path} is not a loadable AOTInductor package ({first_line(e)}); export one with "
+                            "`torchcls export CHECKPOINT --target aoti`") from None
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = self.runner(x)  # the model's output structure: one tensor, or (logits, exits)
         return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def package_metadata(path: Path) -> dict[str, str]:
+    """The package's metadata (ours and AOTInductor's: AOTI_DEVICE_KEY, AOTI_COMPUTE_CAPABILITY...), read from
+    the archive without loading its compiled code."""
+    try:
+        return dict(torch._C._aoti.AOTIModelPackageLoader.load_metadata_from_package(str(path), "model"))
+    except Exception as e:  # RuntimeError for a file that is not a .pt2 archive
+        raise UserError(f"{path} is not a loadable AOTInductor package ({first_line(e)}); export one with "
+                        "`torchcls export CHECKPOINT --target aoti`") from None
 
 
 @contextlib.contextmanager
@@ -59,13 +76,18 @@ def cond_safe_inductor(ep: torch.export.ExportedProgram) -> Iterator[None]:
         inductor_config.layout_optimization = old
 
 
-def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extra: dict[str, str]) -> dict[str, Any]:
-    """AOTInductor package with frozen weights (constants folded, conv weights prepacked)."""
+def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extra: dict[str, str],
+          autotune: bool = False) -> dict[str, Any]:
+    """AOTInductor package with frozen weights (constants folded, conv weights prepacked), compiled for the
+    device the program was captured on (CPU: C++/OpenMP; CUDA: Triton kernels and cubins for this GPU's
+    compute capability). `autotune`: Inductor's max-autotune (benchmarks GEMM/conv kernel choices)."""
     metadata = {META_KEY: info.to_json(**extra), **info.flat_metadata()}
-    configs = {"freezing": True, "aot_inductor.metadata": metadata}
+    configs: dict[str, Any] = {"freezing": True, "aot_inductor.metadata": metadata}
+    if autotune:
+        configs["max_autotune"] = True
     with cond_safe_inductor(ep), torch.no_grad():
         torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=configs)
-    return {}
+    return {"autotune": autotune} if autotune else {}
 
 
 def check(req: ExportRequest) -> None:
@@ -74,6 +96,8 @@ def check(req: ExportRequest) -> None:
 
 
 def plan(req: ExportRequest, meta: Any) -> Plan:
+    if req.autotune:
+        return Plan(req.precision, lambda ep, info, path, extra: build(ep, info, path, extra, autotune=True))
     return Plan(req.precision, build)
 
 

@@ -38,6 +38,11 @@ class ArtifactInfo:
     max_batch: int
     precision: str
     exits: int = 0  # early-exit models: how many exits (the artifact also outputs the exit per image); else 0
+    # Where the artifact's code was compiled for: "cpu" or "cuda" (artifacts from before this key: cpu), and
+    # for CUDA the compute capability ("9.0") and GPU name: compiled CUDA kernels run on that capability only.
+    device: str = "cpu"
+    compute_capability: str = ""
+    gpu: str = ""
 
     def to_json(self, **extra: Any) -> str:
         """The metadata string embedded in artifacts; `extra` (source checkpoint, torch version...) is kept
@@ -52,7 +57,8 @@ class ArtifactInfo:
             return cls(str(raw["name"]), str(raw["target"]), [str(c) for c in raw["classes"]],
                        Preprocess(int(pre["img_size"]), int(pre["channels"]), tuple(map(float, pre["mean"])),
                                   tuple(map(float, pre["std"]))), int(raw["max_batch"]), str(raw["precision"]),
-                       int(raw.get("exits", 0)))
+                       int(raw.get("exits", 0)), str(raw.get("device", "cpu")),
+                       str(raw.get("compute_capability", "")), str(raw.get("gpu", "")))
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{where}: its torchcls metadata is unreadable ({e!r}); re-export it with "
                             "`torchcls export`") from None
@@ -63,13 +69,18 @@ class ArtifactInfo:
         return {"torchcls.classes": "\n".join(self.classes), "torchcls.img_size": str(pre.img_size),
                 "torchcls.channels": str(pre.channels), "torchcls.mean": ",".join(map(repr, pre.mean)),
                 "torchcls.std": ",".join(map(repr, pre.std)), "torchcls.max_batch": str(self.max_batch),
-                "torchcls.precision": self.precision, "torchcls.exits": str(self.exits)}
+                "torchcls.precision": self.precision, "torchcls.exits": str(self.exits),
+                "torchcls.device": self.device, "torchcls.compute_capability": self.compute_capability}
 
 
 class LoadedArtifact(ABC):
-    """An artifact ready to run: `artifact(x)` with x float32 (N, C, H, W), normalised, N ≤ max_batch."""
+    """An artifact ready to run: `artifact(x)` with x float32 (N, C, H, W), normalised, N ≤ max_batch, on
+    any device; outputs come back float32 on the CPU. On a CUDA artifact the batch goes through one
+    pinned host buffer (an asynchronous copy) to `device`."""
 
     info: ArtifactInfo
+    device: torch.device = torch.device("cpu")
+    _staging: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.outputs(x)[0]
@@ -84,7 +95,26 @@ class LoadedArtifact(ABC):
     def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         self.check_input(x)
         with torch.inference_mode():
-            return tuple(t.float() for t in self._run(x.contiguous()))
+            return tuple(t.float().cpu() for t in self._run(self.to_device(x.contiguous())))
+
+    @property
+    def runs_on(self) -> torch.device:
+        """Where the computation happens: `device`, except for ONNX Runtime's CUDA provider (host inputs)."""
+        return getattr(self, "_runs_on", None) or self.device
+
+    def to_device(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` on the artifact's device. CPU→CUDA goes through a pinned buffer of max_batch images, reused:
+        the copy is asynchronous (DMA), and the buffer is free again once the outputs (read back by
+        `outputs`, which waits for the GPU) are on the host."""
+        if self.device.type != "cuda" or x.device == self.device:
+            return x
+        if x.device.type != "cpu":
+            return x.to(self.device)
+        if self._staging is None:
+            self._staging = torch.empty(self.info.max_batch, *x.shape[1:], dtype=x.dtype, pin_memory=True)
+        host = self._staging[:x.shape[0]]
+        host.copy_(x)
+        return host.to(self.device, non_blocking=True)
 
     def check_input(self, x: torch.Tensor) -> None:
         pre = self.info.preprocess
@@ -117,6 +147,8 @@ class ExportRequest:
     data: str | None = None
     root: str | None = None
     early_exit: bool = False
+    device: str = "cpu"  # "cpu" or "cuda": what the artifact is built for
+    autotune: bool = False  # aoti: Inductor max-autotune
 
 
 # build(ep, info, path, extra metadata) writes the artifact and returns what it adds to parity.json.
@@ -137,7 +169,7 @@ class Plan:
 class Target:
     name: str
     suffix: str
-    load: Callable[[Path], LoadedArtifact]
+    load: Callable[..., LoadedArtifact]  # load(path, device="auto")
     check: Callable[[ExportRequest], None]  # cheap option checks, before the checkpoint is read
     plan: Callable[[ExportRequest, CheckpointMeta], Plan]  # may gather inputs (calibration images) that can fail
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from torchcls.artifacts.placement import cpu_only
 from torchcls.artifacts.targets.base import (
     META_KEY,
     ArtifactInfo,
@@ -187,8 +188,9 @@ def _lowering_error(e: Exception, backend: str) -> UserError:
 class ExecuTorchArtifact(LoadedArtifact):
     """A `.pte` program run by the ExecuTorch runtime (C++ kernels: XNNPACK delegate and/or portable)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, device: str = "auto"):
         path = Path(path)
+        self.device = cpu_only(device, "ExecuTorch programs")
         try:
             from executorch.runtime import Runtime
         except ImportError:
@@ -222,6 +224,9 @@ def check(req: ExportRequest) -> None:
     from torchcls.artifacts.quantize import QUANTIZE
 
     quantize, backend = req.quantize or "none", req.backend or "xnnpack"
+    if req.device != "cpu":
+        raise UserError(f"--device {req.device}: --target executorch builds programs for CPUs (XNNPACK or portable "
+                        "kernels); drop --device, or use --target aoti --device cuda for a GPU artifact")
     if quantize not in QUANTIZE:
         raise UserError(f"--quantize {quantize}: choose one of {', '.join(QUANTIZE)}")
     if backend not in BACKENDS:

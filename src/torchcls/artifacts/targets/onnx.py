@@ -1,5 +1,7 @@
-"""ONNX target: the dynamo exporter from the same ExportedProgram, run by ONNX Runtime's CPU
-provider. Metadata: the model's `metadata_props`, key `torchcls` = the ArtifactInfo JSON.
+"""ONNX target: the dynamo exporter from the same ExportedProgram, run by ONNX Runtime: its CPU provider,
+or its CUDAExecutionProvider (onnxruntime-gpu) for --device cuda. Metadata: the model's `metadata_props`,
+key `torchcls` = the ArtifactInfo JSON. The model itself is device-neutral: its `device` metadata says
+where export checked parity, and any device can load it.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from typing import Any
 
 import torch
 
+from torchcls.artifacts.placement import onnx_providers
 from torchcls.artifacts.targets.base import (
     META_KEY,
     ArtifactInfo,
@@ -23,20 +26,29 @@ from torchcls.errors import UserError
 
 
 class OnnxArtifact(LoadedArtifact):
-    def __init__(self, path: str | Path, threads: int | None = None):
+    """Inputs go to ONNX Runtime as host arrays (it copies them to the GPU itself): `device` stays the CPU,
+    `runs_on` is where the session computes."""
+
+    def __init__(self, path: str | Path, threads: int | None = None, device: str = "auto"):
         path = Path(path)
         try:
             import onnxruntime as ort
         except ImportError:
             raise UserError("running .onnx artifacts needs onnxruntime: pip install 'torchcls[export]'") from None
+        self._runs_on, providers = onnx_providers(device, ort.get_available_providers())
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(path), opts, providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types for foreign or broken files
             raise UserError(f"{path} is not a loadable ONNX model ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target onnx`") from None
+        if self._runs_on.type == "cuda" and "CUDAExecutionProvider" not in self.session.get_providers():
+            # onnxruntime-gpu falls back to the CPU with only a log line when its CUDA/cuDNN libraries are missing
+            raise UserError(f"{path}: ONNX Runtime could not start its CUDAExecutionProvider on {self._runs_on} "
+                            "(CUDA or cuDNN libraries of the version onnxruntime-gpu was built for are missing); "
+                            "install them, or use --device cpu")
         meta = self.session.get_modelmeta().custom_metadata_map
         if META_KEY not in meta:
             raise UserError(f"{path} is an ONNX model without torchcls metadata (class names, preprocessing); "
@@ -68,6 +80,10 @@ def check(req: ExportRequest) -> None:
     if req.precision != "fp32":
         raise UserError("--target onnx supports --precision fp32 only: ONNX Runtime's CPU provider has no bf16 "
                         "convolution kernels; use --target aoti for bf16")
+    if req.device == "cuda":
+        import onnxruntime as ort
+
+        onnx_providers("cuda", ort.get_available_providers())  # refuse before any work without onnxruntime-gpu
 
 
 def plan(req: ExportRequest, meta: Any) -> Plan:

@@ -1,0 +1,298 @@
+"""The one device check: every CUDA path of torchcls on one GPU in at most nine minutes, one JSON and one
+Markdown table with pass/fail and figures. Run through check.sh (which picks the project's .venv).
+
+    bash benchmarks/gpu/check.sh --dry-run        # the steps and their budgets, one JSON object; runs anywhere
+    bash benchmarks/gpu/check.sh --out gpu-check  # on a GPU machine: gpu-check/check.json, check.md
+
+Each step is a subprocess with its own timeout (its budget, or what is left of the total if less); a step
+that overruns is killed (its whole process group) and recorded as failed, and once the total budget is
+spent the remaining steps are recorded as skipped. Steps that need an earlier step's output (the export
+needs the memory-report run's checkpoint) are skipped, with the reason, when that step failed. Training
+figures are synthetic-batch step throughput through torchcls's own precision code (steps.py); the
+distributed, memory, export and compile steps run the torchcls CLI itself.
+
+This module imports nothing beyond the standard library, so --dry-run needs no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TOTAL_BUDGET_S = 540  # nine minutes of a 15-minute device lease: start-up and one rerun fit around it
+MIN_STEP_S = 10  # a step is not started with less time left than this
+
+
+@dataclass
+class Ctx:
+    out: Path
+    py: str
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def torchcls(self, *args: str) -> list[str]:
+        return [self.py, "-m", "torchcls", *args]
+
+    def torchrun(self, *args: str) -> list[str]:
+        return [self.py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m", "torchcls",
+                *args]
+
+    def step(self, name: str, *args: str, tag: str | None = None) -> list[str]:
+        """A measurement of steps.py; it writes <tag or name>.json into the output folder."""
+        return [self.py, str(HERE / "steps.py"), name, "--json", str(self.out / f"{tag or name}.json"), *args]
+
+    def runs(self) -> Path:
+        return self.out / "runs"
+
+
+@dataclass
+class Step:
+    name: str
+    budget_s: int
+    what: str
+    commands: Callable[[Ctx], list[list[str]]]
+    needs: tuple[str, ...] = ()
+    figures: Callable[[Ctx], dict[str, Any]] = lambda ctx: {}
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _step_json(name: str) -> Callable[[Ctx], dict[str, Any]]:
+    return lambda ctx: _json(ctx.out / f"{name}.json")
+
+
+TRAIN_DATA = ("--data", "mnist-5k", "--channels", "3", "--epochs", "1", "--workers", "8", "--no-progress")
+
+
+def _memory_figures(ctx: Ctx) -> dict[str, Any]:
+    report = _json(ctx.runs() / "mem" / "allocator.json")
+    alloc = report.get("allocator", {})
+    keys = ("allocated_peak_bytes", "reserved_peak_bytes", "fragmentation_pct_max", "num_alloc_retries", "num_ooms")
+    snap = ctx.runs() / "mem" / "memory_snapshot.pickle"
+    return {k: alloc.get(k) for k in keys} | {"snapshot_bytes": snap.stat().st_size if snap.exists() else None,
+                                                "advice": alloc.get("advice")}
+
+
+def _resume_figures(name: str) -> Callable[[Ctx], dict[str, Any]]:
+    def figures(ctx: Ctx) -> dict[str, Any]:
+        run = ctx.runs() / name
+        lines = (run / "metrics.jsonl").read_text().splitlines() if (run / "metrics.jsonl").exists() else []
+        epochs = [json.loads(x) for x in lines if '"epoch"' in x and '"val_top1"' in x]
+        return {"dcp": (run / "checkpoints" / "last.dcp").exists(), "epochs_recorded": len(epochs),
+                "val_top1": [e.get("val_top1") for e in epochs]}
+    return figures
+
+
+def _parity_figures(ctx: Ctx) -> dict[str, Any]:
+    p = _json(ctx.out / "export" / "parity.json")
+    return {k: p.get(k) for k in ("device", "compute_capability", "gpu", "top1_agreement", "max_abs_diff", "n")}
+
+
+def _serve_figures(ctx: Ctx) -> dict[str, Any]:
+    s = _json(ctx.out / "serve_load.json")
+    return {"raw_images_per_s": s.get("raw_images_per_s"), "best_fraction_of_raw": s.get("best_fraction_of_raw"),
+            "levels": s.get("levels")}
+
+
+def _compile_figures(ctx: Ctx) -> dict[str, Any]:
+    data = _json(ctx.out / "bench-compile" / "bench_compile.json")
+    rows = data.get("results", data.get("rows", []))
+    return {"rows": [{k: r.get(k) for k in ("model", "batch", "precision", "speedup", "eager_ms", "compiled_ms",
+                                             "compile_s", "error") if k in r} for r in rows]}
+
+
+STEPS = [
+    Step("env", 20, "torch, CUDA, GPU name and compute capability", lambda c: [c.step("env")],
+         figures=_step_json("env")),
+    Step("train_resnet50", 60, "ResNet-50 training step, bf16 autocast, eager vs torch.compile, images/s",
+         lambda c: [c.step("train", "--model", "resnet50", "--batch", "128", tag="train_resnet50")],
+         figures=_step_json("train_resnet50")),
+    Step("train_vit", 45, "ViT-B/16 training step, bf16 autocast, eager vs torch.compile, images/s",
+         lambda c: [c.step("train", "--model", "vit_base_patch16_224", "--batch", "128", tag="train_vit")],
+         figures=_step_json("train_vit")),
+    Step("fp8", 60, "torchao FP8 tensorwise and rowwise vs bf16: step time and loss parity, ViT-H-sized MLP blocks",
+         lambda c: [c.step("fp8")], figures=_step_json("fp8")),
+    Step("memory_report", 35, "torchcls train --memory-report --memory-snapshot (ResNet-50, bf16): allocator report",
+         lambda c: [c.torchcls("train", *TRAIN_DATA, "--model", "resnet50", "--img-size", "224", "--batch-size", "128",
+                               "--precision", "bf16", "--device", "cuda", "--memory-report", "--memory-snapshot",
+                               "--out-dir", str(c.runs()), "--name", "mem")], figures=_memory_figures),
+    Step("ddp_nccl", 30, "torchrun --nproc-per-node 1 DDP over NCCL, then --resume for a second epoch",
+         lambda c: [c.torchrun("train", *TRAIN_DATA, "--model", "resnet18", "--img-size", "64", "--parallel", "ddp",
+                               "--precision", "bf16", "--out-dir", str(c.runs()), "--name", "ddp"),
+                    c.torchrun("train", *TRAIN_DATA[:-3], "--workers", "8", "--no-progress", "--epochs", "2",
+                               "--model", "resnet18", "--img-size", "64", "--parallel", "ddp", "--precision", "bf16",
+                               "--out-dir", str(c.runs()), "--name", "ddp", "--resume")],
+         figures=_resume_figures("ddp")),
+    Step("fsdp2_nccl_dcp", 35, "torchrun FSDP2 over NCCL, DCP save, --resume, consolidate",
+         lambda c: [*(c.torchrun("train", *TRAIN_DATA[:-3], "--workers", "8", "--no-progress", "--epochs", str(e),
+                                 "--model", "vit_small_patch16_224", "--img-size", "64", "--parallel", "fsdp2",
+                                 "--precision", "bf16", "--out-dir", str(c.runs()), "--name", "fsdp2",
+                                 *(("--resume",) if e == 2 else ())) for e in (1, 2)),
+                    c.torchcls("consolidate", str(c.runs() / "fsdp2"))],
+         figures=_resume_figures("fsdp2")),
+    Step("fp8_fsdp_all_gather", 35, "torchrun FSDP2 with --precision fp8 --fp8-fsdp-all-gather, world size 1",
+         lambda c: [c.torchrun("train", *TRAIN_DATA, "--model", "vit_small_patch16_224", "--img-size", "64",
+                               "--parallel", "fsdp2", "--precision", "fp8", "--fp8-recipe", "tensorwise",
+                               "--fp8-fsdp-all-gather", "--fp8-min-dim", "256", "--out-dir", str(c.runs()),
+                               "--name", "fp8fsdp")], figures=_resume_figures("fp8fsdp")),
+    Step("export_aoti_cuda", 65, "torchcls export --target aoti --device cuda of the ResNet-50 run, parity.json",
+         lambda c: [c.torchcls("export", str(c.runs() / "mem"), "--target", "aoti", "--device", "cuda",
+                               "--max-batch", "64", "--parity-images", "256", "--min-agreement", "0.99",
+                               "--out", str(c.out / "export" / "model.pt2"))],
+         needs=("memory_report",), figures=_parity_figures),
+    Step("inference_bench", 40, "the CUDA .pt2 vs eager vs torch.compile: b1 latency, b64 throughput",
+         lambda c: [c.step("infer", "--artifact", str(c.out / "export" / "model.pt2"), "--checkpoint",
+                           str(c.runs() / "mem"))], needs=("export_aoti_cuda",), figures=_step_json("infer")),
+    Step("serve_throughput", 30, "torchcls serve of the CUDA .pt2 (auto device) vs the raw artifact, images/s",
+         lambda c: [[c.py, str(REPO / "benchmarks" / "serve_load.py"), str(c.out / "export" / "model.pt2"),
+                     "--concurrency", "32", "--seconds", "5", "--rounds", "1", "--max-batch", "64",
+                     "--json-out", str(c.out / "serve_load.json")]],
+         needs=("export_aoti_cuda",), figures=_serve_figures),
+    Step("bench_compile", 85, "torchcls bench compile: resnet50, convnext_tiny, vit_base_patch16_224 at bf16, b64",
+         lambda c: [c.torchcls("bench", "compile", "--models", "resnet50,convnext_tiny,vit_base_patch16_224",
+                               "--batch", "64", "--precision", "bf16", "--modes", "default", "--device", "cuda",
+                               "--repeats", "10", "--timeout", "25", "--out", str(c.out / "bench-compile"))],
+         figures=_compile_figures),
+]
+
+
+def plan() -> dict[str, Any]:
+    steps = [{"name": s.name, "budget_s": s.budget_s} for s in STEPS]
+    return {"steps": steps, "total_budget_s": sum(s["budget_s"] for s in steps)}
+
+
+def with_needs(names: set[str]) -> set[str]:
+    """`names` and every step they need, transitively."""
+    by_name = {s.name: s for s in STEPS}
+    unknown = names - set(by_name)
+    if unknown:
+        raise SystemExit(f"check.py: --only {','.join(sorted(unknown))}: no such step; steps: {', '.join(by_name)}")
+    todo, seen = list(names), set()
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo += by_name[name].needs
+    return seen
+
+
+def run_command(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, float]:
+    """(exit code or None on timeout, seconds). The command gets its own process group: on timeout the
+    whole group (torchrun's workers, DataLoader workers, compile workers) is killed."""
+    start = time.perf_counter()
+    with log.open("a") as f:
+        f.write(f"$ {' '.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
+                                env=os.environ | {"PYTHONPATH": str(REPO / "src")})
+        try:
+            code: int | None = proc.wait(timeout=max(timeout, 1))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+    return code, time.perf_counter() - start
+
+
+def run_step(step: Step, ctx: Ctx, left_s: float) -> dict[str, Any]:
+    entry: dict[str, Any] = {"name": step.name, "what": step.what, "budget_s": step.budget_s}
+    failed = [n for n in step.needs if ctx.results.get(n, {}).get("status") != "pass"]
+    if failed:
+        return entry | {"status": "skipped", "reason": f"needs {', '.join(failed)}, which did not pass"}
+    if left_s < MIN_STEP_S:
+        return entry | {"status": "skipped", "reason": f"total budget spent ({left_s:.0f} s left)"}
+    deadline = time.perf_counter() + min(step.budget_s, left_s)
+    log = ctx.out / "logs" / f"{step.name}.log"
+    elapsed = 0.0
+    for cmd in step.commands(ctx):
+        code, secs = run_command(cmd, deadline - time.perf_counter(), log)
+        elapsed += secs
+        if code != 0:
+            why = "timed out" if code is None else f"exit code {code}"
+            return entry | {"status": "fail", "seconds": round(elapsed, 1), "reason": f"{why}: {' '.join(cmd[:6])} "
+                            f"... (log: {log.relative_to(ctx.out)})", "figures": _safe(step.figures, ctx)}
+    return entry | {"status": "pass", "seconds": round(elapsed, 1), "figures": _safe(step.figures, ctx)}
+
+
+def _safe(fn: Callable[[Ctx], dict[str, Any]], ctx: Ctx) -> dict[str, Any]:
+    try:
+        return fn(ctx)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return {"figures_error": repr(e)}
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env = result["steps"][0].get("figures") or {}
+    head = [f"# torchcls device check: {env.get('gpu', 'no GPU')} (compute capability {env.get('capability', '-')}), "
+            f"torch {env.get('torch', '-')}", "",
+            f"{result['passed']} passed, {result['failed']} failed, {result['skipped']} skipped; "
+            f"{result['wall_s']:.0f} s of a {result['total_budget_s']} s budget", "",
+            "| step | status | s | budget s | figures / reason |", "|---|---|---|---|---|"]
+    rows = []
+    for s in result["steps"]:
+        figures = s.get("reason", "") if s["status"] != "pass" else ""
+        shown = {k: v for k, v in (s.get("figures") or {}).items() if k not in ("advice", "levels", "losses")}
+        figures = (figures + " " + json.dumps(shown, separators=(",", ":"))[:400]).strip() if shown else figures
+        rows.append(f"| {s['name']} | {s['status']} | {s.get('seconds', '-')} | {s['budget_s']} | "
+                    f"{figures.replace('|', '/')} |")
+    return "\n".join(head + rows) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dry-run", action="store_true", help="print the steps and budgets as one JSON object")
+    p.add_argument("--out", default="gpu-check", help="folder for check.json, check.md, logs/ and the runs")
+    p.add_argument("--only", help="comma-separated step names to run (the others are recorded as skipped)")
+    args = p.parse_args()
+    if args.dry_run:
+        print(json.dumps(plan()))
+        return 0
+    out = Path(args.out).resolve()
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    ctx = Ctx(out, sys.executable)
+    only = with_needs(set(args.only.split(","))) if args.only else None
+    start = time.perf_counter()
+    steps = []
+    for step in STEPS:
+        left = TOTAL_BUDGET_S - (time.perf_counter() - start)
+        if only is not None and step.name not in only and step.name != "env":
+            entry = {"name": step.name, "what": step.what, "budget_s": step.budget_s, "status": "skipped",
+                     "reason": "not in --only"}
+        elif steps and steps[0]["status"] != "pass":
+            entry = {"name": step.name, "what": step.what, "budget_s": step.budget_s, "status": "skipped",
+                     "reason": "no usable CUDA GPU (step env failed)"}
+        else:
+            print(f"[{time.perf_counter() - start:5.0f} s] {step.name}: {step.what}", file=sys.stderr, flush=True)
+            entry = run_step(step, ctx, left)
+        ctx.results[step.name] = entry
+        steps.append(entry)
+        if entry["status"] != "skipped":
+            print(f"        {entry['status']} in {entry.get('seconds', 0)} s {entry.get('reason', '')}",
+                  file=sys.stderr, flush=True)
+    counts = {key: sum(s["status"] == status for s in steps)
+              for key, status in (("passed", "pass"), ("failed", "fail"), ("skipped", "skipped"))}
+    result = {"benchmark": "gpu-check", "total_budget_s": TOTAL_BUDGET_S, "wall_s": time.perf_counter() - start,
+              **counts, "steps": steps}
+    (out / "check.json").write_text(json.dumps(result, indent=2))
+    (out / "check.md").write_text(markdown(result))
+    print(markdown(result))
+    if steps[0]["status"] != "pass":
+        print(f"check.py: needs a CUDA GPU: {steps[0].get('reason', '')}; see {out / 'logs' / 'env.log'}",
+              file=sys.stderr)
+    return 0 if counts["failed"] == 0 and steps[0]["status"] == "pass" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

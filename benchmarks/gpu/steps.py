@@ -1,0 +1,268 @@
+"""The measurements of the device check (check.py runs each as its own process, with its own timeout):
+
+    env    torch, CUDA, GPU name and compute capability; exit 3 without a usable CUDA GPU
+    train  one model's training step, bf16 autocast, eager then torch.compile: images/s (synthetic batches)
+    fp8    bf16 vs torchao FP8 tensorwise/rowwise on ViT-H-sized MLP blocks: step time, loss parity, and
+           FP8 inference latency with parity (the old benchmarks/gpu/precision.py)
+    infer  a CUDA .pt2 vs eager vs torch.compile of its checkpoint: batch-1 latency, batch-64 throughput
+
+Training goes through torchcls's `apply_precision` (the function `torchcls train` uses), so the FP8 layer
+selection and autocast are the ones a run gets. Every figure is written to the --json file as soon as it
+is measured: a step killed by its timeout still leaves what it measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+T0 = time.perf_counter()
+
+
+class Record:
+    """The step's JSON, rewritten after every figure."""
+
+    def __init__(self, path: str):
+        self.path, self.data = Path(path), {}
+
+    def set(self, **values: Any) -> None:
+        self.data.update(values)
+        self.path.write_text(json.dumps(self.data, indent=2))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def cuda_ms(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end)
+
+
+def env(args, rec: Record) -> int:
+    if not torch.cuda.is_available():
+        rec.set(error="no usable CUDA GPU", torch=torch.__version__, cuda_build=torch.version.cuda)
+        print(f"steps.py env: needs a CUDA GPU; torch {torch.__version__} (CUDA build {torch.version.cuda}) sees "
+              "none", file=sys.stderr)
+        return 3
+    cap = torch.cuda.get_device_capability()
+    free, total = torch.cuda.mem_get_info()
+    rec.set(gpu=torch.cuda.get_device_name(), capability=f"{cap[0]}.{cap[1]}", gpus=torch.cuda.device_count(),
+            memory_gib=round(total / 2**30, 1), torch=torch.__version__, cuda=torch.version.cuda,
+            cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())),
+            bf16=torch.cuda.is_bf16_supported(), fp8=cap >= (8, 9))
+    return 0
+
+
+def train_steps(model: nn.Module, plan, batches, warmup: int, steps: int, lr: float = 1e-4) -> dict[str, Any]:
+    """Median step time of `model` under `plan` (torchcls's PrecisionPlan), after `warmup` steps."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    losses, times = [], []
+
+    def step(i: int) -> None:
+        x, y = batches[i % len(batches)]
+        with plan.autocast():
+            logits = model(x)
+        loss = nn.functional.cross_entropy(logits.float(), y)
+        opt.zero_grad(set_to_none=True)
+        plan.backward_step(loss, opt, model, 1.0, i + 1)
+        losses.append(loss.item())
+
+    t = time.perf_counter()
+    step(0)  # compiles, when compiled
+    first_s = time.perf_counter() - t
+    for i in range(1, warmup):
+        step(i)
+    for i in range(warmup, warmup + steps):
+        times.append(cuda_ms(lambda: step(i)))
+    ms = statistics.median(times)
+    return {"step_ms": round(ms, 2), "images_per_s": round(len(batches[0][0]) / ms * 1e3, 1),
+            "first_step_s": round(first_s, 1), "losses": [round(v, 5) for v in losses],
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+
+
+def train(args, rec: Record) -> int:
+    """bf16 eager, then bf16 torch.compile of the same weights on the same batches (what --compile does)."""
+    import timm
+
+    from torchcls.config import PrecisionConfig
+    from torchcls.precision.training import apply_precision
+
+    torch.manual_seed(0)
+    base = timm.create_model(args.model, pretrained=False, num_classes=1000).cuda().train()
+    if "vit" not in args.model:
+        base = base.to(memory_format=torch.channels_last)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [(torch.randn(args.batch, 3, 224, 224, device="cuda", generator=g),
+                torch.randint(0, 1000, (args.batch,), device="cuda", generator=g)) for _ in range(2)]
+    rec.set(model=args.model, batch=args.batch, img_size=224, precision="bf16")
+    for variant in ("eager", "compile"):
+        model = copy.deepcopy(base)
+        plan = apply_precision(model, PrecisionConfig(precision="bf16"), torch.device("cuda"),
+                               compile=variant == "compile")
+        if variant == "compile":
+            model = torch.compile(model)
+        log(f"{args.model} {variant}")
+        rec.set(**{variant: train_steps(model, plan, batches, args.warmup, args.steps)})
+        del model
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    rec.set(compile_speedup=round(rec.data["compile"]["images_per_s"] / rec.data["eager"]["images_per_s"], 3))
+    return 0
+
+
+class MLPBlocks(nn.Module):
+    """ViT-H/14's MLP (1280 → 5120 → 1280, pre-norm, residual) `depth` times on 257 tokens, then a head: the
+    GEMM shapes where FP8 pays, without ViT-H's compile time."""
+
+    def __init__(self, dim: int = 1280, hidden: int = 5120, depth: int = 4, classes: int = 1000):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
+                                                  nn.Linear(hidden, dim)) for _ in range(depth))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return self.head(x.mean(1))
+
+
+def fp8(args, rec: Record) -> int:
+    """bf16 vs FP8 tensorwise vs rowwise (training), each block compiled on its own (identical blocks share
+    one graph), same weights and batches; then FP8 inference vs bf16 with parity."""
+    from torchcls.config import PrecisionConfig
+    from torchcls.precision.hardware import require_fp8_hardware
+    from torchcls.precision.training import apply_precision
+
+    require_fp8_hardware(torch.device("cuda"), "the FP8 step", None)
+    torch.manual_seed(0)
+    base = MLPBlocks().cuda()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    batches = [(torch.randn(args.batch, 257, 1280, device="cuda", generator=g),
+                torch.randint(0, 1000, (args.batch,), device="cuda", generator=g)) for _ in range(2)]
+    rec.set(model="MLPBlocks(1280->5120, depth 4, 257 tokens)", batch=args.batch, train={})
+    for name in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
+        precision, _, recipe = name.partition("-")
+        model = copy.deepcopy(base).train()
+        plan = apply_precision(model, PrecisionConfig(precision=precision, fp8_recipe=recipe or "tensorwise"),
+                               torch.device("cuda"), compile=True, compile_note="per block")
+        for block in model.blocks:
+            block.compile()
+        log(f"train {name}")
+        result = train_steps(model, plan, batches, args.warmup, args.steps)
+        result["fp8_converted"] = ((getattr(plan, "report", None) or {}).get("fp8") or {}).get("converted")
+        rec.data["train"][name] = result
+        rec.set()
+        del model
+        torch.cuda.empty_cache()
+    ref = rec.data["train"].get("bf16")
+    for r in rec.data["train"].values():
+        r["speedup_vs_bf16"] = round(ref["step_ms"] / r["step_ms"], 3)
+        r["max_abs_loss_diff_vs_bf16"] = round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 5)
+    rec.set()
+    fp8_inference(base, batches[0][0], rec)
+    return 0
+
+
+def fp8_inference(base: nn.Module, x: torch.Tensor, rec: Record) -> None:
+    from torchcls.artifacts.parity import compare
+    from torchcls.precision.inference import apply_inference_precision
+
+    with torch.no_grad():
+        reference = base.eval()(x).float()
+    rec.data["inference"] = {}
+    for name in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
+        precision, _, recipe = name.partition("-")
+        model = apply_inference_precision(base, precision, "cuda", fp8_recipe=recipe or "tensorwise").model
+        with torch.no_grad():
+            model(x)
+            ms = statistics.median(cuda_ms(lambda: model(x)) for _ in range(10))
+            parity = compare(reference, model(x))
+        rec.data["inference"][name] = {"latency_ms": round(ms, 3), "top1_agreement": parity["top1_agreement"],
+                                       "max_abs_logit_diff": parity["max_abs_diff"]}
+        rec.set()
+
+
+def bench(fn, x: torch.Tensor, repeats: int) -> float:
+    """Median milliseconds of fn(x) (x on the host: the host-to-device copy is part of serving)."""
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn(x)
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def infer(args, rec: Record) -> int:
+    """The CUDA .pt2 (loaded with auto = its build device), eager fp32 and torch.compile (the compile policy
+    with mode=default) of the same checkpoint, each called with host batches and returning host logits."""
+    from torchcls.artifacts import compile_for_inference, load_artifact
+    from torchcls.checkpoint.files import load_model
+
+    artifact = load_artifact(args.artifact)
+    rec.set(artifact_device=str(artifact.device), info_device=artifact.info.device,
+            compute_capability=artifact.info.compute_capability)
+    pre = artifact.info.preprocess
+    shape = (pre.channels, pre.img_size, pre.img_size)
+    model, _ = load_model(args.checkpoint)
+    model = model.cuda().eval()
+
+    @torch.no_grad()
+    def eager(x: torch.Tensor) -> torch.Tensor:
+        return model(x.cuda(non_blocking=True)).float().cpu()
+
+    sides: dict[str, Any] = {"aoti": artifact, "eager": eager}
+    for name in ("aoti", "eager", "compile"):
+        if name == "compile":
+            sides[name] = compile_for_inference(copy.deepcopy(model), torch.zeros(1, *shape), "cuda", max_batch=64,
+                                                buckets=(1, 64), mode="default")
+        b1 = bench(sides[name], torch.randn(1, *shape), args.repeats)
+        b64 = bench(sides[name], torch.randn(64, *shape), args.repeats)
+        rec.set(**{name: {"b1_ms": round(b1, 3), "b64_ms": round(b64, 2), "b64_images_per_s": round(64e3 / b64, 1)}})
+    for name in ("aoti", "compile"):
+        rec.data[name]["b1_speedup_vs_eager"] = round(rec.data["eager"]["b1_ms"] / rec.data[name]["b1_ms"], 3)
+        rec.data[name]["b64_speedup_vs_eager"] = round(rec.data["eager"]["b64_ms"] / rec.data[name]["b64_ms"], 3)
+    rec.set()
+    return 0
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("step", choices=("env", "train", "fp8", "infer"))
+    p.add_argument("--json", required=True, help="write the figures here")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=20, help="timed inference calls")
+    p.add_argument("--artifact")
+    p.add_argument("--checkpoint")
+    args = p.parse_args()
+    rec = Record(args.json)
+    if args.step != "env" and not torch.cuda.is_available():
+        print(f"steps.py {args.step}: needs a CUDA GPU; none is visible", file=sys.stderr)
+        return 3
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    return {"env": env, "train": train, "fp8": fp8, "infer": infer}[args.step](args, rec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
