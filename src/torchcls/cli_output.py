@@ -7,6 +7,10 @@ from typing import Any
 
 
 def evaluation_lines(r: dict[str, Any]) -> list[str]:
+    if r.get("task") == "multilabel":
+        return [f"{r['data']} [{r['split']}]: mAP {r['map']:.4f}  F1 {r['f1_tuned']:.4f} at the saved thresholds "
+                f"({r['f1']:.4f} at 0.5)  exact match {r['exact_match']:.4f}  n {r['n']}",
+                f"wrote {Path(r['out_dir']) / 'eval.json'}"]
     lines = [f"{r['data']} [{r['split']}]: top1 {r['top1']:.4f}  top5 {r['top5']:.4f}  n {r['n']}  "
              f"macro-F1 {r['macro_f1']:.4f}  ECE {r['ece']:.4f}", f"wrote {Path(r['out_dir']) / 'eval.json'}"]
     if "early_exit" in r:
@@ -24,11 +28,16 @@ def print_predictions(preds, topk: int) -> None:
 
     from torchcls.console import console
 
-    table = Table("file", "label", "probability", *(f"#{i}" for i in range(2, topk + 1)))
-    for item in preds.items:
-        top = item["top"]
-        table.add_row(item["file"], top[0]["label"], f"{top[0]['prob']:.3f}",
-                      *(f"{t['label']} {t['prob']:.3f}" for t in top[1:]))
+    if any("labels" in item for item in preds.items):  # multilabel: every label above its threshold, then top-k
+        table = Table("file", "labels", *(f"#{i}" for i in range(1, max(len(i["top"]) for i in preds.items) + 1)))
+        rows = [[item["file"], "; ".join(f"{t['label']} {t['prob']:.3f}" for t in item["labels"]) or "-",
+                 *(f"{t['label']} {t['prob']:.3f}" for t in item["top"])] for item in preds.items]
+    else:
+        table = Table("file", "label", "probability", *(f"#{i}" for i in range(2, topk + 1)))
+        rows = [[item["file"], item["top"][0]["label"], f"{item['top'][0]['prob']:.3f}",
+                 *(f"{t['label']} {t['prob']:.3f}" for t in item["top"][1:])] for item in preds.items]
+    for row in rows:
+        table.add_row(*row)
     console.print(table)
     for s in preds.skipped:
         console.print(f"[yellow]skipped {s['file']}: {s['reason']}[/]")

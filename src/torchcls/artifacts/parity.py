@@ -45,7 +45,8 @@ def held_out_images(meta: CheckpointMeta, limit: int, data: str | None = None,
                         "images of the same classes)") from None
     picks = torch.linspace(0, len(dataset) - 1, min(limit, len(dataset))).round().long().unique()
     items = [dataset[int(i)] for i in picks]
-    return torch.stack([x for x, _ in items]), torch.tensor([y for _, y in items])
+    ys = [y for _, y in items]  # class indices, or multi-label 0/1 rows
+    return torch.stack([x for x, _ in items]), torch.stack(ys) if isinstance(ys[0], torch.Tensor) else torch.tensor(ys)
 
 
 def compare(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, Any]:
@@ -63,7 +64,11 @@ def compare(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tens
         "top1_agreement": (ref.argmax(1) == out.argmax(1)).float().mean().item(),
         "n": len(ref),
     }
-    if labels is not None:
+    if labels is not None and labels.ndim == 2:  # multi-label: per-label accuracy at probability 0.5
+        labels = labels.cpu() > 0.5
+        result["eager_accuracy"] = ((ref > 0) == labels).float().mean().item()
+        result["artifact_accuracy"] = ((out > 0) == labels).float().mean().item()
+    elif labels is not None:
         labels = labels.cpu()
         result["eager_accuracy"] = (ref.argmax(1) == labels).float().mean().item()
         result["artifact_accuracy"] = (out.argmax(1) == labels).float().mean().item()

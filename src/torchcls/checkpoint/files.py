@@ -42,6 +42,12 @@ class CheckpointMeta:
     config: dict[str, Any]  # the resolved training config (data source, split seed, ...)
     epoch: int
     step: int
+    thresholds: list[float] | None = None  # multilabel: per-label decision thresholds (torchcls.tasks)
+
+    @property
+    def task(self) -> str:
+        """multiclass or multilabel: the training run's --task."""
+        return self.config.get("data", {}).get("task", "multiclass")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -52,7 +58,7 @@ class CheckpointMeta:
         pre = raw["preprocess"]
         return cls(ModelSpec(**raw["spec"]), raw["classes"],
                    Preprocess(pre["img_size"], pre["channels"], tuple(pre["mean"]), tuple(pre["std"])),
-                   raw["config"], raw["epoch"], raw["step"])
+                   raw["config"], raw["epoch"], raw["step"], raw.get("thresholds"))
 
 
 def atomic_write(path: Path, write: callable) -> None:

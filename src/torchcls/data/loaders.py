@@ -24,6 +24,7 @@ from torchcls.data.sources import IMAGENET_STATS, STATS, ImageSet, apply_size_li
 from torchcls.data.splits import available_splits, check_same_classes
 from torchcls.data.transforms import build_transform
 from torchcls.errors import UserError
+from torchcls.tasks import check_task
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,8 @@ class Transformed(Dataset):
         except BadImage as e:
             name = self.images.paths[j] if self.images.paths is not None else f"{self.images.name}[{j}]"
             return self._bad(str(name), str(e))
-        return self.transform(img), int(self.images.targets[j])
+        target = self.images.targets[j]  # multi-label: a float (classes,) row, collated to (B, classes)
+        return self.transform(img), (target if target.ndim else int(target))
 
     def _bad(self, file: str, reason: str) -> None:
         if self.on_bad_file == "error":
@@ -93,6 +95,8 @@ def stratified_split(targets: torch.Tensor, val_fraction: float, seed: int) -> t
     """Seeded split keeping each class's share in both parts; the same seed always gives the same split."""
     if not 0.0 <= val_fraction < 1.0:
         raise UserError(f"--val-fraction must be in [0, 1), got {val_fraction}")
+    if targets.ndim == 2:  # multi-label: stratify by the set of labels each image has
+        targets = torch.unique(targets, dim=0, return_inverse=True)[1]
     g = torch.Generator().manual_seed(seed)
     train_idx, val_idx = [], []
     for c in torch.unique(targets):
@@ -177,6 +181,7 @@ def _separate_val(cfg: DataConfig, channels: int, min_side: int) -> tuple[ImageS
 
 def build_data(cfg: DataConfig, seed: int) -> DataBundle:
     images = _open(cfg, cfg.source, "train", cfg.channels)
+    check_task(cfg.task, images.targets, images.origin or cfg.source)
     _check_classes(images)
     pre = preprocess_for(cfg, images)
     _check_max_pixels(cfg, pre)
@@ -187,6 +192,7 @@ def build_data(cfg: DataConfig, seed: int) -> DataBundle:
         val_set, (train_idx, val_idx) = images, stratified_split(images.targets, cfg.val_fraction, seed)
     else:
         check_same_classes(images.classes, val_images.classes, val_images.origin, images.origin)
+        check_task(cfg.task, val_images.targets, val_images.origin)
         val_set, train_idx, val_idx = val_images, torch.arange(len(images)), torch.arange(len(val_images))
     size, shape = images.side, (pre.channels, pre.img_size, pre.img_size)
     train = Transformed(images, train_idx, build_transform(pre, True, cfg.augment, size, cfg.random_erasing),
@@ -228,7 +234,8 @@ def eval_dataset(cfg: DataConfig, pre: Preprocess, split: str, seed: int) -> tup
 def _check_classes(images: ImageSet) -> None:
     if len(images.classes) < 2:
         raise UserError(f"{images.name}: found {len(images.classes)} class(es); classification needs at least 2")
-    counts = torch.bincount(images.targets, minlength=len(images.classes))
+    multilabel = images.targets.ndim == 2
+    counts = images.targets.sum(0) if multilabel else torch.bincount(images.targets, minlength=len(images.classes))
     empty = [images.classes[i] for i in range(len(images.classes)) if counts[i] == 0]
     if empty:
         raise UserError(f"{images.name}: class(es) with no usable images: {', '.join(empty)}")

@@ -37,7 +37,7 @@ IMAGENET_STATS = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
 class ImageSet:
     name: str
     classes: list[str]
-    targets: torch.Tensor  # int64 (N,)
+    targets: torch.Tensor  # int64 (N,); multi-label: float32 (N, classes) of 0/1 (a CSV `labels` column)
     channels: int  # channels the samples are loaded with
     images: torch.Tensor | None = None  # uint8 (N, H, W) for in-memory built-in sets
     paths: list[Path] | None = None  # for file-backed sets
@@ -148,9 +148,10 @@ def _refuse_or_keep(bad: list[tuple[str, str]], on_bad_file: str, where: str) ->
                         "Fix or remove them, or pass --on-bad-file skip to leave them out (they are listed in the report).")
 
 
-def _finish(name: str, origin: str, classes: list[str], paths: list[Path], labels: list[int], channels: int,
-            on_bad_file: str, pre_skipped: list[tuple[str, str]], max_pixels: int) -> ImageSet:
-    """Read every file's header (never its pixels); bad ones are refused or skipped per --on-bad-file."""
+def _finish(name: str, origin: str, classes: list[str], paths: list[Path], labels: list[int] | torch.Tensor,
+            channels: int, on_bad_file: str, pre_skipped: list[tuple[str, str]], max_pixels: int) -> ImageSet:
+    """Read every file's header (never its pixels); bad ones are refused or skipped per --on-bad-file.
+    `labels`: class indices, or a float (N, classes) tensor of multi-label targets."""
     headers = scan_headers(paths)
     bad = pre_skipped + [(str(p), h) for p, h in zip(paths, headers) if isinstance(h, str)]
     _refuse_or_keep(bad, on_bad_file, origin)
@@ -158,7 +159,9 @@ def _finish(name: str, origin: str, classes: list[str], paths: list[Path], label
     if not good:
         raise UserError(f"{origin}: no readable images ({len(bad)} skipped)")
     sizes = torch.tensor([headers[i][1:] for i in good], dtype=torch.int32)
-    return ImageSet(name, classes, torch.tensor([labels[i] for i in good], dtype=torch.int64), channels,
+    targets = labels[torch.tensor(good, dtype=torch.int64)] if isinstance(labels, torch.Tensor) else \
+        torch.tensor([labels[i] for i in good], dtype=torch.int64)
+    return ImageSet(name, classes, targets, channels,
                     paths=[paths[i] for i in good], skipped=bad, sizes=sizes,
                     formats=[headers[i][0] for i in good], origin=origin, max_pixels=max_pixels)
 
@@ -205,40 +208,58 @@ def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) 
                    problems, max_pixels)
 
 
-def _csv_rows(csv_path: Path) -> tuple[list[dict[str, str]], bool]:
+def _csv_rows(csv_path: Path) -> tuple[list[dict[str, str]], bool, str]:
+    """The rows, whether there is a split column, and the label column: `label` (one per row) or
+    `labels` (multi-label: any number separated by ';', empty for none)."""
     with csv_path.open(newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"path", "label"} <= set(reader.fieldnames):
-            raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' "
-                            f"(found: {', '.join(reader.fieldnames or []) or 'nothing'})")
+        names = set(reader.fieldnames or [])
+        if "path" not in names or not names & {"label", "labels"}:
+            raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels' for "
+                            f"multi-label data) (found: {', '.join(reader.fieldnames or []) or 'nothing'})")
+        if {"label", "labels"} <= names:
+            raise UserError(f"{csv_path}: it has both a 'label' and a 'labels' column; keep 'label' (one class per "
+                            "image) or 'labels' (multi-label, separated by ';')")
         rows = list(reader)
     if not rows:
         raise UserError(f"{csv_path}: no rows below the header")
-    return rows, "split" in reader.fieldnames
+    return rows, "split" in names, "labels" if "labels" in names else "label"
+
+
+def _row_labels(value: str | None) -> list[str]:
+    """A multi-label cell: names separated by ';', blanks dropped, each once (empty: no label)."""
+    return sorted({part.strip() for part in (value or "").split(";") if part.strip()})
 
 
 def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, split: str,
                   max_pixels: int) -> ImageSet:
-    rows, has_split = _csv_rows(csv_path)
+    rows, has_split, column = _csv_rows(csv_path)
+    multilabel = column == "labels"
     entries, problems = [], []
     for line, row in enumerate(rows, start=2):
-        rel, label = (row["path"] or "").strip(), (row["label"] or "").strip()
+        rel, label = (row["path"] or "").strip(), (row[column] or "").strip()
         row_split = (row.get("split") or "").strip() if has_split else "train"
-        if not rel or not label:
+        if not rel or not (label or multilabel):  # an empty `labels` cell is an image with no label
             problems.append(f"  line {line}: empty path or label")
         elif row_split not in SPLIT_NAMES:
             problems.append(f"  line {line}: split '{row_split}' is not one of {', '.join(SPLIT_NAMES)}")
         elif row_split == split or split == "all":
-            entries.append((Path(rel) if Path(rel).is_absolute() else base / rel, label, line))
+            entries.append((Path(rel) if Path(rel).is_absolute() else base / rel,
+                            _row_labels(label) if multilabel else label, line))
     if problems:
         raise UserError(f"{csv_path}: {len(problems)} bad row(s):\n" + "\n".join(problems[:20]))
-    classes = sorted({(row["label"] or "").strip() for row in rows})
+    if multilabel:
+        classes = sorted({c for row in rows for c in _row_labels(row[column])})
+        if not classes:
+            raise UserError(f"{csv_path}: its 'labels' column names no label at all")
+    else:
+        classes = sorted({(row["label"] or "").strip() for row in rows})
     origin = f"{csv_path} split={split}" if has_split else str(csv_path)
     if not entries:
         held = f"its split column holds {', '.join(sorted(csv_splits(csv_path)))}" if has_split else \
             "it has no split column: add one with train/val/test per row"
         raise UserError(f"{csv_path}: no rows with split '{split}' ({held})")
-    if has_split:
+    if has_split and not multilabel:  # a multi-label split may well lack a rare label
         check_same_classes(classes, sorted({lbl for _, lbl, _ in entries}), origin, "of the whole CSV")
     missing = [(str(p), f"listed on line {line} of {csv_path.name} but "
                         + ("a broken symlink" if p.is_symlink() else "missing")) for p, _, line in entries
@@ -249,6 +270,12 @@ def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, s
                         f"{listing}\nFix the paths, pass --root to change the base, or --on-bad-file skip")
     gone = {p for p, _ in missing}
     entries = [(p, lbl) for p, lbl, _ in entries if str(p) not in gone]
-    index = {c: i for i, c in enumerate(classes)}
-    return _finish(str(csv_path), origin, classes, [p for p, _ in entries], [index[lbl] for _, lbl in entries],
-                   channels, on_bad_file, missing, max_pixels)
+    if multilabel:
+        from torchcls.tasks import multilabel_targets
+
+        targets = multilabel_targets([lbl for _, lbl in entries], classes)
+    else:
+        index = {c: i for i, c in enumerate(classes)}
+        targets = [index[lbl] for _, lbl in entries]
+    return _finish(str(csv_path), origin, classes, [p for p, _ in entries], targets, channels, on_bad_file,
+                   missing, max_pixels)

@@ -1,5 +1,7 @@
 """Evaluate a checkpoint: top-1/top-5, per-class precision/recall/F1, confusion matrix and
 calibration error (torchmetrics), written to eval.json plus a confusion-matrix PNG.
+Multilabel checkpoints (--task multilabel): mAP, F1 and AP per label, exact match, and the decision
+thresholds the checkpoint carries (torchcls.tasks).
 """
 
 from __future__ import annotations
@@ -21,18 +23,19 @@ from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_logits
 from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
+from torchcls.tasks import MULTILABEL, check_task, multilabel_metrics, thresholds_for
 
 SPLITS = ("val", "test", "train", "all")
 
 
 @torch.no_grad()
 def predict_logits(model: torch.nn.Module, loader, device: torch.device,
-                   tta: str = "none") -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits and targets over `loader`; with `tta` the log of the TTA-averaged probabilities."""
+                   tta: str = "none", multilabel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits and targets over `loader`; with `tta` the log (multilabel: logit) of the TTA-averaged probabilities."""
     model.to(device).eval()
     logits, targets = [], []
     for x, y in loader:
-        logits.append(tta_logits(model, x.to(device), tta).cpu())
+        logits.append(tta_logits(model, x.to(device), tta, multilabel).cpu())
         targets.append(y)
     return torch.cat(logits), torch.cat(targets)
 
@@ -94,6 +97,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     if data is not None and split == "val" and "val" not in available_splits(data):
         split = "all"  # other data than the training data, without a val split of its own: use all of it
     dataset, images = eval_dataset(data_cfg, meta.preprocess, split, train_cfg.train.seed)
+    check_task(meta.task, images.targets, images.origin or data_cfg.source)
     dataset = _align_classes(dataset, images, meta.classes, data_cfg.source)
     loader = make_loader(dataset, batch_size, workers, shuffle=False)
     exits = _early_exit_setup(model, meta, replace(train_cfg.data, on_bad_file=on_bad_file), train_cfg.train.seed, resolve_device(device), batch_size,
@@ -101,10 +105,12 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
 
     with tempfile.TemporaryDirectory(prefix="torchcls-eval-") as tmp:  # files skipped while decoding
         dataset.skip_log = skip_log_path(tmp)
-        logits, targets = predict_logits(model, loader, resolve_device(device), tta)
+        logits, targets = predict_logits(model, loader, resolve_device(device), tta, meta.task == MULTILABEL)
         skipped = images.skipped + [(d["file"], d["reason"]) for d in read_skips(tmp)]
-    result = {"checkpoint": str(path), "data": data_cfg.source, "split": split, "tta": tta,
-              **classification_metrics(logits, targets, meta.classes)}
+    metrics = multilabel_metrics(logits, targets, meta.classes, thresholds_for(meta)) if meta.task == MULTILABEL \
+        else classification_metrics(logits, targets, meta.classes)
+    result = {"checkpoint": str(path), "data": data_cfg.source, "split": split, "tta": tta, "task": meta.task,
+              **metrics}
     if skipped:
         result["skipped_files"] = [{"file": f, "reason": r} for f, r in skipped]
 
@@ -117,7 +123,8 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     from torchcls.report import plots, write_report
 
-    plots.confusion_matrix(result["confusion_matrix"], meta.classes, out / "confusion_matrix.png")
+    if "confusion_matrix" in result:  # multiclass
+        plots.confusion_matrix(result["confusion_matrix"], meta.classes, out / "confusion_matrix.png")
     if (out / "config.toml").is_file():
         write_report(out)
     result["out_dir"] = str(out)
@@ -165,6 +172,11 @@ def _align_classes(dataset, images, model_classes: list[str], source: str):
         raise UserError(f"{source}: label(s) {', '.join(unknown)} are not classes of this model "
                         f"(it knows: {', '.join(model_classes)})")
     index = {c: model_classes.index(c) for c in images.classes}
+    if images.targets.ndim == 2:  # multi-label: move each column to the model's class
+        aligned = torch.zeros(len(images.targets), len(model_classes))
+        aligned[:, [index[c] for c in images.classes]] = images.targets
+        images.targets, images.classes = aligned, list(model_classes)
+        return dataset
     images.targets = torch.tensor([index[images.classes[t]] for t in images.targets.tolist()])
     images.classes = list(model_classes)
     return dataset

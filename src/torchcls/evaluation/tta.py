@@ -26,16 +26,24 @@ def views(x: torch.Tensor, mode: str) -> list[torch.Tensor]:
     return [x] if check_tta(mode) == "none" else [x, x.flip(-1)]
 
 
-def tta_probs(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> torch.Tensor:
-    """float32 class probabilities: the mean over the views of each view's softmax."""
-    probs = [model(v).float().softmax(dim=1) for v in views(x, mode)]
+def tta_probs(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str,
+              multilabel: bool = False) -> torch.Tensor:
+    """float32 class probabilities: the mean over the views of each view's softmax (multilabel: sigmoid)."""
+    probs = [_activate(model(v).float(), multilabel) for v in views(x, mode)]
     return torch.stack(probs).mean(dim=0)
 
 
-def tta_logits(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str) -> torch.Tensor:
-    """float32 scores whose softmax is `tta_probs` (log of the averaged probabilities), so that
-    metrics and the cross-entropy computed from logits describe the averaged prediction.
-    With mode 'none' the model's own logits, unchanged."""
+def _activate(logits: torch.Tensor, multilabel: bool) -> torch.Tensor:
+    return logits.sigmoid() if multilabel else logits.softmax(dim=1)
+
+
+def tta_logits(model: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, mode: str,
+               multilabel: bool = False) -> torch.Tensor:
+    """float32 scores whose softmax is `tta_probs` (log of the averaged probabilities; multilabel: their
+    logit, whose sigmoid is `tta_probs`), so that metrics and the loss computed from logits describe the
+    averaged prediction. With mode 'none' the model's own logits, unchanged."""
     if check_tta(mode) == "none":
         return model(x).float()
+    if multilabel:
+        return tta_probs(model, x, mode, True).clamp(1e-7, 1 - 1e-7).logit()
     return tta_probs(model, x, mode).clamp_min(torch.finfo(torch.float32).tiny).log()

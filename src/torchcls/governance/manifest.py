@@ -197,7 +197,8 @@ def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, 
     labels, split_of = {}, {}
     for name, s in splits.items():
         for p, t in zip(s.paths, s.targets):
-            labels[str(Path(p).resolve())] = s.classes[int(t)]
+            labels[str(Path(p).resolve())] = s.classes[int(t)] if t.ndim == 0 else \
+                ";".join(c for c, on in zip(s.classes, t.tolist()) if on)  # multi-label: as the CSV writes them
             split_of[str(Path(p).resolve())] = name
     columns = csv_columns(path, base) if is_csv else {}
     records = []
@@ -234,11 +235,12 @@ def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, An
     `jurisdiction`. Paths resolve as open_source resolves them (absolute, or relative to `base`)."""
     with csv_path.open(newline="") as f:
         reader = csv.DictReader(f)
-        if reader.fieldnames is None or not {"path", "label"} <= set(reader.fieldnames):
-            raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label'")
+        names = set(reader.fieldnames or [])
+        if "path" not in names or not names & {"label", "labels"}:
+            raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels')")
         rows = {}
         for line, row in enumerate(reader, start=2):
-            rel, label = (row.get("path") or "").strip(), (row.get("label") or "").strip()
+            rel, label = (row.get("path") or "").strip(), (row.get("label") or row.get("labels") or "").strip()
             p = Path(rel) if Path(rel).is_absolute() else base / rel
             extra: dict[str, Any] = {}
             tags = [t.strip() for t in (row.get("tags") or "").split(";") if t.strip()]

@@ -51,8 +51,9 @@ def _deliver(future: asyncio.Future, value: object, error: bool) -> None:
 class DynamicBatcher:
     def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], max_batch: int, max_wait_s: float,
                  max_queue: int, on_batch: Callable[[int, float], None] = lambda n, s: None,
-                 on_depth: Callable[[int], None] = lambda n: None):
+                 on_depth: Callable[[int], None] = lambda n: None, multilabel: bool = False):
         self.fn, self.max_batch, self.max_wait_s, self.max_queue = fn, max_batch, max_wait_s, max_queue
+        self.multilabel = multilabel  # probabilities: one sigmoid per class instead of a softmax
         self.on_batch, self.on_depth = on_batch, on_depth
         self.ready = threading.Event()
         self.warmup_error: BaseException | None = None
@@ -139,7 +140,8 @@ class DynamicBatcher:
         try:
             x = jobs[0].x if len(jobs) == 1 else torch.cat([j.x for j in jobs])
             out = self.fn(x)
-            logits, probs, top1 = out.numpy(), out.softmax(dim=1).numpy(), out.argmax(dim=1).numpy()
+            probs = out.sigmoid() if self.multilabel else out.softmax(dim=1)
+            logits, probs, top1 = out.numpy(), probs.numpy(), out.argmax(dim=1).numpy()
         except BaseException as e:  # noqa: BLE001 - handed to every request of the batch
             for j in jobs:
                 j.loop.call_soon_threadsafe(_deliver, j.future, e, True)
