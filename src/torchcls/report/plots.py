@@ -24,7 +24,8 @@ def training_curves(records: list[dict[str, Any]], path: Path) -> bool:
     for key, label in (("train_loss", "train loss"), ("val_loss", "val loss")):
         if epochs and key in epochs[0]:
             ax_loss.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], marker="o", label=label)
-    for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5")):
+    for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5"),
+                       ("val_map", "val mAP (multilabel)"), ("val_f1", "val F1 at 0.5")):
         if epochs and key in epochs[0]:
             ax_acc.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], marker="o", label=label)
     ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")

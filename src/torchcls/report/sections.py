@@ -59,7 +59,8 @@ def training(run_dir: Path) -> str | None:
         return None
     last = epochs[-1]
     parts = [f"<p>{len(epochs)} epoch(s), {last['step']} steps, last epoch {last['img_per_s']:.0f} images/s.</p>"]
-    cols = [k for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "epoch_s")
+    cols = [k for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "val_map", "val_f1",
+                        "epoch_s")
             if k in last]
     parts.append(table(cols, [[_fmt4(e.get(c)) for c in cols] for e in epochs]))
     if plots.training_curves(records, run_dir / "curves.png"):
