@@ -142,7 +142,8 @@ class TrainConfig:
     tracking: str = opt("none", "also log the run (params, metrics per step and epoch, report, final checkpoint) "
                         "to an experiment tracker", choices=("none", "mlflow"))
     tracking_uri: str | None = opt(None, "--tracking mlflow: the tracking store: a server URL, sqlite:///FILE or a "
-                                   "folder (default: ./mlruns)")
+                                   "folder (it holds mlflow.db and mlruns/; default: $MLFLOW_TRACKING_URI, else the "
+                                   "current folder: ./mlflow.db and ./mlruns/, MLflow's own default)")
     tracking_experiment: str = opt("torchcls", "--tracking mlflow: the experiment the run is logged under")
     memory_report: bool = opt(False, "write allocator.json: on CUDA the caching allocator's stats per step (allocated "
                               "vs reserved, fragmentation, alloc retries, OOMs) with advice; on CPU the profiler's "
