@@ -332,3 +332,35 @@ def test_heldout_batches_feed_quantize_for_inference_on_a_real_run(trained_run):
     assert report["parity"]["passed"] and report["parity"]["n"] == 20 and report["precision"] == "bf16"
     assert all(p.dtype == torch.float32 for p in model.parameters())  # the caller's model is not touched
     assert isinstance(converted, CastIO) and converted(batches[0]).dtype == torch.float32
+
+
+def test_deferred_nonfinite_check_skips_on_the_device_and_reports_at_the_next_read():
+    """With a fused optimizer the NaN/Inf decision stays on the device (no host sync per step): the update
+    is skipped by the optimizer's found_inf flag, and `check` reports it as the per-step check would."""
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3))
+    plan = apply_precision(model, PrecisionConfig(precision="fp32", nonfinite="skip"), CPU)
+    records = []
+    plan.log = records.append
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    assert plan.defer_checks(opt) and not plan.check_each_step
+    y = torch.tensor([0, 1])
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = nn.functional.cross_entropy(model(torch.full((2, 12), float("nan"))), y)
+    ok = plan.backward_step(loss, opt, model, 1.0, step=1)
+    assert torch.is_tensor(ok) and not ok.item()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # not applied
+    assert records == []  # nothing read yet
+    opt.zero_grad()  # as the trainer does after every step
+    ok = plan.backward_step(nn.functional.cross_entropy(model(torch.randn(2, 12)), y), opt, model, 1.0, step=2)
+    assert ok.item() and not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    plan.check()
+    assert records == [{"kind": "nonfinite", "step": 1, "what": "loss or gradient norm (1 step(s) not applied)",
+                        "value": "nan", "action": "skipped"}]
+    plan.check()  # read once
+    assert len(records) == 1
+    plan.nonfinite = "stop"
+    opt.zero_grad()
+    plan.backward_step(nn.functional.cross_entropy(model(torch.full((2, 12), float("inf"))), y), opt, model, 1.0, 3)
+    with pytest.raises(NonFiniteLoss, match=r"at step 3"):
+        plan.check()
+    assert not plan.defer_checks(torch.optim.SGD(model.parameters(), lr=0.1))  # unfused: checked each step

@@ -66,12 +66,14 @@ class Checkpointer:
     calls save / resume (the sharded format); without one, the single-process format."""
 
     def __init__(self, directory: Path, ranks: dcp.Ranks | None = None, *, async_save: bool = False,
-                 lineage: dict[str, Any] | None = None, before_save: Callable[[nn.Module], None] | None = None):
+                 lineage: dict[str, Any] | None = None, before_save: Callable[[nn.Module], None] | None = None,
+                 extras: dict[str, Any] | None = None):
         self.directory = Path(directory)
         self.ranks = ranks or SingleProcess()
         self.async_save = async_save and self.ranks.active  # background writes exist for DCP only
         self.lineage = lineage  # stamped into every .safetensors written
         self.before_save = before_save  # e.g. make every rank's BatchNorm statistics the same
+        self.extras = extras or {}  # more stateful parts of the run (state_dict/load_state_dict), e.g. the EMA
         self._group = None
         self._pending: list[tuple[Any, str]] = []  # background saves not yet committed
 
@@ -119,6 +121,7 @@ class Checkpointer:
             "epoch": progress.epoch, "step": progress.step, "step_in_epoch": progress.step_in_epoch,
             "best_top1": progress.best_top1, "rng": torch.get_rng_state(),
             "precision": precision.state_dict() if precision is not None else {},
+            "extras": {k: v.state_dict() for k, v in self.extras.items()},
         })
 
     def _save_sharded(self, model: nn.Module, optimizer, scheduler, progress: Progress,
@@ -126,7 +129,7 @@ class Checkpointer:
         self.wait()
         if self.before_save is not None:
             self.before_save(model)
-        state, _ = dcp.training_state(model, optimizer, scheduler, progress)
+        state, _ = dcp.training_state(model, optimizer, scheduler, progress, self.extras)
         if self.async_save and self._group is None:
             self._group = dcp.new_group()
         future = dcp.start_save(self.last_dcp, state, self.ranks, self._group if self.async_save else None)
@@ -164,7 +167,7 @@ class Checkpointer:
                 raise UserError(f"{self.directory} has no sharded checkpoint {LAST_DCP}/ to resume from with "
                                 f"torchrun: it was written by a single process ({LAST_STATE}, unsharded optimizer "
                                 "state). Resume it with --parallel none, or start the torchrun run afresh")
-            fields, rng = dcp.load(self.last_dcp, model, optimizer, scheduler, Progress(), meta)
+            fields, rng = dcp.load(self.last_dcp, model, optimizer, scheduler, Progress(), meta, self.extras)
             progress = Progress(*fields)
         else:
             state = load_training_state(self.last_state)
@@ -177,6 +180,8 @@ class Checkpointer:
             scheduler.load_state_dict(state["scheduler"])
             if precision is not None:
                 precision.load_state_dict(state.get("precision", {}))
+            for name, part in self.extras.items():
+                part.load_state_dict(state["extras"][name])
             progress = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"])
             rng = state["rng"]
         return progress, rng if progress.step_in_epoch else None

@@ -83,10 +83,13 @@ def full_model_state(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] 
     return {k: v.contiguous().clone() for k, v in sd.items()} if ranks.is_main else None
 
 
-def training_state(model: nn.Module, optimizer, scheduler, progress: Any) -> tuple[dict[str, Any], list]:
-    """The DCP state dict (tensors only) and the optimizer's param groups, which are rebuilt, not saved."""
+def training_state(model: nn.Module, optimizer, scheduler, progress: Any,
+                   extras: dict[str, Any] | None = None) -> tuple[dict[str, Any], list]:
+    """The DCP state dict (tensors only) and the optimizer's param groups, which are rebuilt, not saved.
+    `extras`: further stateful parts of the run (the weights' EMA), saved under their names."""
     osd = get_optimizer_state_dict(model, optimizer)  # creates zero moments on a fresh optimizer
-    return {
+    more = {"extras": {k: v.state_dict() for k, v in extras.items()}} if extras else {}
+    return more | {
         "model": get_model_state_dict(model),
         "optim": {"state": osd["state"]},
         "progress": torch.tensor([progress.epoch, progress.step, progress.step_in_epoch], dtype=torch.int64),
@@ -153,12 +156,12 @@ def recover(path: Path) -> str | None:
     return None
 
 
-def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any,
-         meta: CheckpointMeta) -> tuple[tuple[int, int, int, float], torch.Tensor]:
+def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta: CheckpointMeta,
+         extras: dict[str, Any] | None = None) -> tuple[tuple[int, int, int, float], torch.Tensor]:
     """Load `path` into this world size; returns ((epoch, step, step_in_epoch, best_top1), rng).
     `progress`: an empty progress record of the trainer (the shape of what is loaded)."""
     check_same_model(path, meta)
-    state, param_groups = training_state(model, optimizer, scheduler, progress)
+    state, param_groups = training_state(model, optimizer, scheduler, progress, extras)
     try:
         safe_load(state, path)
     except UserError:
@@ -166,6 +169,8 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any,
     except (Exception, CheckpointException) as e:  # a missing or mis-shaped tensor: a generic CheckpointException
         raise UserError(f"cannot load the sharded checkpoint {path} into this model: {str(e)[:300]}") from None
     set_model_state_dict(model, state["model"])
+    for name, part in (extras or {}).items():
+        part.load_state_dict(state["extras"][name])
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": param_groups})
     lrs = state["lr"].tolist()
     sd = scheduler.state_dict()

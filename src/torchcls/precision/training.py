@@ -54,6 +54,10 @@ class PrecisionPlan:
     log: Callable[[dict[str, Any]], None] = lambda record: None
     run_path: Path | None = None
     skipped_in_a_row: int = 0
+    check_each_step: bool = True  # see `backward` and `defer_checks`
+    _bad_loss: tuple[str, float] | None = None  # a non-finite loss among this step's micro-batches
+    _finite: torch.Tensor | None = None  # deferred mode: were this step's losses finite (device bool)
+    _counts: torch.Tensor | None = None  # deferred mode: the record of skipped steps, on the device
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.name == "fp32":
@@ -67,14 +71,42 @@ class PrecisionPlan:
         return stack
 
     def backward_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer, model: nn.Module,
-                      grad_clip: float, step: int) -> bool:
-        """Backward, clip, optimizer step. Returns False when a NaN/Inf step was skipped (--nonfinite skip);
-        raises NonFiniteLoss under --nonfinite stop. Never applies a non-finite update."""
-        value = loss.item()
-        if not _finite_everywhere(math.isfinite(value), loss.device):
-            what = "loss" if not math.isfinite(value) else "loss on another rank"
-            return self._nonfinite(what, value, step)
+                      grad_clip: float, step: int) -> bool | torch.Tensor:
+        """`backward` then `step`: one batch, one optimizer step."""
+        self.backward(loss)
+        return self.step(optimizer, model, grad_clip, step)
+
+    def backward(self, loss: torch.Tensor, scale: float = 1.0) -> None:
+        """Backward of one (micro-)batch's loss; `scale` is 1 / the micro-batches of the step (--accum-steps).
+
+        Checked each step (the default on the CPU, where reading a scalar costs no device round trip), a
+        non-finite loss is not back-propagated: every rank learns it here and skips together. Deferred
+        (`check_each_step = False`), its finiteness stays a device tensor that `step` turns into the
+        optimizer's skip flag, and `check` reads at log steps."""
+        if self.check_each_step:
+            value = loss.item()
+            if not _finite_everywhere(math.isfinite(value), loss.device):
+                self._bad_loss = self._bad_loss or ("loss" if not math.isfinite(value) else "loss on another rank",
+                                                    value)
+            if self._bad_loss:
+                return
+        else:
+            finite = torch.isfinite(loss.detach())
+            self._finite = finite if self._finite is None else self._finite & finite
+        loss = loss * scale if scale != 1.0 else loss
         (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, grad_clip: float,
+             step: int) -> bool | torch.Tensor:
+        """Clip and apply the gradients `backward` accumulated. Returns False when a NaN/Inf step was
+        skipped (--nonfinite skip; raises NonFiniteLoss under --nonfinite stop), True when applied, and
+        in deferred mode a device bool tensor saying which. Never applies a non-finite update."""
+        if not self.check_each_step:
+            return self._deferred_step(optimizer, model, grad_clip, step)
+        if self._bad_loss:
+            (what, value), self._bad_loss = self._bad_loss, None
+            optimizer.zero_grad(set_to_none=True)
+            return self._nonfinite(what, value, step)
         if grad_clip > 0:
             if self.scaler:
                 self.scaler.unscale_(optimizer)
@@ -91,6 +123,53 @@ class PrecisionPlan:
             self.fp8.after_optimizer_step(model)
         self.skipped_in_a_row = 0
         return True
+
+    def defer_checks(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Check for NaN/Inf on the device, without a host synchronisation per step, when the optimizer
+        can skip an update from a device flag (torch's fused optimizers read `found_inf`, as GradScaler
+        uses them) and no grad scaler is in play. Returns whether it does."""
+        self.check_each_step = not (getattr(optimizer, "_step_supports_amp_scaling", False) and self.scaler is None)
+        return not self.check_each_step
+
+    def _deferred_step(self, optimizer, model: nn.Module, grad_clip: float, step: int) -> torch.Tensor:
+        device = next(iter(model.parameters())).device
+        ok = self._finite if self._finite is not None else torch.ones((), dtype=torch.bool, device=device)
+        self._finite = None
+        if grad_clip > 0:
+            ok = ok & torch.isfinite(nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+        if dist.is_available() and dist.is_initialized():  # all ranks skip together (queued, not waited for)
+            flag = ok.to(torch.float32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = flag[0] > 0
+        bad = (~ok).to(torch.float32)
+        optimizer.grad_scale, optimizer.found_inf = None, bad
+        try:
+            optimizer.step()  # a fused kernel: no update, no step count, where found_inf is set
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf
+        if self.fp8 is not None:
+            self.fp8.after_optimizer_step(model)
+        if self._counts is None:  # skipped steps, current run of them, longest run, last skipped step
+            self._counts = torch.zeros(4, dtype=torch.float64, device=device)
+        c, b = self._counts, bad.to(torch.float64)
+        c[1] = (c[1] + b) * b
+        c[0] += b
+        c[2] = torch.maximum(c[2], c[1])
+        c[3] = torch.where(b > 0, float(step), c[3])
+        return ok
+
+    def check(self) -> None:
+        """Deferred mode: read the device's record of skipped steps (one synchronisation; the trainer calls
+        this at log steps and epoch ends) and act on them as the per-step check would have."""
+        if self._counts is None:
+            return
+        skipped, run, longest, last = self._counts.tolist()
+        if not skipped:
+            return
+        self._counts.zero_()
+        self._counts[1] = run  # a run of skipped steps continues across reads
+        self.skipped_in_a_row = int(longest) - 1  # _nonfinite counts the last one itself
+        self._nonfinite(f"loss or gradient norm ({int(skipped)} step(s) not applied)", float("nan"), int(last))
 
     def _nonfinite(self, what: str, value: float, step: int) -> bool:
         where = f"non-finite {what} ({value}) at step {step} under --precision {self.name}"

@@ -28,16 +28,21 @@ from torchcls.errors import UserError
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
+from torchcls.tasks import multilabel_criterion
 from torchcls.training import rank0_init, sharding
+from torchcls.training.class_weights import loss_weights
 from torchcls.training.compile import compile_for_training, should_compile
 from torchcls.training.distributed import Session, setup, sync_buffers
+from torchcls.training.ema import WeightEma
 from torchcls.training.feed import build_feed
+from torchcls.training.freeze import apply_freeze
 from torchcls.training.memory import record_memory
-from torchcls.training.optim import build_optimizer, warmup_cosine
+from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
 from torchcls.training.resume_options import option_changes
 from torchcls.training.rundir import RunDir
 from torchcls.training.tensorboard import open_writer
+from torchcls.training.tracking import open_tracker
 from torchcls.training.trainer import StepCallback, Trainer, TrainResult
 
 
@@ -63,7 +68,7 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
 def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> TrainResult:
     try:
         with progress_bar(cfg.train.progress) as bar:
-            while t.progress.epoch < cfg.train.epochs:
+            while t.progress.epoch < cfg.train.epochs and not t.early_stop():
                 t.end_epoch(t.run_epoch(bar))
         if session.active:
             record_memory(run.path, t.model, t.optimizer, session)  # per-rank bytes vs full / world
@@ -82,9 +87,7 @@ def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> Train
 
 def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """Everything a run needs, in dependency order; governance refuses before any data is read."""
-    if cfg.train.log_every < 0:
-        raise UserError(f"--log-every {cfg.train.log_every}: give a number of steps >= 1, or 0 for ten records an "
-                        "epoch")
+    _check_options(cfg)
     saved = run.path / "config.toml"  # before it is overwritten: what a resume may change
     changes = option_changes(saved, cfg) if cfg.run.resume and saved.is_file() else {}
     if session.is_main:
@@ -105,23 +108,54 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
                                     compile_model, compile_note)
     optimizer = build_optimizer(model, cfg.optim)
     feed = build_feed(cfg, data, session, device)
-    steps_per_epoch = len(feed)
-    scheduler = warmup_cosine(optimizer, int(cfg.optim.warmup_epochs * steps_per_epoch),
-                              steps_per_epoch * cfg.train.epochs)
+    steps_per_epoch = _optimizer_steps_per_epoch(len(feed), cfg.optim.accum_steps)
+    scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
+    ema = WeightEma(model, cfg.optim.ema) if cfg.optim.ema else None
     checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
-                                lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session))
+                                lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session),
+                                extras={"ema": ema} if ema else None)
+    if device.type == "cuda":  # no host synchronisation per step where the optimizer allows it
+        precision.defer_checks(optimizer)
     # The graph-break report runs two samples; only the map-style feed has a dataset to index.
     examples = data.train if feed.kind == "files" else [(torch.zeros(pre.channels, pre.img_size, pre.img_size), 0)] * 2
     forward = compile_for_training(model, examples, run.path, device, memory_format,
                                    report_breaks=not session.active) if compile_model else model
     memory = recorder_for(cfg.train, run.path, device)  # None unless --memory-report/--memory-snapshot
     mixing = build_mixing(cfg.data, cfg.optim.label_smoothing, len(data.classes),
-                          sharding.per_rank_batch(cfg.data.batch_size, session), cfg.train.seed, session.rank)
-    criterion = mixing.loss if mixing else nn.CrossEntropyLoss(label_smoothing=cfg.optim.label_smoothing)
+                          sharding.per_rank_batch(cfg.data.batch_size, session), cfg.train.seed, session.rank,
+                          multilabel=cfg.data.task == "multilabel")
+    criterion = mixing.loss if mixing else nn.CrossEntropyLoss(weight=loss_weights(cfg, data, mixing, device),
+                                                               label_smoothing=cfg.optim.label_smoothing)
+    if cfg.data.task == "multilabel":  # BCE (torchcls.tasks)
+        criterion = multilabel_criterion(cfg, data, mixing)
+    tracker = open_tracker(cfg, run.path) if session.is_main else None  # last: a refused store leaves nothing
     return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
                    optimizer, scheduler, criterion, feed, checkpointer,
                    [*callbacks, memory] if memory else list(callbacks), mixing, memory,
-                   open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes)
+                   open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes, ema=ema,
+                   tracker=tracker)
+
+
+def _check_options(cfg: Config) -> None:
+    """Options whose values are wrong whatever the data: refused before anything is read."""
+    if cfg.train.log_every < 0:
+        raise UserError(f"--log-every {cfg.train.log_every}: give a number of steps >= 1, or 0 for ten records an "
+                        "epoch")
+    if cfg.optim.accum_steps < 1:
+        raise UserError(f"--accum-steps {cfg.optim.accum_steps}: give the number of micro-batches per optimizer "
+                        "step, >= 1 (1 = no accumulation)")
+    if cfg.optim.ema and not 0.0 < cfg.optim.ema < 1.0:
+        raise UserError(f"--ema {cfg.optim.ema}: give a decay in (0, 1), e.g. 0.999, or 0 for no EMA")
+    if cfg.train.early_stop < 0:
+        raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
+                        "--epochs")
+
+
+def _optimizer_steps_per_epoch(batches: int, accum_steps: int) -> int:
+    if accum_steps > batches:
+        raise UserError(f"--accum-steps {accum_steps} is more than the {batches} batches of an epoch: no optimizer "
+                        f"step would see a full window. Use --accum-steps <= {batches}, or a smaller --batch-size")
+    return -(-batches // accum_steps)
 
 
 def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,
@@ -135,6 +169,8 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
     else:
         model = factory().to(device, memory_format=memory_format)
+    if (frozen := apply_freeze(model, cfg.model.freeze)) and session.is_main:  # before DDP wraps it
+        console.print(frozen)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
     # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
     precision = apply_precision(model, cfg.precision, device, run, parallel=cfg.parallel.parallel,

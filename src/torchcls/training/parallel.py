@@ -9,7 +9,8 @@ model family below; the model classes themselves know nothing of this.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -110,3 +111,25 @@ def find_blocks(model: nn.Module) -> tuple[str, list[nn.Module]]:
         if matches(model):
             return family, blocks(model)
     return "no", []
+
+
+@contextlib.contextmanager
+def grad_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Whether the backward inside all-reduces (DDP) or reduce-scatters (FSDP2) the gradients: not on the
+    inner micro-batches of --accum-steps, whose gradients only add up locally until the last one."""
+    if enabled:
+        yield
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        with model.no_sync():
+            yield
+    elif hasattr(model, "set_requires_gradient_sync"):  # an FSDP2 module
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield

@@ -10,6 +10,8 @@ weights as an uninterrupted one.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,11 +28,13 @@ from torchcls.console import console
 from torchcls.models import ModelSpec
 from torchcls.models.early_exit import exit_loss
 from torchcls.precision.training import PrecisionPlan
+from torchcls.tasks import best_score, train_correct
 from torchcls.training.distributed import Session
 from torchcls.training.feed import Feed
+from torchcls.training.parallel import grad_sync
 from torchcls.training.resume_options import apply_optim_changes
 from torchcls.training.resume_options import record as resume_record
-from torchcls.training.rundir import RunDir
+from torchcls.training.rundir import RunDir, read_metrics
 from torchcls.training.tensorboard import write_scalars
 from torchcls.training.validation import validate
 
@@ -73,17 +77,25 @@ class Trainer:
     progress: Progress = field(default_factory=Progress)
     resume_rng: torch.Tensor | None = None  # restored once a resumed epoch is replayed to its step
     resume_changes: dict[str, Any] = field(default_factory=dict)  # options changed by --resume (resume_options)
+    ema: Any = None  # --ema: torchcls.training.ema.WeightEma, updated after each optimizer step
+    micro: int = 0  # micro-batches of the current --accum-steps window done so far
+    window: int = 1  # micro-batches in the current window
+    thresholds: list[float] | None = None  # multilabel: per-label thresholds chosen on the validation set
+    tracker: Any = None  # --tracking mlflow (training/tracking.py), rank 0 only
 
     def __post_init__(self) -> None:
         self.model.train()
 
-    def meta(self) -> CheckpointMeta:
+    def meta(self, thresholds: list[float] | None = None) -> CheckpointMeta:
         pre, p = self.data.preprocess, self.progress
-        return CheckpointMeta(self.spec, self.data.classes, pre, self.cfg.to_dict(), p.epoch, p.step)
+        return CheckpointMeta(self.spec, self.data.classes, pre, self.cfg.to_dict(), p.epoch, p.step,
+                              thresholds or self.thresholds)
 
     def save(self) -> None:
-        self.checkpointer.save(self.model, self.optimizer, self.scheduler, self.progress, self.meta(), self.precision)
         p = self.progress
+        if self.micro:  # interrupted inside an accumulation window: a resume replays its micro-batches
+            p = dataclasses.replace(p, step_in_epoch=p.step_in_epoch - self.micro)
+        self.checkpointer.save(self.model, self.optimizer, self.scheduler, p, self.meta(), self.precision)
         self.feed.save_state(self.run.checkpoints, self.session.rank, p.step, p.step_in_epoch)
 
     def resume(self) -> None:
@@ -100,22 +112,36 @@ class Trainer:
         world = f" (world size {self.session.world})" if self.session.active else ""
         console.print(f"resuming {self.run.path} at epoch {p.epoch + 1}, step {p.step}{world}")
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """One optimizer step on a batch already on the device. Returns the loss, the (final exit's)
-        logits and whether the step was applied (False: a NaN/Inf step skipped under --nonfinite skip)."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor | None]:
+        """Forward and backward of one micro-batch already on the device; after every --accum-steps of them
+        (fewer at the end of an epoch), the optimizer step. Returns the loss, the (final exit's) logits and
+        the step: None while gradients accumulate, else whether it was applied (False: a NaN/Inf step
+        skipped under --nonfinite skip; a device bool tensor when the check is deferred, see PrecisionPlan)."""
+        p, accum = self.progress, self.cfg.optim.accum_steps
+        if self.micro == 0:  # a new accumulation window: as many micro-batches as are left, up to accum
+            self.window = max(1, min(accum, len(self.feed) - p.step_in_epoch))
+        last = self.micro + 1 == self.window
         targets = y
         if self.mixing is not None:  # soft targets; training accuracy stays against the hard labels
-            x, targets = self.mixing(x, y, step=self.progress.step)
-        with self.precision.autocast():
-            logits = self.forward(x)
-        loss, logits = exit_loss(self.criterion, logits, targets, self.model)  # early-exit models: all exits
+            x, targets = self.mixing(x, y, step=p.step * accum + self.micro)
+        with grad_sync(self.model, last):  # inner micro-batches add up gradients locally (DDP/FSDP2)
+            with self.precision.autocast():
+                logits = self.forward(x)
+            loss, logits = exit_loss(self.criterion, logits, targets, self.model)  # early-exit models: all exits
+            self.precision.backward(loss, scale=1.0 / self.window)
+        p.step_in_epoch += 1
+        self.micro = 0 if last else self.micro + 1
+        return loss, logits, self.optimizer_step() if last else None
+
+    def optimizer_step(self) -> bool | torch.Tensor:
+        p = self.progress
+        stepped = self.precision.step(self.optimizer, self.model, self.cfg.optim.grad_clip, p.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
-        stepped = self.precision.backward_step(loss, self.optimizer, self.model, self.cfg.optim.grad_clip,
-                                               self.progress.step + 1)
         self.scheduler.step()
-        self.progress.step += 1
-        self.progress.step_in_epoch += 1
-        return loss, logits, stepped
+        p.step += 1
+        if self.ema is not None and stepped is not False:  # (deferred: a skipped step left the weights as they were)
+            self.ema.update(self.model, p.step)
+        return stepped
 
     def _batches(self):
         """This epoch's batches from the checkpointed position on (see training/feed.py for how each feed gets there)."""
@@ -129,60 +155,110 @@ class Trainer:
         """Train one epoch (or its rest); returns the epoch record, validation included."""
         cfg, p, steps = self.cfg, self.progress, len(self.feed)
         task = bar.add_task(f"epoch {p.epoch + 1}/{cfg.train.epochs}", total=steps, completed=p.step_in_epoch)
-        log_every, save_every = cfg.train.log_every or max(1, steps // 10), cfg.checkpoint.save_every
-        # Sums stay on the device: read once at the end of the epoch, not synchronised every step.
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        t0, seen = time.perf_counter(), 0
+        log_every, save_every = cfg.train.log_every or max(1, self.steps_per_epoch() // 10), cfg.checkpoint.save_every
+        # Sums stay on the device: read at the end of the epoch, not synchronised every step. Each
+        # accumulation window's share is added once its step is known to be applied.
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss x n, correct, n
+        window = torch.zeros(3, dtype=torch.float64, device=self.device)
+        t0 = time.perf_counter()
         for x, y in self._batches():
             # Every image of this batch failed to decode (--on-bad-file skip). Known limit: under torchrun
-            # only this rank skips the step, and the others wait for it in the gradient all-reduce.
+            # only this rank skips the batch, and the others wait for it in the gradient all-reduce.
             if not len(y):
                 continue
             x, y = x.to(self.device, memory_format=self.memory_format, non_blocking=True), y.to(self.device)
             loss, logits, stepped = self.train_step(x, y)
-            if stepped:  # a skipped NaN/Inf step is logged by the plan, not averaged in
-                seen += len(y)
-                loss_sum += loss.detach().double() * len(y)
-                correct += (logits.argmax(1) == y).sum()
+            window += torch.stack([loss.detach().double() * len(y), train_correct(logits, y).double(),
+                                   torch.tensor(float(len(y)), dtype=torch.float64, device=self.device)])
             bar.update(task, advance=1)
-            if p.step % log_every == 0:
-                self.log({"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": self.session.mean(loss),
-                          "lr": self.scheduler.get_last_lr()[0]})
-            if save_every and p.step % save_every == 0:
-                self.save()
-            for cb in (*self.callbacks, *self.session.callbacks()):
-                cb(p.step)
+            if stepped is None:  # gradients still accumulating
+                continue
+            sums += torch.nan_to_num(window) * stepped  # a skipped NaN/Inf step is logged by the plan, not averaged in
+            window.zero_()
+            self._after_step(log_every, save_every, loss)
+        if self.micro:  # batches left out of the feed (all-bad batches) ended the epoch inside a window
+            self.micro, _ = 0, self.optimizer_step()
+        self.precision.check()
         elapsed = time.perf_counter() - t0
+        loss_sum, correct, seen = sums.tolist()
         record = {"kind": "epoch", "epoch": p.epoch + 1, "step": p.step,
-                  "train_loss": loss_sum.item() / max(1, seen), "train_top1": correct.item() / max(1, seen),
+                  "train_loss": loss_sum / max(1, seen), "train_top1": correct / max(1, seen),
                   "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
         record = self.session.reduce_epoch(record)
-        if self.feed.val is not None:
-            own = self.feed.val_own(self.session.rank, self.session.world)
-            record |= validate(self.forward, self.feed.val, own, self.device, self.precision, self.memory_format,
-                               self.session)
+        return record | self.validate_epoch()
+
+    def steps_per_epoch(self) -> int:
+        return -(-len(self.feed) // self.cfg.optim.accum_steps)
+
+    def _after_step(self, log_every: int, save_every: int, loss: torch.Tensor) -> None:
+        """After an optimizer step: log, checkpoint, callbacks."""
+        p = self.progress
+        if p.step % log_every == 0:
+            self.precision.check()  # deferred NaN/Inf checks are read here (one host synchronisation)
+            self.log({"kind": "step", "epoch": p.epoch + 1, "step": p.step, "loss": self.session.mean(loss),
+                      "lr": self.scheduler.get_last_lr()[0]})
+        if save_every and p.step % save_every == 0:
+            self.precision.check()
+            self.save()
+        for cb in (*self.callbacks, *self.session.callbacks()):
+            cb(p.step)
+
+    def validate_epoch(self) -> dict[str, Any]:
+        """Validation of the raw weights, and of their EMA (keys prefixed ema_) with --ema."""
+        if self.feed.val is None:
+            return {}
+        own = self.feed.val_own(self.session.rank, self.session.world)
+        args = (self.feed.val, own, self.device, self.precision, self.memory_format, self.session)
+        record = validate(self.forward, *args)
+        if self.ema is not None:
+            with self.ema.swapped_in(self.model):
+                record |= {f"ema_{k}": v for k, v in validate(self.forward, *args).items()}
         return record
 
     def end_epoch(self, record: dict[str, Any]) -> None:
-        """Log the epoch, checkpoint it, and keep the best weights."""
+        """Log the epoch, keep the best weights (raw or, with --ema, their average: whichever validates
+        better, recorded as `best`), and checkpoint it."""
         p = self.progress
         p.epoch, p.step_in_epoch = p.epoch + 1, 0
+        if hasattr(self.scheduler, "epoch_end"):  # --sched plateau: before the checkpoint, which saves its state
+            self.scheduler.epoch_end(record.get("val_loss", record["train_loss"]))
+        self.thresholds = record.get("val_thresholds", self.thresholds)  # multilabel: saved with the weights
+        source, score = max((("raw", epoch_score(record)), *((("ema", epoch_score(record, "ema_")),)
+                                                              if "ema_val_loss" in record else ())),
+                            key=lambda s: s[1])
+        if score > p.best_top1:  # best first: the checkpoint after it then records it as the best so far
+            record["best"] = source
+            p.best_top1 = score
+            with self.ema.swapped_in(self.model) if source == "ema" else contextlib.nullcontext():
+                self.checkpointer.save_best(self.model, self.meta(record.get(f"{source}_val_thresholds")))
         self.log(record)
         _print_epoch(record, self.cfg.train.epochs)
         self.save()
-        top1 = record.get("val_top1", record["train_top1"])
-        if top1 > p.best_top1:
-            p.best_top1 = top1
-            self.checkpointer.save_best(self.model, self.meta())
+
+    def early_stop(self) -> bool:
+        """--early-stop N: whether the last N epochs did not improve on the best (counted from metrics.jsonl,
+        so a resumed run counts the epochs before its restart too)."""
+        patience = self.cfg.train.early_stop
+        epochs = [r for r in read_metrics(self.run.path) if r.get("kind") == "epoch"]
+        if not patience or len(epochs) <= patience or any("best" in r for r in epochs[-patience:]):
+            return False
+        self.log({"kind": "early_stop", "epoch": self.progress.epoch, "step": self.progress.step,
+                  "patience": patience, "best_top1": self.progress.best_top1})
+        console.print(f"early stop: no better validation score in the last {patience} epochs (--early-stop "
+                      f"{patience}); best {self.progress.best_top1:.2%}")
+        return True
 
     def log(self, record: dict[str, Any]) -> None:
         self.run.log(record)
         write_scalars(self.writer, record)
+        if self.tracker is not None:
+            self.tracker.log(record)
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.tracker is not None:  # ends the MLflow run FAILED/KILLED if an exception is in flight
+            self.tracker.close(self.progress.step)
         self.checkpointer.wait()  # background (async) saves
         self.session.close()
 
@@ -196,6 +272,8 @@ class Trainer:
             self._write_skipped()
             write_report(self.run.path)
         self.gov.finish(self.result())  # redacted sample outputs, audit record
+        if self.tracker is not None:  # report, metrics, config and best checkpoint as MLflow artifacts
+            self.tracker.finish(self.result())
         return self.result()
 
     def _write_skipped(self) -> None:
@@ -215,7 +293,16 @@ class Trainer:
                            p.best_top1 if p.best_top1 >= 0 else None, p.step, interrupted)
 
 
+def epoch_score(record: dict[str, Any], prefix: str = "") -> float:
+    """What "best" means for an epoch (tasks.best_score), for the raw weights or (prefix "ema_") their EMA."""
+    if prefix:
+        record = {k.removeprefix(prefix): v for k, v in record.items() if k.startswith(prefix)}
+    return best_score(record)
+
+
 def _print_epoch(r: dict[str, Any], epochs: int) -> None:
     val = f"  val loss {r['val_loss']:.4f}  val top1 {r['val_top1']:.2%}" if "val_top1" in r else ""
+    if "val_map" in r:  # multilabel
+        val = f"  val loss {r['val_loss']:.4f}  val mAP {r['val_map']:.4f}  val F1 {r['val_f1']:.4f}"
     console.print(f"epoch {r['epoch']}/{epochs}  train loss {r['train_loss']:.4f}  "
                   f"train top1 {r['train_top1']:.2%}{val}  {r['img_per_s']:.0f} img/s")
