@@ -33,7 +33,7 @@ from torchvision.transforms.v2 import functional as TF
 from torchcls.data.batch_augment import one_thread, resized_crop_boxes, resized_crop_flip, shift_flip
 from torchcls.data.images import BadImage
 from torchcls.data.loaders import Preprocess
-from torchcls.data.sampling import epoch_seed
+from torchcls.data.sampling import epoch_order
 from torchcls.data.sources import ImageSet
 from torchcls.data.transforms import batch_augmentable
 from torchcls.errors import UserError
@@ -128,6 +128,7 @@ class InMemoryLoader:
         self._scale = (1 / (255 * std)).view(1, -1, 1, 1).to(self.device)
         self._bias = (-mean / std).view(1, -1, 1, 1).to(self.device)
         self._epoch, self._resume, self._live = 0, None, None
+        self.weights: torch.Tensor | None = None  # --balanced-sampler: per-sample draw weights (epoch_order)
 
     def __len__(self) -> int:
         return math.ceil(self._padded_n() / self.batch_size)
@@ -204,11 +205,7 @@ class InMemoryLoader:
             order = torch.arange(self.n)
             gen = None
         else:
-            gen = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
-            # A DataLoader draws its workers' base seed from its generator before the sampler's
-            # permutation; drawing it too keeps the order identical to the map-style path.
-            torch.empty((), dtype=torch.int64).random_(generator=gen)
-            order = torch.randperm(self.n, generator=gen)
+            order, gen = epoch_order(self.n, self.seed, epoch, self.weights)  # the map-style path's order
         pad = self._padded_n() - self.n  # wrap around, as the sharded samplers do
         return torch.cat([order, order[:pad]]) if pad else order, gen
 

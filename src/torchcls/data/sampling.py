@@ -30,6 +30,32 @@ def sample_key(seed: int, epoch: int, position: int) -> int:
     return (epoch_seed(seed, epoch) * 1_000_003 + position) % (2**63 - 1)
 
 
+def epoch_order(n: int, seed: int, epoch: int, weights: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Generator]:
+    """The global order of an epoch, one for the map-style sampler and the in-memory loader: a
+    permutation of the n samples, or with `weights` (--balanced-sampler) n draws with replacement,
+    sample i with probability weights[i] / sum(weights). Also returns the generator, which the
+    in-memory loader goes on drawing augmentation parameters from."""
+    g = torch.Generator().manual_seed(epoch_seed(seed, epoch))
+    # The order a DataLoader with this generator drew before (it takes its workers' base seed first).
+    torch.empty((), dtype=torch.int64).random_(generator=g)
+    if weights is None:
+        return torch.randperm(n, generator=g), g
+    return torch.multinomial(weights, n, replacement=True, generator=g), g
+
+
+def balanced_weights(targets: torch.Tensor, classes: list[str]) -> torch.Tensor:
+    """--balanced-sampler: each training sample weighted by 1 / its class's count, so that every class is
+    drawn equally often in expectation. `targets`: the class index of each training sample."""
+    from torchcls.errors import UserError
+
+    if targets.ndim != 1:
+        raise UserError("--balanced-sampler weights one class per image; with --task multilabel it is not defined "
+                        "(drop it, or use --class-weights none and a label-aware loss)")
+    counts = torch.bincount(targets, minlength=len(classes))
+    return 1.0 / counts[targets].double()
+
+
 def padded_share(order: list[int], rank: int, world: int) -> list[int]:
     total = math.ceil(len(order) / world) * world
     return (order + order[: total - len(order)])[rank::world]
@@ -41,6 +67,7 @@ class EpochSampler(Sampler[tuple[int, int]]):
     def __init__(self, n: int, seed: int, shuffle: bool, rank: int = 0, world: int = 1):
         self.n, self.seed, self.shuffle, self.rank, self.world = n, seed, shuffle, rank, world
         self.epoch, self.start = 0, 0
+        self.weights: torch.Tensor | None = None  # --balanced-sampler: draw with these weights (epoch_order)
 
     def __len__(self) -> int:
         return math.ceil(self.n / self.world)  # the whole share: a resumed pass is shorter, not the epoch
@@ -51,11 +78,7 @@ class EpochSampler(Sampler[tuple[int, int]]):
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         if self.shuffle:
-            g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
-            # The order a DataLoader with this generator drew before (it takes its workers' base seed
-            # first), and the in-memory loader's: one data order whatever the feed.
-            torch.empty((), dtype=torch.int64).random_(generator=g)
-            order = torch.randperm(self.n, generator=g).tolist()
+            order = epoch_order(self.n, self.seed, self.epoch, self.weights)[0].tolist()
         else:
             order = list(range(self.n))
         share = padded_share(order, self.rank, self.world)

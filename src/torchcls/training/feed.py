@@ -24,8 +24,9 @@ from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
 from torchcls.data.inmemory import bundle_loaders
 from torchcls.data.loaders import build_transform, needed_side, reseed
-from torchcls.data.sampling import epoch_seed
+from torchcls.data.sampling import balanced_weights, epoch_seed
 from torchcls.data.shard_data import ShardBundle
+from torchcls.errors import UserError
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
 
@@ -107,12 +108,19 @@ def build_feed(cfg: Config, data, session: Session, device: torch.device) -> Fee
     """The feed `data` (a DataBundle or ShardBundle) calls for under cfg.data (--in-memory, --workers)."""
     d, seed, rank, world = cfg.data, cfg.train.seed, session.rank, session.world
     if isinstance(data, ShardBundle):
+        if d.balanced_sampler:
+            raise UserError("--balanced-sampler needs every training label before the epoch starts; streamed "
+                            "WebDataset shards are read in order. Train from the image folder or CSV, or drop it")
         return _shard_feed(cfg, data, session)
     memory = bundle_loaders(data, d, seed, rank=rank, world=world, device=device, val_batch_size=d.batch_size * 2)
     if memory is not None:
         train, val, bad = memory
+        if d.balanced_sampler:
+            train.weights = balanced_weights(train.targets[train.rows], data.classes)
         return Feed("memory", train, val if val.n else None, val.n, seed, bad)
     train = sharding.train_loader(data.train, d.batch_size, d.workers, seed, session)
+    if d.balanced_sampler:
+        train.sampler.weights = balanced_weights(data.train.images.targets[data.train.indices], data.classes)
     val = sharding.val_loader(data.val, d.batch_size * 2, d.workers, session) if len(data.val) else None
     return Feed("files", train, val, len(data.val), seed)
 
