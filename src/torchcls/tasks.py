@@ -42,6 +42,13 @@ def check_task(task: str, targets: torch.Tensor, where: str) -> None:
                         "it with --task multilabel, or give one label per row in a `label` column")
 
 
+def label_names(target: torch.Tensor, classes: list[str]) -> str:
+    """A sample's label(s) as text: its class, or its labels joined by ';' (as a CSV `labels` cell)."""
+    if target.ndim == 0:
+        return classes[int(target)]
+    return ";".join(c for c, on in zip(classes, target.tolist()) if on > 0.5)
+
+
 def multilabel_targets(label_lists: list[list[str]], classes: list[str]) -> torch.Tensor:
     """float32 (N, classes) 0/1 rows from each sample's label names."""
     index = {c: i for i, c in enumerate(classes)}
@@ -76,6 +83,9 @@ def multilabel_criterion(cfg: Any, data: Any, mixing: Any = None) -> nn.Module:
     if not isinstance(targets, torch.Tensor):
         raise UserError("--task multilabel needs a CSV manifest with a `labels` column (not WebDataset shards)")
     check_task(MULTILABEL, targets, getattr(images, "origin", "") or cfg.data.source)
+    if cfg.model.name.startswith("ee/"):
+        raise UserError(f"--model {cfg.model.name}: early-exit models leave at a softmax confidence, which a "
+                        "multi-label model does not have; use the plain model with --task multilabel")
     return mixing.loss if mixing is not None else SmoothedBCE(cfg.optim.label_smoothing)
 
 

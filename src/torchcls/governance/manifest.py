@@ -184,6 +184,7 @@ def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, 
     """Records for the files of a folder or CSV, exactly the files training lists (data_files), with the
     CSV's own hash in the distribution (it holds the labels)."""
     from torchcls.data.files import data_files, open_splits
+    from torchcls.tasks import label_names
 
     is_csv = path.suffix.lower() == ".csv"
     base = (Path(root) if root else path.parent).resolve() if is_csv else path.resolve()
@@ -197,8 +198,7 @@ def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, 
     labels, split_of = {}, {}
     for name, s in splits.items():
         for p, t in zip(s.paths, s.targets):
-            labels[str(Path(p).resolve())] = s.classes[int(t)] if t.ndim == 0 else \
-                ";".join(c for c, on in zip(s.classes, t.tolist()) if on)  # multi-label: as the CSV writes them
+            labels[str(Path(p).resolve())] = label_names(t, s.classes)  # multi-label: as the CSV writes them
             split_of[str(Path(p).resolve())] = name
     columns = csv_columns(path, base) if is_csv else {}
     records = []

@@ -268,9 +268,11 @@ class Governance:
             return "not requested"
         if self.policy is not None and not self.policy.sample_images:
             return "withheld: the policy forbids sample images leaving the run"
+        from torchcls.tasks import label_names
+
         tb = self.run_path / "tensorboard" if self.cfg.train.tensorboard else None
         return sample_grid(images.load, lambda i: self.sample_info(images, i),
-                           lambda i: images.classes[int(images.targets[i])], len(images), self.hooks, n,
+                           lambda i: label_names(images.targets[i], images.classes), len(images), self.hooks, n,
                            self.cfg.train.seed, self.run_path / "samples.png", tb)
 
     def _lookup(self, file: str) -> SampleInfo | None:
