@@ -130,6 +130,9 @@ def write_shards(source: str | ImageSet, out_dir: str | Path, shard_size_bytes: 
         images = open_source(source, root, "train", channels, on_bad_file)
     else:
         images = source
+    if images.targets.ndim != 1:  # a multi-label CSV: its rows of 0/1 have no one class to write
+        raise UserError(f"{images.origin or images.name}: shards hold one class per sample (KEY.cls), and this "
+                        "data has a multi-label `labels` column; train --task multilabel from the CSV itself")
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty; remove it or choose another folder")
