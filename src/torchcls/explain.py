@@ -61,7 +61,8 @@ def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.m
             continue
         forward, exit_k = _forward_for(model, x)
         with torch.no_grad():
-            probs = forward(x).float().softmax(dim=1)[0]
+            logits = forward(x).float()  # multilabel: each class's own sigmoid; the attribution is of its logit
+            probs = (logits.sigmoid() if meta.task == "multilabel" else logits.softmax(dim=1))[0]
         pred = int(probs.argmax())
         t = meta.classes.index(target) if target is not None else pred
         algo = IntegratedGradients(forward) if method == "integrated-gradients" else Saliency(forward)
