@@ -5,7 +5,10 @@ limit, and every job it accepted is answered, also during shutdown (`close` drai
 
 Results leave the worker thread as numpy arrays, softmax and top-1 computed once per batch:
 a torch call on the event loop releases the GIL and must take it back from the model thread
-(the one in each request's answer cost ~0.15 ms of the loop's time under load).
+(the one in each request's answer cost ~0.15 ms of the loop's time under load). A batch's
+results reach the event loop in one wake-up (one call_soon_threadsafe per loop, not one per request):
+each wake-up is a write to the loop's self-pipe and a pass through the loop, both holding the GIL
+that the model thread needs between its operators.
 """
 
 from __future__ import annotations
@@ -46,6 +49,11 @@ class _Job:
 def _deliver(future: asyncio.Future, value: object, error: bool) -> None:
     if not future.done():  # the client may have gone away and its request been cancelled
         (future.set_exception if error else future.set_result)(value)
+
+
+def _deliver_all(answers: list[tuple[asyncio.Future, object]]) -> None:
+    for future, result in answers:
+        _deliver(future, result, False)
 
 
 class DynamicBatcher:
@@ -148,9 +156,12 @@ class DynamicBatcher:
             return
         n = x.shape[0]
         self.on_batch(n, time.perf_counter() - start)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future, Result]]] = {}
         offset = 0
         for j in jobs:
             k = j.x.shape[0]
             result = Result(logits[offset:offset + k], probs[offset:offset + k], top1[offset:offset + k], n)
-            j.loop.call_soon_threadsafe(_deliver, j.future, result, False)
+            by_loop.setdefault(j.loop, []).append((j.future, result))
             offset += k
+        for loop, answers in by_loop.items():
+            loop.call_soon_threadsafe(_deliver_all, answers)
