@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 import zipfile
 from pathlib import Path
 
@@ -196,3 +197,26 @@ def test_check_refuses_without_gpu_and_records_skips(tmp_path):
     assert result["steps"][0]["status"] == "fail"
     assert all(s["status"] == "skipped" for s in result["steps"][1:])
     assert "| step |" in (tmp_path / "check.md").read_text()
+
+
+def test_check_commands_parse(tmp_path):
+    """Every torchcls command line of the device check is one the CLI accepts (flags renamed elsewhere would
+    otherwise surface only on a GPU machine)."""
+    import importlib.util
+
+    from torchcls.cli import build_parser
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu/check.py")
+    check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = check  # dataclasses resolve the module by name
+    spec.loader.exec_module(check)
+    ctx, parser, parsed = check.Ctx(tmp_path, sys.executable), build_parser(), 0
+    for step in check.STEPS:
+        for cmd in step.commands(ctx):
+            if "torchcls" in cmd:
+                parser.parse_args(cmd[cmd.index("torchcls") + 1:])
+                parsed += 1
+            else:
+                assert Path(cmd[1]).is_file(), cmd
+    assert parsed >= 8
+    assert check.with_needs({"inference_bench"}) == {"inference_bench", "export_aoti_cuda", "memory_report"}

@@ -98,7 +98,10 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     extra = {"source": str(ckpt), "model": meta.spec.name, "torch": torch.__version__}
     if early_exit:
         extra["threshold"] = str(model.threshold)
-    ep = capture(copy.deepcopy(model).to(dev), info, dev)
+    # A .pt2 is compiled for the device its program holds; an ONNX file is device-neutral (captured on the
+    # CPU, its parity checked on the requested device's execution provider).
+    at = dev if target == "aoti" else torch.device("cpu")
+    ep = capture(copy.deepcopy(model).to(at), info, at)
     with _partial_file(path) as tmp:
         report = plan.build(ep, info, tmp, extra)
         artifact = tgt.load(tmp, device=str(dev))
