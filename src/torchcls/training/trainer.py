@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from torchcls.checkpoint.checkpointer import Checkpointer, Progress
-from torchcls.checkpoint.files import CheckpointMeta
+from torchcls.checkpoint.files import CheckpointMeta, read_meta
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.models import ModelSpec
@@ -102,6 +102,8 @@ class Trainer:
         self.progress, self.resume_rng = self.checkpointer.resume(self.model, self.optimizer, self.scheduler,
                                                                   self.meta(), self.precision)
         p = self.progress
+        if self.checkpointer.last_weights.is_file():  # multilabel: the thresholds saved with the resumed weights
+            self.thresholds = read_meta(self.checkpointer.last_weights).thresholds
         self.feed.load_state(self.run.checkpoints, self.session.rank, p.step)
         self.run.truncate_metrics(p.step)
         if self.resume_changes:
