@@ -106,6 +106,22 @@ def test_layer_decay_fallback_and_head_lr_on_smallnet():
         build_optimizer(model, OptimConfig(layer_decay=1.5))
 
 
+def test_resume_refuses_another_optimizer_or_grouping_and_keeps_groups_for_weight_decay(tmp_path):
+    from torchcls.training.resume_options import option_changes
+
+    cfg = tiny_config(tmp_path, tmp_path)
+    cfg.optim.weight_decay = 0.0
+    cfg.save_toml(tmp_path / "config.toml")
+    for key, value in (("optimizer", "lamb"), ("head_lr", 10.0), ("layer_decay", 0.7)):
+        changed = tiny_config(tmp_path, tmp_path)
+        setattr(changed.optim, key, value)
+        with pytest.raises(UserError, match=key.replace("_", "-")):
+            option_changes(tmp_path / "config.toml", changed)
+    model = _smallnet()  # --weight-decay 0 -> 0.05 on resume: the saved optimizer state still fits
+    saved = build_optimizer(model, OptimConfig(weight_decay=0.0)).state_dict()
+    build_optimizer(model, OptimConfig(weight_decay=0.05)).load_state_dict(saved)
+
+
 # -- freeze ---------------------------------------------------------------------------------------
 def test_freeze_backbone_trains_only_the_head():
     model = _smallnet()
@@ -212,6 +228,9 @@ def test_class_weights_from_the_training_split():
     assert torch.equal(loss_weights(cfg, data, None, torch.device("cpu")), weights)
     with pytest.raises(UserError, match="mixup"):
         loss_weights(cfg, data, object(), torch.device("cpu"))
+    cfg.data.balanced_sampler = True
+    with pytest.raises(UserError, match="balanced-sampler"):
+        loss_weights(cfg, data, None, torch.device("cpu"))
 
 
 # -- runs -----------------------------------------------------------------------------------------

@@ -47,5 +47,8 @@ def loss_weights(cfg: Config, data, mixing, device: torch.device) -> torch.Tenso
     if mixing is not None or cfg.data.task != "multiclass":
         raise UserError("--class-weights auto weighs the hard-label cross-entropy of --task multiclass; with "
                         "--mixup/--cutmix or --task multilabel use --balanced-sampler instead, or --class-weights none")
+    if cfg.data.balanced_sampler:
+        raise UserError("--class-weights auto with --balanced-sampler corrects class frequencies twice; use one of "
+                        "them")
     weights = class_weights(data)
     return weights.to(device) if weights is not None else None

@@ -61,7 +61,10 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         groups = param_groups_layer_decay(net, weight_decay=cfg.weight_decay, layer_decay=cfg.layer_decay,
                                           no_weight_decay_list=no_decay)
     else:
-        groups = param_groups_weight_decay(net, weight_decay=cfg.weight_decay, no_weight_decay_list=no_decay)
+        # Grouped as if decay were on: the same groups whatever --weight-decay, which a resume may change.
+        groups = param_groups_weight_decay(net, weight_decay=1.0, no_weight_decay_list=no_decay)
+        for g in groups:
+            g["weight_decay"] = cfg.weight_decay if g["weight_decay"] else 0.0
         if cfg.layer_decay:  # models without a group_matcher: by stage, the head at rate 1
             groups = _split(groups, _stage_scales(net, cfg.layer_decay))
     if cfg.head_lr != 1.0:

@@ -18,7 +18,8 @@ from torchcls.errors import UserError
 FIXED = {"data": ("source", "root", "val_data", "val_fraction", "img_size", "channels", "batch_size",
                   "image_column", "label_column", "in_memory", "task", "balanced_sampler"),
          "model": ("exits", "drop_rate", "drop_path", "freeze"),
-         "optim": ("accum_steps", "ema"),
+         "optim": ("accum_steps", "ema", "optimizer", "layer_decay", "head_lr"),  # the last three: the restored
+         # optimizer's state and its groups' lr_scale would silently keep the old ones
          "train": ("seed",)}
 
 
