@@ -9,6 +9,9 @@
 Training goes through torchcls's `apply_precision` (the function `torchcls train` uses), so the FP8 layer
 selection and autocast are the ones a run gets. Every figure is written to the --json file as soon as it
 is measured: a step killed by its timeout still leaves what it measured.
+
+`--device cpu` (with small --img-size, --batch and --variants bf16) runs the same code on a CPU: a smoke
+test of this script before a GPU is spent on it, not a measurement.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 T0 = time.perf_counter()
+DEVICE = torch.device("cuda")
 
 
 class Record:
@@ -43,7 +47,17 @@ def log(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
 
 
+def sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def cuda_ms(fn) -> float:
+    """Milliseconds of fn() on the device (CUDA events; wall time on a CPU)."""
+    if DEVICE.type != "cuda":
+        t = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t) * 1e3
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -91,7 +105,7 @@ def train_steps(model: nn.Module, plan, batches, warmup: int, steps: int, lr: fl
     ms = statistics.median(times)
     return {"step_ms": round(ms, 2), "images_per_s": round(len(batches[0][0]) / ms * 1e3, 1),
             "first_step_s": round(first_s, 1), "losses": [round(v, 5) for v in losses],
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE.type == "cuda" else None}
 
 
 def train(args, rec: Record) -> int:
@@ -102,24 +116,24 @@ def train(args, rec: Record) -> int:
     from torchcls.precision.training import apply_precision
 
     torch.manual_seed(0)
-    base = timm.create_model(args.model, pretrained=False, num_classes=1000).cuda().train()
+    size = args.img_size
+    kwargs = {"img_size": size} if "vit" in args.model else {}
+    base = timm.create_model(args.model, pretrained=False, num_classes=1000, **kwargs).to(DEVICE).train()
     if "vit" not in args.model:
         base = base.to(memory_format=torch.channels_last)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batches = [(torch.randn(args.batch, 3, 224, 224, device="cuda", generator=g),
-                torch.randint(0, 1000, (args.batch,), device="cuda", generator=g)) for _ in range(2)]
-    rec.set(model=args.model, batch=args.batch, img_size=224, precision="bf16")
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    batches = [(torch.randn(args.batch, 3, size, size, device=DEVICE, generator=g),
+                torch.randint(0, 1000, (args.batch,), device=DEVICE, generator=g)) for _ in range(2)]
+    rec.set(model=args.model, batch=args.batch, img_size=size, precision="bf16", device=str(DEVICE))
     for variant in ("eager", "compile"):
         model = copy.deepcopy(base)
-        plan = apply_precision(model, PrecisionConfig(precision="bf16"), torch.device("cuda"),
-                               compile=variant == "compile")
+        plan = apply_precision(model, PrecisionConfig(precision="bf16"), DEVICE, compile=variant == "compile")
         if variant == "compile":
             model = torch.compile(model)
         log(f"{args.model} {variant}")
         rec.set(**{variant: train_steps(model, plan, batches, args.warmup, args.steps)})
         del model
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
+        release()
     rec.set(compile_speedup=round(rec.data["compile"]["images_per_s"] / rec.data["eager"]["images_per_s"], 3))
     return 0
 
@@ -147,18 +161,21 @@ def fp8(args, rec: Record) -> int:
     from torchcls.precision.hardware import require_fp8_hardware
     from torchcls.precision.training import apply_precision
 
-    require_fp8_hardware(torch.device("cuda"), "the FP8 step", None)
+    variants = args.variants.split(",")
+    if any(v.startswith("fp8") for v in variants):
+        require_fp8_hardware(DEVICE, "the FP8 step", None)
     torch.manual_seed(0)
-    base = MLPBlocks().cuda()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    batches = [(torch.randn(args.batch, 257, 1280, device="cuda", generator=g),
-                torch.randint(0, 1000, (args.batch,), device="cuda", generator=g)) for _ in range(2)]
-    rec.set(model="MLPBlocks(1280->5120, depth 4, 257 tokens)", batch=args.batch, train={})
-    for name in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
+    base = MLPBlocks().to(DEVICE)
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    tokens = 257 if DEVICE.type == "cuda" else 5
+    batches = [(torch.randn(args.batch, tokens, 1280, device=DEVICE, generator=g),
+                torch.randint(0, 1000, (args.batch,), device=DEVICE, generator=g)) for _ in range(2)]
+    rec.set(model=f"MLPBlocks(1280->5120, depth 4, {tokens} tokens)", batch=args.batch, train={})
+    for name in variants:
         precision, _, recipe = name.partition("-")
         model = copy.deepcopy(base).train()
         plan = apply_precision(model, PrecisionConfig(precision=precision, fp8_recipe=recipe or "tensorwise"),
-                               torch.device("cuda"), compile=True, compile_note="per block")
+                               DEVICE, compile=True, compile_note="per block")
         for block in model.blocks:
             block.compile()
         log(f"train {name}")
@@ -167,26 +184,26 @@ def fp8(args, rec: Record) -> int:
         rec.data["train"][name] = result
         rec.set()
         del model
-        torch.cuda.empty_cache()
-    ref = rec.data["train"].get("bf16")
+        release()
+    ref = rec.data["train"]["bf16"]
     for r in rec.data["train"].values():
         r["speedup_vs_bf16"] = round(ref["step_ms"] / r["step_ms"], 3)
         r["max_abs_loss_diff_vs_bf16"] = round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 5)
     rec.set()
-    fp8_inference(base, batches[0][0], rec)
+    fp8_inference(base, batches[0][0], variants, rec)
     return 0
 
 
-def fp8_inference(base: nn.Module, x: torch.Tensor, rec: Record) -> None:
+def fp8_inference(base: nn.Module, x: torch.Tensor, variants: list[str], rec: Record) -> None:
     from torchcls.artifacts.parity import compare
     from torchcls.precision.inference import apply_inference_precision
 
     with torch.no_grad():
         reference = base.eval()(x).float()
     rec.data["inference"] = {}
-    for name in ("bf16", "fp8-tensorwise", "fp8-rowwise"):
+    for name in variants:
         precision, _, recipe = name.partition("-")
-        model = apply_inference_precision(base, precision, "cuda", fp8_recipe=recipe or "tensorwise").model
+        model = apply_inference_precision(base, precision, DEVICE, fp8_recipe=recipe or "tensorwise").model
         with torch.no_grad():
             model(x)
             ms = statistics.median(cuda_ms(lambda: model(x)) for _ in range(10))
@@ -196,16 +213,22 @@ def fp8_inference(base: nn.Module, x: torch.Tensor, rec: Record) -> None:
         rec.set()
 
 
+def release() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
 def bench(fn, x: torch.Tensor, repeats: int) -> float:
     """Median milliseconds of fn(x) (x on the host: the host-to-device copy is part of serving)."""
     for _ in range(3):
         fn(x)
-    torch.cuda.synchronize()
+    sync()
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
         fn(x)
-        torch.cuda.synchronize()
+        sync()
         times.append((time.perf_counter() - t) * 1e3)
     return statistics.median(times)
 
@@ -222,20 +245,21 @@ def infer(args, rec: Record) -> int:
     pre = artifact.info.preprocess
     shape = (pre.channels, pre.img_size, pre.img_size)
     model, _ = load_model(args.checkpoint)
-    model = model.cuda().eval()
+    model = model.to(DEVICE).eval()
 
     @torch.no_grad()
     def eager(x: torch.Tensor) -> torch.Tensor:
-        return model(x.cuda(non_blocking=True)).float().cpu()
+        return model(x.to(DEVICE, non_blocking=True)).float().cpu()
 
     sides: dict[str, Any] = {"aoti": artifact, "eager": eager}
     for name in ("aoti", "eager", "compile"):
         if name == "compile":
-            sides[name] = compile_for_inference(copy.deepcopy(model), torch.zeros(1, *shape), "cuda", max_batch=64,
-                                                buckets=(1, 64), mode="default")
+            sides[name] = compile_for_inference(copy.deepcopy(model), torch.zeros(1, *shape), DEVICE,
+                                                max_batch=args.big, buckets=(1, args.big), mode="default")
         b1 = bench(sides[name], torch.randn(1, *shape), args.repeats)
-        b64 = bench(sides[name], torch.randn(64, *shape), args.repeats)
-        rec.set(**{name: {"b1_ms": round(b1, 3), "b64_ms": round(b64, 2), "b64_images_per_s": round(64e3 / b64, 1)}})
+        big = bench(sides[name], torch.randn(args.big, *shape), args.repeats)
+        rec.set(**{name: {"b1_ms": round(b1, 3), "b64_ms": round(big, 2), "b64_images_per_s": round(args.big * 1e3 / big, 1),
+                          "big_batch": args.big}})
     for name in ("aoti", "compile"):
         rec.data[name]["b1_speedup_vs_eager"] = round(rec.data["eager"]["b1_ms"] / rec.data[name]["b1_ms"], 3)
         rec.data[name]["b64_speedup_vs_eager"] = round(rec.data["eager"]["b64_ms"] / rec.data[name]["b64_ms"], 3)
@@ -252,11 +276,17 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=20, help="timed inference calls")
+    p.add_argument("--img-size", type=int, default=224, help="train: input size")
+    p.add_argument("--variants", default="bf16,fp8-tensorwise,fp8-rowwise", help="fp8: what to compare (bf16 first)")
     p.add_argument("--artifact")
     p.add_argument("--checkpoint")
+    p.add_argument("--big", type=int, default=64, help="infer: the large batch")
+    p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
     args = p.parse_args()
     rec = Record(args.json)
-    if args.step != "env" and not torch.cuda.is_available():
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if args.step != "env" and DEVICE.type == "cuda" and not torch.cuda.is_available():
         print(f"steps.py {args.step}: needs a CUDA GPU; none is visible", file=sys.stderr)
         return 3
     torch.backends.cuda.matmul.allow_tf32 = True
