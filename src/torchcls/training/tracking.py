@@ -36,6 +36,7 @@ from torchcls.errors import UserError
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
 ARTIFACTS = ("report.html", "metrics.jsonl", "config.toml", "pretrained.json", "skipped_files.json")
 OPEN_TIMEOUT_S = "5"  # per request while the store is checked; retries off, so a dead server fails in seconds
+_LIVE: dict[str, Tracker] = {}  # run id -> its tracker in this process (an interrupted run resumed in-process)
 
 
 def open_tracker(cfg: Config, run_dir: Path) -> Tracker | None:
@@ -51,7 +52,10 @@ def open_tracker(cfg: Config, run_dir: Path) -> Tracker | None:
         raise UserError("--tracking-experiment is empty: name the MLflow experiment (default: torchcls)")
     given = cfg.train.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "."
     uri, artifacts = resolve_uri(given)
-    created = _make_store_folder(uri, artifacts, given)
+    where = f"--tracking-uri {given}" if cfg.train.tracking_uri else (
+        f"MLFLOW_TRACKING_URI={given} (no --tracking-uri given)" if given != "." else
+        "the default store in the current folder (no --tracking-uri given)")
+    created = _make_store_folder(artifacts, where)
     for name in ("mlflow.store.db.utils", "alembic.runtime.migration"):  # "creating tables" chatter of a new DB
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -64,13 +68,21 @@ def open_tracker(cfg: Config, run_dir: Path) -> Tracker | None:
     except Exception as e:  # mlflow wraps HTTP, SQL and file errors alike; the first line says which
         if created is not None:
             shutil.rmtree(created, ignore_errors=True)  # nothing written half: a store folder we made
-        reason = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
-        raise UserError(f"--tracking-uri {given}: cannot open the MLflow store {uri} ({reason}); start the server "
+        raise UserError(f"{where}: cannot open the MLflow store {uri} ({_reason(e)}); start the server "
                         "or fix the URI (a server URL, sqlite:///FILE or a folder), or run with --tracking none") \
             from None
     tracker.log_params(cfg)
     console.print(f"tracking: MLflow run {tracker.run_id} in experiment '{cfg.train.tracking_experiment}' at {uri}")
     return tracker
+
+
+def _reason(e: Exception) -> str:
+    """The cause in a few words: the OS error inside mlflow's wrapped HTTP/SQL message when there is one."""
+    text = str(e).strip()
+    errno = re.search(r"\[Errno -?\d+\] ([^'\")\]]+)", text)
+    if errno:
+        return errno.group(1).strip()
+    return text.splitlines()[0][:200] if text else type(e).__name__
 
 
 def resolve_uri(given: str) -> tuple[str, Path | None]:
@@ -86,7 +98,7 @@ def resolve_uri(given: str) -> tuple[str, Path | None]:
     return f"sqlite:///{folder / 'mlflow.db'}", folder / "mlruns"
 
 
-def _make_store_folder(uri: str, artifacts: Path | None, given: str) -> Path | None:
+def _make_store_folder(artifacts: Path | None, where: str) -> Path | None:
     """Create the folder of a local SQLite store; returns the top folder created (None: all existed)."""
     if artifacts is None:
         return None
@@ -95,7 +107,7 @@ def _make_store_folder(uri: str, artifacts: Path | None, given: str) -> Path | N
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise UserError(f"--tracking-uri {given}: cannot create the folder {folder} of the MLflow store "
+        raise UserError(f"{where}: cannot create the folder {folder} of the MLflow store "
                         f"({e.strerror or e}); choose a writable place, or run with --tracking none") from None
     return top
 
@@ -182,6 +194,10 @@ class Tracker:
         self.client, self.uri, self.run_dir, self.run_id, self.resumed = client, uri, Path(run_dir), run_id, resumed
         self.ended = self.broken = False
         self.reopened = not resumed  # a resumed run turns RUNNING again at its first record
+        if (earlier := _LIVE.get(run_id)) is not None:  # interrupted, resumed in this process: this one ends it
+            earlier.ended = True
+            atexit.unregister(earlier._end_at_exit)
+        _LIVE[run_id] = self
         atexit.register(self._end_at_exit)
 
     def log_params(self, cfg: Config) -> None:
@@ -236,6 +252,8 @@ class Tracker:
     def _end(self, status: str) -> None:
         self.ended = True
         atexit.unregister(self._end_at_exit)
+        if _LIVE.get(self.run_id) is self:
+            del _LIVE[self.run_id]
         self._call(lambda: self.client.set_terminated(self.run_id, status))
 
     def _call(self, fn) -> bool:
