@@ -28,6 +28,7 @@ COMMON = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--wor
           "0.25", "--augment", "none", "--no-progress", "--dist-timeout", "120"]
 
 
+EMA = ("--ema", "0.5", "--accum-steps", "2")
 FP8_FSDP2 = ("--parallel", "fsdp2", "--epochs", "2", "--precision", "fp8", "--fp8-emulate", "--fp8-min-dim", "16")
 
 
@@ -61,6 +62,21 @@ class Runs:
         cfg = tiny_config(self.data, self.out, "single", epochs=2)
         cfg.model.name, cfg.data.val_fraction, cfg.data.augment = "test_vit", 0.25, "none"
         return train(cfg)
+
+    def _emasingle(self):  # the reference for --ema with --accum-steps: one process
+        from torchcls.training import train
+
+        cfg = tiny_config(self.data, self.out, "emasingle", epochs=2)
+        cfg.model.name, cfg.data.val_fraction, cfg.data.augment = "test_vit", 0.25, "none"
+        cfg.optim.ema, cfg.optim.accum_steps = 0.5, 2
+        return train(cfg)
+
+    def _emaddp(self):
+        return self.torchrun("emaddp", 2, "--parallel", "ddp", "--epochs", "2", *EMA)
+
+    def _emafsdp(self):  # a rank fails at step 3; the restart resumes the step-2 DCP checkpoint (weights, optimizer, EMA)
+        return self.torchrun("emafsdp", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2", *EMA,
+                             env={"TORCHCLS_FAULT_STEP": "3"}, restarts=1)
 
     def _fsdp2(self):
         return self.torchrun("fsdp2", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2")
@@ -128,6 +144,23 @@ def test_two_ranks_follow_the_one_process_trajectory(runs, mode):
     assert steps(dist_run) == pytest.approx(steps(single), rel=1e-4)
     _assert_close(_weights(single), _weights(dist_run), atol=2e-4)
     assert "run dir:" in runs.done[mode].stdout and runs.done[mode].stdout.count("run dir:") == 1  # rank 0 only
+
+
+@pytest.mark.parametrize("mode", ["emaddp", "emafsdp"])
+def test_ema_and_accumulation_under_torchrun_follow_one_process(runs, mode):
+    """DDP (no_sync on the inner micro-batch) and FSDP2 (no reduce-scatter on it; EMA shards in the DCP
+    checkpoint, resumed) give the one-process run's losses, EMA validation and weights."""
+    single, dist_run = runs.get("emasingle"), runs.get(mode)
+    if mode == "emafsdp":
+        assert "resuming" in runs.done[mode].stdout + runs.done[mode].stderr  # the restart did resume
+    ref, got = _epochs(single), _epochs(dist_run)
+    assert [e["step"] for e in got] == [e["step"] for e in ref] == [2, 4]  # 3 micro-batches -> 2 steps an epoch
+    for r, g in zip(ref, got):
+        for key in ("train_loss", "val_loss", "ema_val_loss", "ema_val_top1"):
+            assert g[key] == pytest.approx(r[key], rel=1e-4, abs=1e-6), key
+        assert g.get("best") == r.get("best")
+    _assert_close(_weights(single), _weights(dist_run), atol=2e-4)
+    _assert_close(_weights(single, "best.safetensors"), _weights(dist_run, "best.safetensors"), atol=2e-4)
 
 
 def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):

@@ -32,6 +32,11 @@ def _tracked(model: nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 DTensor (a view: writing it writes the parameter), else the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 class WeightEma:
     def __init__(self, model: nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
@@ -47,16 +52,16 @@ class WeightEma:
 
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:
-        current = [t.detach() for t in _tracked(model).values()]
-        torch._foreach_lerp_(self.shadow, current, 1.0 - self.decay_at(step))
+        current = [_local(t.detach()) for t in _tracked(model).values()]
+        torch._foreach_lerp_([_local(t) for t in self.shadow], current, 1.0 - self.decay_at(step))
 
     @contextlib.contextmanager
     @torch.no_grad()
     def swapped_in(self, model: nn.Module) -> Iterator[None]:
         """The model holds the averaged weights inside the block, its own again after it."""
-        tensors = list(_tracked(model).values())
-        own = [t.detach().clone() for t in tensors]
-        torch._foreach_copy_(tensors, self.shadow)
+        tensors = [_local(t.detach()) for t in _tracked(model).values()]
+        own = [t.clone() for t in tensors]
+        torch._foreach_copy_(tensors, [_local(t) for t in self.shadow])
         try:
             yield
         finally:

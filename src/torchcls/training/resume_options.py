@@ -39,12 +39,16 @@ def option_changes(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
     return changes
 
 
-def apply_optim_changes(optimizer, scheduler, changes: dict[str, tuple[Any, Any]]) -> None:
-    """Put a changed --lr / --weight-decay into the restored optimizer and learning-rate schedule."""
+def apply_optim_changes(optimizer, scheduler, changes: dict[str, tuple[Any, Any]], schedule_restored: bool = True,
+                        ) -> None:
+    """Put a changed --lr / --weight-decay into the restored optimizer and learning-rate schedule.
+    `schedule_restored`: False when the schedule was built from the new options and only its position
+    was restored (DCP checkpoints keep the rates, not the schedule): its base is already the new one."""
     if "optim.lr" in changes:
         old, new = changes["optim.lr"]
         scale = new / old if old else 1.0
-        scheduler.base_lrs = [b * scale for b in scheduler.base_lrs]
+        if schedule_restored:
+            scheduler.base_lrs = [b * scale for b in scheduler.base_lrs]
         for group in optimizer.param_groups:
             group["lr"] *= scale
             if "initial_lr" in group:

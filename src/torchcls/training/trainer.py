@@ -107,7 +107,8 @@ class Trainer:
         self.feed.load_state(self.run.checkpoints, self.session.rank, p.step)
         self.run.truncate_metrics(p.step)
         if self.resume_changes:
-            apply_optim_changes(self.optimizer, self.scheduler, self.resume_changes)
+            apply_optim_changes(self.optimizer, self.scheduler, self.resume_changes,
+                                schedule_restored=not self.checkpointer.resumes_from_dcp())
             self.log(resume_record(self.resume_changes, p.step))
             console.print("changed on resume: " + ", ".join(f"{k} {b!r} -> {n!r}"
                                                            for k, (b, n) in self.resume_changes.items()))
