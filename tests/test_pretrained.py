@@ -31,6 +31,21 @@ def test_torchcls_run_into_other_classes_and_channels(trained_run: Path) -> None
     assert model(torch.randn(2, 1, 28, 28)).shape == (2, 5)
 
 
+def test_a_head_for_as_many_other_classes_is_reinitialised(trained_run: Path) -> None:
+    """Two classes again, but other ones: the trained head's rows would name the wrong classes."""
+    from torchcls.checkpoint.files import read_meta
+
+    trained = read_meta(next((trained_run / "checkpoints").glob("best.safetensors"))).classes
+    source = read_state_dict(trained_run)
+    same = create_model(ModelSpec("smallnet", 2, 3, 28))
+    assert not load_pretrained(same, trained_run, 2, classes=list(trained)).reinitialised
+    torch.testing.assert_close(same.state_dict()["head.3.weight"], source["head.3.weight"])
+    other = create_model(ModelSpec("smallnet", 2, 3, 28))
+    report = load_pretrained(other, trained_run, 2, classes=["cat", "dog"])
+    assert sorted(report.reinitialised) == ["head.3.bias", "head.3.weight"]
+    assert not torch.equal(other.state_dict()["head.3.weight"], source["head.3.weight"])
+
+
 def test_timm_state_dict_pth_and_hub_folder(tmp_path: Path) -> None:
     import timm
 

@@ -105,19 +105,25 @@ def _unwrap(state: Any, file: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_pretrained(model: nn.Module, path: str | Path, num_classes: int) -> LoadReport:
-    """Load `path` into `model` in place (see the module docstring for what is adapted)."""
+def load_pretrained(model: nn.Module, path: str | Path, num_classes: int,
+                    classes: list[str] | None = None) -> LoadReport:
+    """Load `path` into `model` in place (see the module docstring for what is adapted). `classes`: the
+    new data's class names; a torchcls checkpoint of other classes (even as many) gets a new classifier."""
     source = read_state_dict(path)
     target = model.state_dict()
     report = LoadReport(str(path))
     usable: dict[str, torch.Tensor] = {}
     wrong: list[str] = []
+    other_classes = classes is not None and _classes_of(path) not in (None, list(classes))
+    head = _head_keys(model) if other_classes else set()
     for key, value in source.items():
         if key not in target:
             report.unexpected.append(key)
             continue
         want = target[key]
-        if value.shape == want.shape:
+        if key in head:  # trained for other classes: its rows would name the wrong ones
+            report.reinitialised.append(key)
+        elif value.shape == want.shape:
             usable[key] = value
         elif _is_classifier(want, value, num_classes):
             report.reinitialised.append(key)
@@ -139,6 +145,26 @@ def load_pretrained(model: nn.Module, path: str | Path, num_classes: int) -> Loa
     model.load_state_dict(usable, strict=False)
     report.loaded = len(usable)
     return report
+
+
+def _classes_of(path: str | Path) -> list[str] | None:
+    """The class names a torchcls checkpoint was trained on (None for other weights files)."""
+    file = weights_file(path)
+    if file.suffix != ".safetensors":
+        return None
+    from torchcls.checkpoint.files import read_meta
+
+    try:
+        return list(read_meta(file).classes)
+    except UserError:  # a timm / torchvision / hub file: no torchcls metadata
+        return None
+
+
+def _head_keys(model: nn.Module) -> set[str]:
+    from torchcls.models.parts import head_parameter_ids
+
+    ids = head_parameter_ids(model)
+    return {name for name, p in model.named_parameters() if id(p) in ids}
 
 
 def _is_classifier(want: torch.Tensor, have: torch.Tensor, num_classes: int) -> bool:

@@ -163,7 +163,7 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
                  compile_note: str) -> tuple[nn.Module, PrecisionPlan]:
     """The model, with governance hooks, precision and parallelism applied from outside it."""
     from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
-    factory = partial(_new_model, spec, cfg.model.pretrained, run if session.is_main else None)
+    factory = partial(_new_model, spec, cfg.model.pretrained, run if session.is_main else None, data.classes)
     if from_rank0:  # FSDP2: no rank holds the whole model on its device
         model, rank0_weights = rank0_init.build_on_meta(factory, session.rank)
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
@@ -181,13 +181,13 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
     return model, precision
 
 
-def _new_model(spec: ModelSpec, pretrained: str | None, run: RunDir | None) -> nn.Module:
+def _new_model(spec: ModelSpec, pretrained: str | None, run: RunDir | None, classes: list[str]) -> nn.Module:
     """The architecture `spec` names, from random init or from local --pretrained weights (recorded in the run)."""
     model = create_model(spec)
     if pretrained:
         from torchcls.models.pretrained import load_pretrained
 
-        report = load_pretrained(model, pretrained, spec.num_classes)
+        report = load_pretrained(model, pretrained, spec.num_classes, classes)
         if run is not None:
             console.print(report.summary())
             (run.path / "pretrained.json").write_text(json.dumps(report.as_dict(), indent=2))
