@@ -196,6 +196,19 @@ def test_nonfinite_stop_mode_saves_a_checkpoint_and_says_why(tmp_path, shapes_di
     assert (tmp_path / "blowup" / "checkpoints" / "last.safetensors").is_file()
 
 
+def test_a_deferred_check_stops_a_run_with_its_last_good_weights(tmp_path, shapes_dir):
+    cfg = tiny_config(shapes_dir, tmp_path, "deferred", epochs=2)
+    cfg.optim.optimizer, cfg.optim.lr, cfg.optim.warmup_epochs = "sgd", 1e30, 0.0  # step 1 blows the weights up
+    cfg.precision.nonfinite_check, cfg.train.log_every = "deferred", 1
+    with pytest.raises(NonFiniteLoss, match=r"non-finite loss or gradient norm \(1 step\(s\) not applied\) .* at "
+                                            r"step 2"):
+        train(cfg)
+    state = torch.load(tmp_path / "deferred" / "checkpoints" / "last.state.pt", weights_only=True)
+    assert state["step"] == 2  # the skipped step is counted, its update was not applied:
+    assert all(torch.isfinite(v).all() for k, v in state["model"].items() if "running" not in k)  # (BatchNorm
+    # statistics took the non-finite forward, with either check)
+
+
 def test_int8_inference_parity_within_its_bound(shapes_dir):
     import numpy as np
     from PIL import Image

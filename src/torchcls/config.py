@@ -175,6 +175,11 @@ class PrecisionConfig:
                                     "torchao tensorwise recipe only")
     nonfinite: str = opt("stop", "on a NaN/Inf loss or gradient norm: stop with a checkpoint and a message, or "
                          "skip the step (logged; stops after 10 in a row)", choices=("stop", "skip"))
+    nonfinite_check: str = opt("auto", "when the NaN/Inf check reads the device: every step (a host synchronisation "
+                               "per step); deferred = the decision stays on the device (the fused optimizer skips "
+                               "a non-finite update itself) and is read at log steps and epoch ends; auto = "
+                               "deferred on CUDA, every step on the CPU (where reading costs nothing)",
+                               choices=("auto", "every-step", "deferred"))
 
 
 @dataclass

@@ -114,8 +114,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
                                 lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session),
                                 extras={"ema": ema} if ema else None)
-    if device.type == "cuda":  # no host synchronisation per step where the optimizer allows it
-        precision.defer_checks(optimizer)
+    _choose_nonfinite_check(cfg.precision.nonfinite_check, precision, optimizer, device)
     # The graph-break report runs two samples; only the map-style feed has a dataset to index.
     examples = data.train if feed.kind == "files" else [(torch.zeros(pre.channels, pre.img_size, pre.img_size), 0)] * 2
     forward = compile_for_training(model, examples, run.path, device, memory_format,
@@ -149,6 +148,15 @@ def _check_options(cfg: Config) -> None:
     if cfg.train.early_stop < 0:
         raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
                         "--epochs")
+
+
+def _choose_nonfinite_check(when: str, precision: PrecisionPlan, optimizer, device: torch.device) -> None:
+    """--nonfinite-check: deferred (no host synchronisation per step) where the optimizer can skip an
+    update from a device flag; auto defers on CUDA only."""
+    if when == "deferred" or (when == "auto" and device.type == "cuda"):
+        if not precision.defer_checks(optimizer) and when == "deferred":
+            console.print("[yellow]--nonfinite-check deferred needs a fused optimizer (adamw, adam or sgd) and no "
+                          "grad scaler (fp16); checking every step instead[/]")
 
 
 def _optimizer_steps_per_epoch(batches: int, accum_steps: int) -> int:
