@@ -18,13 +18,14 @@ from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_probs
 from torchcls.options import PredictOptions as _D  # the defaults, declared once
+from torchcls.tasks import MULTILABEL, labels_above, thresholds_for
 
 ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, run on their own runtime
 
 
 @dataclass
 class Predictions:
-    items: list[dict[str, Any]]  # {"file", "top": [{"label", "prob"}, ...]}
+    items: list[dict[str, Any]]  # {"file", "top": [{"label", "prob"}, ...]} (+ "labels" above threshold: multilabel)
     skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
 
 
@@ -50,7 +51,8 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.topk, device: str = _D.device,
             on_bad_file: str = _D.on_bad_file, batch_size: int = 64,
             expect_sha256: str | None = _D.expect_sha256, tta: str = _D.tta) -> Predictions:
-    """Top-k labels for each image; `tta="flip"` averages the softmax of each image and its mirror."""
+    """Top-k labels for each image; `tta="flip"` averages the softmax of each image and its mirror.
+    Multilabel models: probabilities are sigmoids, and "labels" lists every label at or above its threshold."""
     from torchcls.governance.artifacts import check_pinned_sha256, refuse_forbidden_predictions
 
     check_tta(tta)
@@ -75,11 +77,15 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
                 raise UserError(f"{f}: {e} (pass --on-bad-file skip to leave it out)") from None
             result.skipped.append({"file": str(f), "reason": str(e)})
     k = min(topk, len(meta.classes))
+    multilabel = meta.task == MULTILABEL  # sigmoid per class; every label above its threshold
     for start in range(0, len(good), batch_size):
         chunk = good[start:start + batch_size]
-        probs = tta_probs(model, torch.stack([t for _, t in chunk]).to(dev), tta).cpu()
+        probs = tta_probs(model, torch.stack([t for _, t in chunk]).to(dev), tta, multilabel).cpu()
         values, indices = probs.topk(k, dim=1)
-        for (f, _), vals, idx in zip(chunk, values, indices):
-            result.items.append({"file": str(f), "top": [{"label": meta.classes[i], "prob": round(v, 6)}
-                                                         for v, i in zip(vals.tolist(), idx.tolist())]})
+        for (f, _), p, vals, idx in zip(chunk, probs, values, indices):
+            item = {"file": str(f), "top": [{"label": meta.classes[i], "prob": round(v, 6)}
+                                            for v, i in zip(vals.tolist(), idx.tolist())]}
+            if multilabel:
+                item["labels"] = labels_above(p.tolist(), thresholds_for(meta), meta.classes)
+            result.items.append(item)
     return result

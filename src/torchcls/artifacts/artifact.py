@@ -35,7 +35,7 @@ class EagerArtifact(LoadedArtifact):
         self.model.to(self.device)
         run_dir = run_dir_of(ckpt)
         self.info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, "eager", list(meta.classes),
-                                 meta.preprocess, EAGER_MAX_BATCH, "fp32")
+                                 meta.preprocess, EAGER_MAX_BATCH, "fp32", task=meta.task, thresholds=meta.thresholds)
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (self.model(x),)

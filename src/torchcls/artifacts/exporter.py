@@ -94,7 +94,7 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     built = BuildDevice.of(dev)
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
                         max_batch, precision, model.num_exits if early_exit else 0, built.type, built.capability,
-                        built.gpu)
+                        built.gpu, task=meta.task, thresholds=meta.thresholds)
     extra = {"source": str(ckpt), "model": meta.spec.name, "torch": torch.__version__}
     if early_exit:
         extra["threshold"] = str(model.threshold)

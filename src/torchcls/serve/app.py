@@ -39,6 +39,7 @@ from torchcls.serve.config import ServeConfig
 from torchcls.serve.errors import HTTPError
 from torchcls.serve.limits import AuthMiddleware, BodyLimitMiddleware
 from torchcls.serve.metrics import MetricsMiddleware, ServeMetrics
+from torchcls.tasks import labels_above
 
 log = logging.getLogger("torchcls.serve")
 PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # probes carry no token
@@ -62,7 +63,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     metrics = ServeMetrics()
     batcher = DynamicBatcher(artifact, max_batch=cfg.max_batch or info.max_batch, max_wait_s=cfg.max_wait_ms / 1e3,
                              max_queue=cfg.max_queue, on_batch=metrics.observe_batch,
-                             on_depth=metrics.queue_depth.set)
+                             on_depth=metrics.queue_depth.set, multilabel=info.task == "multilabel")
     svc = Service(cfg.name or info.name, info, batcher)
     pre = info.preprocess
     shape = (pre.channels, pre.img_size, pre.img_size)
@@ -207,7 +208,8 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
                                     info, max_batch)
         outputs = oip.requested_outputs(req)
         result = await svc.run(x)
-        body = oip.infer_response(svc.name, req, outputs, result.logits, result.probs, result.top1, info.classes)
+        body = oip.infer_response(svc.name, req, outputs, result.logits, result.probs, result.top1, info.classes,
+                                  oip.thresholds(info))
         return json_response(body, headers={"X-Batch-Size": str(result.batch_size)})
 
     @app.post("/predict")
@@ -223,6 +225,9 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
         result = await svc.run(x)
         predictions = [{"file": fname, "top": top} for (fname, _), top in
                        zip(uploads, top_k(result.probs, topk, info.classes))]
+        if info.task == "multilabel":  # every label at or above its threshold
+            for p, probs in zip(predictions, result.probs.tolist()):
+                p["labels"] = labels_above(probs, oip.thresholds(info).tolist(), info.classes)
         return json_response({"model_name": svc.name, "predictions": predictions},
                              headers={"X-Batch-Size": str(result.batch_size)})
 

@@ -4,6 +4,8 @@ Inputs: one FP32 tensor named `input` of shape [N, C, H, W], as JSON `data` (fla
 row-major) or, with the binary tensor extension, as raw little-endian bytes after the JSON
 header (`Inference-Header-Content-Length` + `parameters.binary_data_size`). Outputs (JSON):
 `logits` and `probabilities` (FP32 [N, K]) and `labels` (BYTES [N], the top-1 class names).
+A multilabel model (its artifact's task): `probabilities` are one sigmoid per class, and each `labels`
+entry names every class at or above its threshold, joined by ';' (empty: none).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from torchcls.artifacts.artifact import ArtifactInfo
 from torchcls.serve.errors import HTTPError
+from torchcls.tasks import labels_above
 
 INPUT_NAME = "input"
 OUTPUTS = ("logits", "probabilities", "labels")
@@ -31,6 +34,8 @@ def model_metadata(name: str, info: ArtifactInfo) -> dict[str, Any]:
                     {"name": "probabilities", "datatype": "FP32", "shape": [-1, k]},
                     {"name": "labels", "datatype": "BYTES", "shape": [-1]}],
         "parameters": {"classes": info.classes, "max_batch": info.max_batch, "precision": info.precision,
+                       "task": info.task, **({"thresholds": thresholds(info).tolist()} if info.task == "multilabel"
+                                            else {}),
                        "preprocess": {"img_size": pre.img_size, "channels": pre.channels,
                                       "mean": list(pre.mean), "std": list(pre.std)}},
     }
@@ -133,16 +138,31 @@ def requested_outputs(request: dict[str, Any]) -> list[str]:
 
 
 def infer_response(name: str, request: dict[str, Any], outputs: list[str], logits: np.ndarray,
-                   probs: np.ndarray, top1: np.ndarray, classes: list[str]) -> bytes:
-    """The answer JSON; numpy in (no torch call here: this runs on the event loop)."""
+                   probs: np.ndarray, top1: np.ndarray, classes: list[str],
+                   label_thresholds: np.ndarray | None = None) -> bytes:
+    """The answer JSON; numpy in (no torch call here: this runs on the event loop). With
+    `label_thresholds` (multilabel) each `labels` entry is every class at or above its threshold, ';'-joined."""
     n, k = logits.shape
+    if label_thresholds is not None:
+        names = [";".join(d["label"] for d in labels_above(p, label_thresholds.tolist(), classes))
+                 for p in probs.tolist()]
+    else:
+        names = [classes[i] for i in top1.tolist()]
     tensors = {
         "logits": lambda: {"datatype": "FP32", "shape": [n, k], "data": logits.reshape(-1)},
         "probabilities": lambda: {"datatype": "FP32", "shape": [n, k], "data": probs.reshape(-1)},
-        "labels": lambda: {"datatype": "BYTES", "shape": [n], "data": [classes[i] for i in top1.tolist()]},
+        "labels": lambda: {"datatype": "BYTES", "shape": [n], "data": names},
     }
     answer: dict[str, Any] = {"model_name": name, "model_version": "1",
                               "outputs": [{"name": o, **tensors[o]()} for o in outputs]}
     if "id" in request:
         answer["id"] = request["id"]
     return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def thresholds(info: ArtifactInfo) -> np.ndarray | None:
+    """A multilabel artifact's per-class thresholds (0.5 where it carries none); None for multiclass."""
+    if info.task != "multilabel":
+        return None
+    return np.asarray(info.thresholds or [0.5] * len(info.classes), dtype=np.float32)
+

@@ -43,6 +43,8 @@ class ArtifactInfo:
     device: str = "cpu"
     compute_capability: str = ""
     gpu: str = ""
+    task: str = "multiclass"  # multilabel: one sigmoid per class (torchcls.tasks); else softmax
+    thresholds: list[float] | None = None  # multilabel: per-label decision thresholds (None: 0.5 each)
 
     def to_json(self, **extra: Any) -> str:
         """The metadata string embedded in artifacts; `extra` (source checkpoint, torch version...) is kept
@@ -58,7 +60,9 @@ class ArtifactInfo:
                        Preprocess(int(pre["img_size"]), int(pre["channels"]), tuple(map(float, pre["mean"])),
                                   tuple(map(float, pre["std"]))), int(raw["max_batch"]), str(raw["precision"]),
                        int(raw.get("exits", 0)), str(raw.get("device", "cpu")),
-                       str(raw.get("compute_capability", "")), str(raw.get("gpu", "")))
+                       str(raw.get("compute_capability", "")), str(raw.get("gpu", "")),
+                       task=str(raw.get("task", "multiclass")),
+                       thresholds=[float(t) for t in raw["thresholds"]] if raw.get("thresholds") else None)
         except (ValueError, KeyError, TypeError) as e:
             raise UserError(f"{where}: its torchcls metadata is unreadable ({e!r}); re-export it with "
                             "`torchcls export`") from None
@@ -70,7 +74,8 @@ class ArtifactInfo:
                 "torchcls.channels": str(pre.channels), "torchcls.mean": ",".join(map(repr, pre.mean)),
                 "torchcls.std": ",".join(map(repr, pre.std)), "torchcls.max_batch": str(self.max_batch),
                 "torchcls.precision": self.precision, "torchcls.exits": str(self.exits),
-                "torchcls.device": self.device, "torchcls.compute_capability": self.compute_capability}
+                "torchcls.device": self.device, "torchcls.compute_capability": self.compute_capability,
+                "torchcls.task": self.task}
 
 
 class LoadedArtifact(ABC):
@@ -84,6 +89,11 @@ class LoadedArtifact(ABC):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.outputs(x)[0]
+
+    def probabilities(self, x: torch.Tensor) -> torch.Tensor:
+        """Class probabilities: softmax, or one sigmoid per class for a multilabel model."""
+        logits = self(x)
+        return logits.sigmoid() if self.info.task == "multilabel" else logits.softmax(dim=1)
 
     def with_exits(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits, index of the exit each image left at) of an early-exit artifact."""
