@@ -202,14 +202,9 @@ def test_check_refuses_without_gpu_and_records_skips(tmp_path):
 def test_check_commands_parse(tmp_path):
     """Every torchcls command line of the device check is one the CLI accepts (flags renamed elsewhere would
     otherwise surface only on a GPU machine)."""
-    import importlib.util
-
     from torchcls.cli import build_parser
 
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu/check.py")
-    check = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = check  # dataclasses resolve the module by name
-    spec.loader.exec_module(check)
+    check = _load_check()
     ctx, parser, parsed = check.Ctx(tmp_path, sys.executable), build_parser(), 0
     for step in check.STEPS:
         for cmd in step.commands(ctx):
@@ -220,3 +215,40 @@ def test_check_commands_parse(tmp_path):
                 assert Path(cmd[1]).is_file(), cmd
     assert parsed >= 8
     assert check.with_needs({"inference_bench"}) == {"inference_bench", "export_aoti_cuda", "memory_report"}
+
+
+def _load_check():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu/check.py")
+    check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = check  # dataclasses resolve the module by name
+    spec.loader.exec_module(check)
+    return check
+
+
+def test_check_timeouts_and_budget(tmp_path, monkeypatch):
+    """The runner itself, with stand-in steps: an overrunning step is killed at its budget (its whole process
+    group) and fails, a step needing it is skipped, and once the total budget is spent the rest are skipped."""
+    check = _load_check()
+    marker = tmp_path / "orphan"
+    monkeypatch.setattr(check, "STEPS", [
+        check.Step("env", 5, "stand-in", lambda c: [["true"]]),
+        check.Step("slow", 2, "overruns", lambda c: [["bash", "-c", f"(sleep 4; touch {marker}) & sleep 30"]]),
+        check.Step("after_slow", 5, "needs slow", lambda c: [["true"]], needs=("slow",)),
+        check.Step("late", 5, "no time left", lambda c: [["true"]]),
+    ])
+    monkeypatch.setattr(check, "TOTAL_BUDGET_S", 12)
+    monkeypatch.setattr(check, "MIN_STEP_S", 10)
+    monkeypatch.setattr(sys, "argv", ["check.py", "--out", str(tmp_path)])
+    assert check.main() == 1
+    steps = {s["name"]: s for s in json.loads((tmp_path / "check.json").read_text())["steps"]}
+    assert steps["env"]["status"] == "pass"
+    assert steps["slow"]["status"] == "fail" and "timed out" in steps["slow"]["reason"]
+    assert steps["slow"]["seconds"] < 10
+    assert steps["after_slow"]["status"] == "skipped" and "needs slow" in steps["after_slow"]["reason"]
+    assert steps["late"]["status"] == "skipped" and "total budget spent" in steps["late"]["reason"]
+    import time
+
+    time.sleep(3)
+    assert not marker.exists()  # the background child of the killed step died with it
