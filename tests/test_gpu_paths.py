@@ -159,6 +159,8 @@ def test_cli_device_cuda_without_gpu(tmp_path, capsys, tiny_run):
     assert code != 0 and "is not a device name" in err
     code, err = _run_cli(["export", str(tiny_run), "--target", "onnx", "--autotune"], capsys)
     assert code != 0 and "--autotune applies to --target aoti only" in err
+    code, err = _run_cli(["export", str(tiny_run), "--target", "executorch", "--device", "cuda"], capsys)
+    assert code != 0 and "executorch programs run on the CPU" in err
     image = next((tiny_run.parent.parent / "shapes").rglob("*.png"))
     code, err = _run_cli(["predict", str(tiny_run), str(image), "--device", "cuda:1"], capsys)
     assert code != 0 and "needs an NVIDIA GPU" in err

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_images, measure_parity
-from torchcls.artifacts.placement import portable_device
+from torchcls.artifacts.placement import cpu_only, portable_device
 from torchcls.artifacts.targets import get_target
 from torchcls.artifacts.targets.base import ArtifactInfo, ExportRequest, LoadedArtifact, Plan
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
@@ -71,7 +71,8 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     tgt = get_target(target)
     if autotune and target != "aoti":
         raise UserError(f"--autotune applies to --target aoti only (got --target {target})")
-    dev = portable_device(device)  # a CUDA device that is not here fails now, before any work
+    # A CUDA device that is not here fails now, before any work; ExecuTorch builds for CPUs (auto = cpu).
+    dev = cpu_only(device, "--target executorch programs") if target == "executorch" else portable_device(device)
     req = ExportRequest(precision, max_batch, quantize, backend, calibration_images, data, root, device=dev.type,
                         autotune=autotune)
     tgt.check(req)  # before reading the checkpoint: fail fast
