@@ -115,7 +115,8 @@ class Trainer:
         world = f" (world size {self.session.world})" if self.session.active else ""
         console.print(f"resuming {self.run.path} at epoch {p.epoch + 1}, step {p.step}{world}")
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor | None]:
+    def train_step(self, x: torch.Tensor,
+                   y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool | torch.Tensor | None]:
         """Forward and backward of one micro-batch already on the device; after every --accum-steps of them
         (fewer at the end of an epoch), the optimizer step. Returns the loss, the (final exit's) logits and
         the step: None while gradients accumulate, else whether it was applied (False: a NaN/Inf step
@@ -171,8 +172,9 @@ class Trainer:
                 continue
             x, y = x.to(self.device, memory_format=self.memory_format, non_blocking=True), y.to(self.device)
             loss, logits, stepped = self.train_step(x, y)
-            window += torch.stack([loss.detach().double() * len(y), train_correct(logits, y).double(),
-                                   torch.tensor(float(len(y)), dtype=torch.float64, device=self.device)])
+            window[0] += loss.detach().double() * len(y)  # (a Python number is a kernel argument: no copy, no sync)
+            window[1] += train_correct(logits, y).double()
+            window[2] += len(y)
             bar.update(task, advance=1)
             if stepped is None:  # gradients still accumulating
                 continue
