@@ -124,6 +124,8 @@ class Trainer:
         p, accum = self.progress, self.cfg.optim.accum_steps
         if self.micro == 0:  # a new accumulation window: as many micro-batches as are left, up to accum
             self.window = max(1, min(accum, len(self.feed) - p.step_in_epoch))
+            self.optimizer.zero_grad(set_to_none=True)  # here, not after the step: gradients are part of
+            # the training state between steps, as the memory report (memory.json) counts them
         last = self.micro + 1 == self.window
         targets = y
         if self.mixing is not None:  # soft targets; training accuracy stays against the hard labels
@@ -140,7 +142,6 @@ class Trainer:
     def optimizer_step(self) -> bool | torch.Tensor:
         p = self.progress
         stepped = self.precision.step(self.optimizer, self.model, self.cfg.optim.grad_clip, p.step + 1)
-        self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         p.step += 1
         if self.ema is not None and stepped is not False:  # (deferred: a skipped step left the weights as they were)
