@@ -197,21 +197,23 @@ def test_bf16_capture_casts_inside(trained_run):
     assert (got - ref).abs().max() < 0.25 and (got.argmax(1) == ref.argmax(1)).float().mean() >= 0.75
 
 
-def test_compile_for_inference_pads_partial_batches(trained_run, monkeypatch):
+def test_compile_for_inference_pads_partial_batches(trained_run):
     from torch._dynamo.utils import counters
     from torch._inductor.utils import run_and_get_code
 
-    monkeypatch.setattr(torch._inductor.config, "freezing", False)  # restored after: the policy sets it globally
-    torch._dynamo.reset()
-    counters.clear()
-    images, model = _held_out(trained_run)
-    with torch.no_grad():
-        expected = model(images[:4])
-    compiled, code = run_and_get_code(compile_for_inference, model, images[:3], "cpu", "fp32", 4, (4,))
-    assert any("convolution_pointwise" in c for c in code), "freezing did not apply: no prepacked oneDNN convolutions"
-    for n in (3, 1, 4):  # all padded to the one bucket of 4: a single compiled graph
-        torch.testing.assert_close(compiled(images[:n]), expected[:n], atol=1e-4, rtol=1e-4)
-    assert counters["stats"]["unique_graphs"] == 1
-    with pytest.raises(UserError, match="accepts 1 to 4"):
-        compiled(images[:5])
-    torch._dynamo.reset()
+    # config.patch, not monkeypatch: monkeypatch's undo leaves Inductor's config without the key (and every
+    # later AOTInductor build fails). Restored after: the policy sets freezing globally.
+    with torch._inductor.config.patch(freezing=False):
+        torch._dynamo.reset()
+        counters.clear()
+        images, model = _held_out(trained_run)
+        with torch.no_grad():
+            expected = model(images[:4])
+        compiled, code = run_and_get_code(compile_for_inference, model, images[:3], "cpu", "fp32", 4, (4,))
+        assert any("convolution_pointwise" in c for c in code), "freezing did not apply: no prepacked oneDNN convolutions"
+        for n in (3, 1, 4):  # all padded to the one bucket of 4: a single compiled graph
+            torch.testing.assert_close(compiled(images[:n]), expected[:n], atol=1e-4, rtol=1e-4)
+        assert counters["stats"]["unique_graphs"] == 1
+        with pytest.raises(UserError, match="accepts 1 to 4"):
+            compiled(images[:5])
+        torch._dynamo.reset()
