@@ -183,7 +183,8 @@ class Trainer:
             window.zero_()
             self._after_step(log_every, save_every, loss)
         if self.micro:  # batches left out of the feed (all-bad batches) ended the epoch inside a window
-            self.micro, _ = 0, self.optimizer_step()
+            self.micro = 0
+            sums += torch.nan_to_num(window) * self.optimizer_step()
         self.precision.check()
         elapsed = time.perf_counter() - t0
         loss_sum, correct, seen = sums.tolist()
