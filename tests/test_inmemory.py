@@ -118,6 +118,22 @@ def test_shifts_and_flips_happen_within_their_range(digits, augment):
         assert flipped == 0
 
 
+def test_max_shift_bounds_the_shifts_and_zero_leaves_mirrors_only(digits):
+    x0, _ = _unaugmented(digits)
+    for max_shift in (1, 0):
+        ld = InMemoryLoader(digits, torch.arange(len(digits)), PRE, 32, train=True, augment="flip", max_shift=max_shift)
+        (x, _), = batches(ld, limit=1)
+        flipped = 0
+        for img, ref in zip(x, x0):
+            candidates = _shifts(ref, max_shift)
+            plain = (candidates == img).flatten(1).all(1).any().item()
+            mirrored = (candidates.flip(-1) == img).flatten(1).all(1).any().item()
+            assert plain or mirrored
+            flipped += mirrored and not plain
+        assert 4 <= flipped <= 28
+    assert torch.equal(torch.where(x == x0, x0, x0.flip(-1)), x)  # 0: each image is itself or its mirror
+
+
 def test_standard_crops_zoom_and_flip(digits):
     (x, _), (x0, _) = batches(loader(digits, "standard"), limit=1)[0], _unaugmented(digits)
     assert (x - x0).abs().flatten(1).amax(1).min() > 0  # every image resampled
@@ -265,6 +281,9 @@ def test_bundle_loaders_follow_the_data_config(mnist):
     train, val, bad = bundle_loaders(mnist, cfg, seed=0, val_batch_size=256)
     assert not bad and (train.n, val.n) == (len(mnist.train), len(mnist.val))
     assert len(train) == -(-len(mnist.train) // 64) and train.augment == "flip" and val.augment == "none"
+    assert train.max_shift == 3  # an eighth of 28 px
+    cfg.max_shift = 1
+    assert bundle_loaders(mnist, cfg, seed=0)[0].max_shift == 1
     x, y = next(iter(val))
     assert x.shape == (256, 1, 28, 28) and torch.equal(y, mnist.images.targets[mnist.val.indices[:256]])
     cfg.in_memory, cfg.memory_limit_mb = "on", 1

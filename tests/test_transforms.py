@@ -49,6 +49,16 @@ def test_each_preset_runs_on_grey_and_rgb_and_changes_the_image(augment, channel
     assert torch.equal(build_transform(pre, train=False, augment=augment, source_size=SIZE)(img), plain)
 
 
+def test_max_shift_zero_leaves_the_flip_preset_mirrors_only():
+    img, pre = _image(1), _pre(1)
+    plain = build_transform(pre, train=False, source_size=SIZE)(img)
+    assert torch.equal(build_transform(pre, True, "light", SIZE, max_shift=0)(img), plain)
+    flip = build_transform(pre, True, "flip", SIZE, max_shift=0)
+    outs = [flip(img) for _ in range(16)]
+    assert all(torch.equal(o, plain) or torch.equal(o, plain.flip(-1)) for o in outs)
+    assert any(torch.equal(o, plain.flip(-1)) for o in outs)
+
+
 def test_the_policies_are_torchvisions():
     from torchvision.transforms import v2
 
@@ -85,6 +95,8 @@ def test_bad_augmentation_values_are_clear_errors():
         set_option(Config(), "data", "augment", "randaug", "command line")
     set_option(cfg := Config(), "data", "augment", "trivialaugment", "command line")
     assert cfg.data.augment == "trivialaugment"
+    with pytest.raises(UserError, match=rf"--max-shift must be between 0 and {SIZE - 1} pixels .* got {SIZE}"):
+        build_transform(pre, train=True, augment="light", max_shift=SIZE)
     for flag in ("mixup", "cutmix"):
         with pytest.raises(UserError, match=f"--{flag} is the alpha .* must be >= 0 .*got -0.5"):
             build_mixing(DataConfig(**{flag: -0.5}), 0.1, num_classes=10, batch_size=8)

@@ -44,6 +44,8 @@ class DataConfig:
                        "and horizontal flips; standard = random resized crops and flips (photos); randaugment, "
                        "trivialaugment, autoaugment = torchvision's policies (ImageNet op set)",
                        choices=("none", "light", "flip", "standard", "randaugment", "trivialaugment", "autoaugment"))
+    max_shift: int | None = opt(None, "light/flip: the largest random shift in pixels (RandomCrop's padding); "
+                                "default: an eighth of --img-size (3 px at 28); 0 = no shifts (flip: mirrors only)")
     random_erasing: float = opt(0.0, "probability of erasing a random box of each training image (after "
                                 "normalisation, so the box takes the mean colour); 0 = off")
     mixup: float = opt(0.0, "mixup alpha: blend pairs of training images and their labels with a Beta(A, A) "

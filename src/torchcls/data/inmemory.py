@@ -35,7 +35,7 @@ from torchcls.data.images import BadImage
 from torchcls.data.loaders import Preprocess
 from torchcls.data.sampling import epoch_order
 from torchcls.data.sources import ImageSet
-from torchcls.data.transforms import batch_augmentable
+from torchcls.data.transforms import batch_augmentable, shift_pixels
 from torchcls.errors import UserError
 
 AUGMENTS = ("none", "light", "flip", "standard")
@@ -113,7 +113,7 @@ class InMemoryLoader:
 
     def __init__(self, cache: torch.Tensor, targets: torch.Tensor, pre: Preprocess, batch_size: int, *,
                  train: bool, augment: str = "none", seed: int = 0, indices: torch.Tensor | None = None,
-                 rank: int = 0, world: int = 1, device: torch.device | str = "cpu"):
+                 rank: int = 0, world: int = 1, device: torch.device | str = "cpu", max_shift: int | None = None):
         if augment not in AUGMENTS:
             raise UserError(f"--augment must be one of {', '.join(AUGMENTS)}, got {augment!r}")
         if batch_size < world or batch_size % world:
@@ -122,6 +122,7 @@ class InMemoryLoader:
         self.rows = indices if indices is not None else torch.arange(len(cache))
         self.n = len(self.rows)  # distinct samples (validation masks the wrap-around padding with it)
         self.batch_size, self.train, self.augment, self.seed = batch_size, train, augment if train else "none", seed
+        self.max_shift = shift_pixels(pre.img_size, max_shift)  # light/flip: RandomCrop's padding
         self.rank, self.world, self.device = rank, world, torch.device(device)
         mean, std = torch.tensor(pre.mean), torch.tensor(pre.std)
         # One fused multiply-add does ToDtype(scale=True) and Normalize: x/255 - mean over std.
@@ -211,7 +212,7 @@ class InMemoryLoader:
 
     def _draw(self, b: int, gen: torch.Generator | None) -> dict[str, torch.Tensor]:
         """Random parameters of one global batch, drawn on the CPU from the loader's generator."""
-        size, p = self.pre.img_size, max(1, self.pre.img_size // 8)
+        size, p = self.pre.img_size, self.max_shift
         if self.augment == "none":
             return {}
         if self.augment in ("light", "flip"):
@@ -226,7 +227,7 @@ class InMemoryLoader:
             u8 = u8.expand(-1, self.pre.channels, -1, -1)
         if "shift" in params:
             flip = params.get("flip")
-            u8 = shift_flip(u8, params["shift"].to(self.device), flip, max(1, self.pre.img_size // 8))
+            u8 = shift_flip(u8, params["shift"].to(self.device), flip, self.max_shift)
         x = u8.float()
         if "box" in params:
             x = resized_crop_flip(x, params["box"].to(self.device), params["flip"].to(self.device))
@@ -234,8 +235,8 @@ class InMemoryLoader:
 
 
 def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, val_idx: torch.Tensor,
-                   batch_size: int, augment: str, seed: int, *, on_bad_file: str = "error",
-                   val_images: ImageSet | None = None, val_batch_size: int | None = None,
+                   batch_size: int, augment: str, seed: int, *, max_shift: int | None = None,
+                   on_bad_file: str = "error", val_images: ImageSet | None = None, val_batch_size: int | None = None,
                    rank: int = 0, world: int = 1, device: torch.device | str = "cpu",
                    ) -> tuple[InMemoryLoader, InMemoryLoader, list[tuple[str, str]]]:
     """The train and validation loaders (over one shared cache unless `val_images` is a separate set).
@@ -251,7 +252,7 @@ def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, v
         bad = bad + val_bad
     common = dict(seed=seed, rank=rank, world=world, device=device)
     train = InMemoryLoader(cache, images.targets, pre, batch_size, train=True, augment=augment,
-                           indices=train_idx, **common)
+                           max_shift=max_shift, indices=train_idx, **common)
     val = InMemoryLoader(val_cache, (val_images or images).targets, pre, val_batch_size or batch_size, train=False,
                          indices=val_idx, **common)
     return train, val, bad
@@ -277,7 +278,7 @@ def bundle_loaders(bundle: Any, cfg: Any, seed: int, *, rank: int = 0, world: in
     if not _wanted(cfg.in_memory, cfg.memory_limit_mb, need, " + ".join(s.name for s in sets), bundle.preprocess):
         return None
     return memory_loaders(train_set, bundle.preprocess, bundle.train.indices, bundle.val.indices, cfg.batch_size,
-                          cfg.augment, seed, on_bad_file=cfg.on_bad_file, val_images=val_set,
+                          cfg.augment, seed, max_shift=cfg.max_shift, on_bad_file=cfg.on_bad_file, val_images=val_set,
                           val_batch_size=val_batch_size, rank=rank, world=world, device=device)
 
 

@@ -195,8 +195,8 @@ def build_data(cfg: DataConfig, seed: int) -> DataBundle:
         check_task(cfg.task, val_images.targets, val_images.origin)
         val_set, train_idx, val_idx = val_images, torch.arange(len(images)), torch.arange(len(val_images))
     size, shape = images.side, (pre.channels, pre.img_size, pre.img_size)
-    train = Transformed(images, train_idx, build_transform(pre, True, cfg.augment, size, cfg.random_erasing),
-                        cfg.on_bad_file, shape)
+    augment = build_transform(pre, True, cfg.augment, size, cfg.random_erasing, cfg.max_shift)
+    train = Transformed(images, train_idx, augment, cfg.on_bad_file, shape)
     val = Transformed(val_set, val_idx, build_transform(pre, False, source_size=val_set.side), cfg.on_bad_file,
                       shape)
     splits = {"train": {"source": images.origin, "images": len(train_idx)},

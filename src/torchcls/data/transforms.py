@@ -42,27 +42,37 @@ def check_augment(augment: str) -> str:
     return augment
 
 
+def shift_pixels(size: int, max_shift: int | None) -> int:
+    """The largest shift of the light and flip presets: `max_shift` (--max-shift), else an eighth of the side."""
+    if max_shift is None:
+        return max(1, size // 8)
+    if not 0 <= max_shift < size:
+        raise UserError(f"--max-shift must be between 0 and {size - 1} pixels for {size} px inputs, got {max_shift}")
+    return max_shift
+
+
 def build_transform(pre: Preprocess, train: bool, augment: str = "none", source_size: int | None = None,
-                    random_erasing: float = 0.0) -> v2.Transform:
+                    random_erasing: float = 0.0, max_shift: int | None = None) -> v2.Transform:
     """uint8 CxHxW tensor -> normalised float tensor of shape (channels, img_size, img_size).
 
     `source_size`: the side of every input when known to be square and fixed (built-in
     sets); resizing is then skipped when it would be a no-op (it costs more than the
-    rest of the pipeline on 28x28 digits). `augment` and `random_erasing` apply only when
-    `train` is true.
+    rest of the pipeline on 28x28 digits). `augment`, `max_shift` and `random_erasing` apply
+    only when `train` is true.
     """
     check_augment(augment)
     check_probability(random_erasing, "--random-erasing")
     size = pre.img_size
+    shift = shift_pixels(size, max_shift)
     steps: list[v2.Transform] = []
     if train and augment == "standard":
         steps += [v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()]
     else:
         if source_size != size:
             steps += [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
-        if train and augment in ("light", "flip"):
+        if train and augment in ("light", "flip") and shift:
             # Small translations: safe for digits and text, where flips and big crops are not.
-            steps.append(v2.RandomCrop(size, padding=max(1, size // 8)))
+            steps.append(v2.RandomCrop(size, padding=shift))
         if train and augment == "flip":  # for left-right symmetric classes (clothes, objects)
             steps.append(v2.RandomHorizontalFlip())
         if train and augment in POLICIES:  # the policies bring their own shifts, rotations and shears

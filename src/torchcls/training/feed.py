@@ -132,7 +132,8 @@ def _shard_feed(cfg: Config, data: ShardBundle, session: Session) -> Feed:
     common = dict(rank=session.rank, world=session.world, on_bad_file=d.on_bad_file, channels=pre.channels,
                   max_pixels=d.max_pixels)
     batch = sharding.per_rank_batch(d.batch_size, session)
-    transform = build_transform(pre, True, d.augment, data.train.side, random_erasing=d.random_erasing)
+    transform = build_transform(pre, True, d.augment, data.train.side, random_erasing=d.random_erasing,
+                                max_shift=d.max_shift)
     train = shard_loader(data.train, batch, d.workers, seed, transform=transform,
                          min_side=needed_side(pre, d.augment), **common)
     val = None
