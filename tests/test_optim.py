@@ -106,7 +106,7 @@ def test_layer_decay_fallback_and_head_lr_on_smallnet():
         build_optimizer(model, OptimConfig(layer_decay=1.5))
 
 
-def test_resume_refuses_another_optimizer_or_grouping_and_keeps_groups_for_weight_decay(tmp_path):
+def test_resume_refuses_another_optimizer_or_grouping_and_applies_weight_decay_from_zero(tmp_path):
     from torchcls.training.resume_options import option_changes
 
     cfg = tiny_config(tmp_path, tmp_path)
@@ -119,7 +119,14 @@ def test_resume_refuses_another_optimizer_or_grouping_and_keeps_groups_for_weigh
             option_changes(tmp_path / "config.toml", changed)
     model = _smallnet()  # --weight-decay 0 -> 0.05 on resume: the saved optimizer state still fits
     saved = build_optimizer(model, OptimConfig(weight_decay=0.0)).state_dict()
-    build_optimizer(model, OptimConfig(weight_decay=0.05)).load_state_dict(saved)
+    resumed = build_optimizer(model, OptimConfig(weight_decay=0.05))
+    built = [g["weight_decay"] for g in resumed.param_groups]
+    resumed.load_state_dict(saved)
+    assert all(g["weight_decay"] == 0.0 for g in resumed.param_groups)  # the checkpoint's, until applied
+    apply_optim_changes(resumed, None, {"optim.weight_decay": (0.0, 0.05)}, schedule_restored=True,
+                        built_weight_decays=built)
+    decayed = {id(p) for g in resumed.param_groups if g["weight_decay"] == 0.05 for p in g["params"]}
+    assert {id(model.head[-1].weight)} <= decayed and id(model.head[-1].bias) not in decayed  # biases: none
 
 
 # -- freeze ---------------------------------------------------------------------------------------
@@ -208,7 +215,7 @@ def test_schedule_state_round_trip_and_lr_change_on_resume(sched, tmp_path):
     fresh_opt.load_state_dict(saved["opt"])
     fresh.load_state_dict(saved["sched"])
     assert fresh.get_last_lr() == pytest.approx(scheduler.get_last_lr())
-    apply_optim_changes(fresh_opt, fresh, {"optim.lr": (0.1, 0.2)})
+    apply_optim_changes(fresh_opt, fresh, {"optim.lr": (0.1, 0.2)}, schedule_restored=True, built_weight_decays=[])
     for _ in range(10):
         assert fresh.get_last_lr()[0] == pytest.approx(2 * scheduler.get_last_lr()[0])
         scheduler.step()

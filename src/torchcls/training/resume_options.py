@@ -39,11 +39,14 @@ def option_changes(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
     return changes
 
 
-def apply_optim_changes(optimizer, scheduler, changes: dict[str, tuple[Any, Any]], schedule_restored: bool = True,
-                        ) -> None:
+def apply_optim_changes(optimizer, scheduler, changes: dict[str, tuple[Any, Any]], schedule_restored: bool,
+                        built_weight_decays: list[float]) -> None:
     """Put a changed --lr / --weight-decay into the restored optimizer and learning-rate schedule.
     `schedule_restored`: False when the schedule was built from the new options and only its position
-    was restored (DCP checkpoints keep the rates, not the schedule): its base is already the new one."""
+    was restored (DCP checkpoints keep the rates, not the schedule): its base is already the new one.
+    `built_weight_decays`: each group's weight decay as built from the new options, before the
+    checkpoint's state replaced it (the restored groups of a run without decay all hold 0, so they
+    cannot tell which group is decayed)."""
     if "optim.lr" in changes:
         old, new = changes["optim.lr"]
         scale = new / old if old else 1.0
@@ -54,9 +57,8 @@ def apply_optim_changes(optimizer, scheduler, changes: dict[str, tuple[Any, Any]
             if "initial_lr" in group:
                 group["initial_lr"] *= scale
     if "optim.weight_decay" in changes:
-        for group in optimizer.param_groups:
-            if group.get("weight_decay", 0.0) > 0.0:  # groups without decay (norms, biases) keep none
-                group["weight_decay"] = changes["optim.weight_decay"][1]
+        for group, decay in zip(optimizer.param_groups, built_weight_decays, strict=True):
+            group["weight_decay"] = decay
 
 
 def record(changes: dict[str, tuple[Any, Any]], step: int) -> dict[str, Any]:

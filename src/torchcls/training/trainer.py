@@ -99,6 +99,7 @@ class Trainer:
         self.feed.save_state(self.run.checkpoints, self.session.rank, p.step, p.step_in_epoch)
 
     def resume(self) -> None:
+        built_weight_decays = [g.get("weight_decay", 0.0) for g in self.optimizer.param_groups]  # the new options'
         self.progress, self.resume_rng = self.checkpointer.resume(self.model, self.optimizer, self.scheduler,
                                                                   self.meta(), self.precision)
         p = self.progress
@@ -108,7 +109,8 @@ class Trainer:
         self.run.truncate_metrics(p.step)
         if self.resume_changes:
             apply_optim_changes(self.optimizer, self.scheduler, self.resume_changes,
-                                schedule_restored=not self.checkpointer.resumes_from_dcp())
+                                schedule_restored=not self.checkpointer.resumes_from_dcp(),
+                                built_weight_decays=built_weight_decays)
             self.log(resume_record(self.resume_changes, p.step))
             console.print("changed on resume: " + ", ".join(f"{k} {b!r} -> {n!r}"
                                                            for k, (b, n) in self.resume_changes.items()))
