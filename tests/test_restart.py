@@ -154,3 +154,29 @@ def test_ranks_storing_the_same_manifest_at_once_never_collide(tmp_path: Path) -
 
 if __name__ == "__main__":
     pytest.main([__file__])
+
+
+def test_plateau_patience_carries_over_a_dcp_resume(tmp_path: Path, shapes_dir: Path, monkeypatch) -> None:
+    """A DCP checkpoint keeps the plateau schedule's counters: its patience used to start again at
+    every resume under torchrun, so a run resumed often enough never reduced its rate."""
+    from torchcls.training import train
+
+    def run(name: str, epochs: int, resume: bool) -> Path:
+        _torchrun_env(monkeypatch, 0)
+        cfg = tiny_config(shapes_dir, tmp_path, name, epochs=epochs)
+        cfg.parallel.parallel, cfg.parallel.dist_timeout, cfg.run.resume = "ddp", 60, resume
+        cfg.governance.lineage, cfg.train.log_every = False, 1
+        # A rate too small to lower the validation loss (it drifts with the BatchNorm statistics):
+        # after patience (2) + 1 epochs without a new best, the rate drops to a tenth.
+        cfg.optim.sched, cfg.optim.lr, cfg.optim.warmup_epochs = "plateau", 1e-6, 0.0
+        return train(cfg).run_dir
+
+    def lrs(run_dir: Path) -> dict[int, float]:
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        return {r["epoch"]: r["lr"] for r in records if r["kind"] == "step"}
+
+    whole = lrs(run("whole", 6, False))
+    run("split", 2, False)
+    split = lrs(run("split", 6, True))
+    assert whole[1] == pytest.approx(1e-6, rel=1e-6) and whole[6] == pytest.approx(1e-7, rel=1e-6)  # reduced
+    assert split == pytest.approx(whole, rel=1e-6)  # at the same epoch after the resume

@@ -83,12 +83,19 @@ def full_model_state(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] 
     return {k: v.contiguous().clone() for k, v in sd.items()} if ranks.is_main else None
 
 
+# ReduceLROnPlateau's counters, kept in the DCP state as one float64 tensor (DCP holds tensors, not dicts).
+PLATEAU_KEYS = ("best", "num_bad_epochs", "cooldown_counter", "last_epoch")
+
+
 def training_state(model: nn.Module, optimizer, scheduler, progress: Any,
                    extras: dict[str, Any] | None = None) -> tuple[dict[str, Any], list]:
     """The DCP state dict (tensors only) and the optimizer's param groups, which are rebuilt, not saved.
     `extras`: further stateful parts of the run (the weights' EMA), saved under their names."""
     osd = get_optimizer_state_dict(model, optimizer)  # creates zero moments on a fresh optimizer
     more = {"extras": {k: v.state_dict() for k, v in extras.items()}} if extras else {}
+    plateau = scheduler.state_dict().get("plateau")
+    if plateau:  # --sched plateau: where its patience count stands, not only the rates it reduced
+        more["plateau"] = torch.tensor([plateau[k] for k in PLATEAU_KEYS], dtype=torch.float64)
     return more | {
         "model": get_model_state_dict(model),
         "optim": {"state": osd["state"]},
@@ -176,6 +183,8 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta
     sd = scheduler.state_dict()
     step = int(state["progress"][1])
     sd.update(last_epoch=step, _step_count=step + 1, _last_lr=lrs)
+    if "plateau" in state:
+        sd["plateau"].update({k: int(v) if k != "best" else v for k, v in zip(PLATEAU_KEYS, state["plateau"].tolist())})
     scheduler.load_state_dict(sd)
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
