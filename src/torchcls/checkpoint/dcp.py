@@ -46,7 +46,7 @@ from torchcls.checkpoint.files import (
     model_state,
     write_weights,
 )
-from torchcls.checkpoint.safe_dcp import safe_load
+from torchcls.checkpoint.safe_dcp import SafeReader, safe_load
 from torchcls.errors import UserError
 
 META = "meta.json"
@@ -169,6 +169,8 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta
     `progress`: an empty progress record of the trainer (the shape of what is loaded)."""
     check_same_model(path, meta)
     state, param_groups = training_state(model, optimizer, scheduler, progress, extras)
+    if "plateau" in state and "plateau" not in SafeReader(str(path)).read_metadata().state_dict_metadata:
+        del state["plateau"]  # written before the counters were saved: the plateau's patience starts again
     try:
         safe_load(state, path)
     except UserError:
