@@ -161,14 +161,14 @@ def test_plateau_patience_carries_over_a_dcp_resume(tmp_path: Path, shapes_dir: 
     every resume under torchrun, so a run resumed often enough never reduced its rate."""
     from torchcls.training import train
 
-    def run(name: str, epochs: int, resume: bool) -> Path:
+    def run(name: str, epochs: int, resume: bool, sched: str = "plateau") -> Path:
         _torchrun_env(monkeypatch, 0)
         cfg = tiny_config(shapes_dir, tmp_path, name, epochs=epochs)
         cfg.parallel.parallel, cfg.parallel.dist_timeout, cfg.run.resume = "ddp", 60, resume
         cfg.governance.lineage, cfg.train.log_every = False, 1
         # A rate too small to lower the validation loss (it drifts with the BatchNorm statistics):
         # after patience (2) + 1 epochs without a new best, the rate drops to a tenth.
-        cfg.optim.sched, cfg.optim.lr, cfg.optim.warmup_epochs = "plateau", 1e-6, 0.0
+        cfg.optim.sched, cfg.optim.lr, cfg.optim.warmup_epochs = sched, 1e-6, 0.0
         return train(cfg).run_dir
 
     def lrs(run_dir: Path) -> dict[int, float]:
@@ -180,3 +180,7 @@ def test_plateau_patience_carries_over_a_dcp_resume(tmp_path: Path, shapes_dir: 
     split = lrs(run("split", 6, True))
     assert whole[1] == pytest.approx(1e-6, rel=1e-6) and whole[6] == pytest.approx(1e-7, rel=1e-6)  # reduced
     assert split == pytest.approx(whole, rel=1e-6)  # at the same epoch after the resume
+    # A checkpoint without the counters (another --sched, or written before they were saved) resumes
+    # into a plateau schedule whose patience starts at the resume.
+    run("switched", 1, False, sched="cosine")
+    assert set(lrs(run("switched", 3, True))) == {1, 2, 3}
