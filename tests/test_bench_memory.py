@@ -32,7 +32,7 @@ def test_fsdp2_halves_the_state_at_two_ranks_and_the_small_device_limits_the_bat
     data = json.loads((out / "bench_memory.json").read_text())
     runs = {(r["parallel"], r["world"]): r for r in data["results"]}
     assert set(runs) == {("ddp", 1), ("fsdp2", 1), ("ddp", 2), ("fsdp2", 2)}
-    assert all(r["status"] == "ok" for r in runs.values())
+    assert all(r["status"] == "ok" for r in runs.values()), {k: r.get("error") for k, r in runs.items()}
     full = runs["fsdp2", 1]["ranks"][0]["total_bytes"]
     assert full == runs["fsdp2", 1]["ranks"][0]["full_state_bytes"] > 1_000_000  # test_vit: ~1.4 MB of fp32 params
     for rank in runs["fsdp2", 2]["ranks"]:  # sharded: half of world 1, as the analytic model says
@@ -96,3 +96,26 @@ def test_fit_names_the_limiting_ranks_and_what_does_not_fit():
     assert g["max_batch_per_rank"] == 0 and "does not fit: rank 1 (40.0 GiB) lacks 15.0 GiB" in g["verdict"]
     assert "shard with fsdp2" in g["verdict"] and "(projected)" in g["verdict"]
     assert mf.recommend([f, g]) == f"on 4 rank(s): fsdp2 up to {f['max_batch_per_rank']} images per rank"
+
+
+def test_a_job_that_fails_is_started_once_more_and_both_errors_are_kept(tmp_path):
+    from torchcls.bench.memory import BenchMemoryConfig, launch
+
+    # An unknown model gets past no check here (launch is called directly): each rank fails at once.
+    r = launch(BenchMemoryConfig("no_such_model", ["ddp"], [1], img_size=32), "ddp", 1, tmp_path)
+    assert r["status"] == "failed" and r["error"].startswith("torchrun exited 1")
+    assert "no_such_model" in r["first_attempt_error"] and "no_such_model" in r["error"]
+
+
+def test_the_failing_rank_s_exception_is_reported_not_torchrun_s_summary():
+    from torchcls.bench.memory import worker_error
+
+    stderr = ("W1204 14:00:59 torch/distributed/run.py:803] Setting OMP_NUM_THREADS\n"
+              "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
+              "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
+              "E1204 14:00:59 api.py:1002] failed (exitcode: 1) local_rank: 0\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+              "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")
+    assert worker_error(stderr).startswith("RuntimeError: [../third_party/gloo")
+    assert worker_error("error: unknown model 'x'\n" + stderr) == "error: unknown model 'x'"
+    assert worker_error("") == "no output"
