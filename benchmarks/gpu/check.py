@@ -208,7 +208,7 @@ def run_command(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, 
         f.write(f"$ {' '.join(cmd)}\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True,
-                                env=os.environ | {"PYTHONPATH": str(REPO / "src")})
+                                env=os.environ | {"PYTHONPATH": _pythonpath()})
         try:
             code: int | None = proc.wait(timeout=max(timeout, 1))
         except subprocess.TimeoutExpired:
@@ -216,6 +216,12 @@ def run_command(cmd: list[str], timeout: float, log: Path) -> tuple[int | None, 
             proc.wait()
             code = None
     return code, time.perf_counter() - start
+
+
+def _pythonpath() -> str:
+    """This checkout's src/ first, then what the caller set (e.g. a folder of wheels installed with --target
+    on a machine whose Python is not the project's)."""
+    return os.pathsep.join(p for p in (str(REPO / "src"), os.environ.get("PYTHONPATH", "")) if p)
 
 
 def run_step(step: Step, ctx: Ctx, left_s: float) -> dict[str, Any]:
