@@ -38,6 +38,17 @@ FP8_COMPILE_NOTE = "enabled for FP8 as torchao recommends (--no-fp8-compile turn
 MAX_SKIPPED_IN_A_ROW = 10  # past this, skipping cannot recover the run: stop instead of looping on NaN
 
 
+def clip_gradients(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to `max_norm` in total; return the total norm before clipping as a plain tensor.
+    Under FSDP2 the gradients are DTensor shards and torch returns their norm as a DTensor (a partial value
+    on each rank); `full_tensor()` reduces it. A collective on that DTensor itself (the all-ranks skip flag of
+    `_deferred_step`) has no sharding rule: FSDP2 with the deferred check failed on it (CPU and CUDA)."""
+    norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
 class NonFiniteLoss(UserError):
     """The loss (or gradient norm) became NaN/Inf; the loop saves a checkpoint and re-raises."""
 
@@ -110,7 +121,7 @@ class PrecisionPlan:
         if grad_clip > 0:
             if self.scaler:
                 self.scaler.unscale_(optimizer)
-            norm = nn.utils.clip_grad_norm_(model.parameters(), grad_clip).item()
+            norm = clip_gradients(model, grad_clip).item()
             if self.scaler is None and not math.isfinite(norm):  # with a scaler, inf grads are its business
                 optimizer.zero_grad(set_to_none=True)
                 return self._nonfinite("gradient norm", norm, step)
@@ -136,7 +147,7 @@ class PrecisionPlan:
         ok = self._finite if self._finite is not None else torch.ones((), dtype=torch.bool, device=device)
         self._finite = None
         if grad_clip > 0:
-            ok = ok & torch.isfinite(nn.utils.clip_grad_norm_(model.parameters(), grad_clip))
+            ok = ok & torch.isfinite(clip_gradients(model, grad_clip))
         if dist.is_available() and dist.is_initialized():  # all ranks skip together (queued, not waited for)
             flag = ok.to(torch.float32).reshape(1)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
