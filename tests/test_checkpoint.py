@@ -103,3 +103,23 @@ def test_each_checkpoint_file_name_is_written_out_once():
                 if isinstance(node, ast.Constant) and node.value == name:
                     places.append(f"{path.relative_to(SRC)}:{node.lineno}")
         assert len(places) == 1 and places[0].startswith("checkpoint/files.py:"), (name, places)
+
+
+def test_a_weight_wrapped_for_fp8_all_gather_is_saved_as_its_plain_tensor(tmp_path: Path):
+    """torch 2.11 + torchao 0.17 (an H200's stack) handed FSDP2's full state dict out with torchao's wrapper
+    around each FP8-all-gathered weight; safetensors cannot read a wrapper's storage."""
+    pytest.importorskip("torchao")
+    from safetensors.torch import load_file, save_file
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    from torchcls.checkpoint.files import plain_state
+
+    weight = torch.randn(16, 8)
+    wrapped = WeightWithDynamicFloat8CastTensor(weight, LinearMMConfig(), torch.float8_e4m3fn)
+    with pytest.raises(RuntimeError):  # what the device check's FP8 FSDP2 run hit at its first save
+        save_file({"w": wrapped}, tmp_path / "raw.safetensors")
+    state = plain_state({"w": wrapped, "b": torch.ones(3)})
+    assert type(state["w"]) is torch.Tensor and torch.equal(state["w"], weight)
+    save_file(state, tmp_path / "plain.safetensors")
+    assert torch.equal(load_file(tmp_path / "plain.safetensors")["w"], weight)

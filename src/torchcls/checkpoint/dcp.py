@@ -44,6 +44,7 @@ from torchcls.checkpoint.files import (
     CheckpointMeta,
     atomic_write,
     model_state,
+    plain_state,
     write_weights,
 )
 from torchcls.checkpoint.safe_dcp import SafeReader, safe_load
@@ -80,7 +81,7 @@ def full_model_state(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] 
     if not ranks.active:
         return model_state(model)
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return {k: v.contiguous().clone() for k, v in sd.items()} if ranks.is_main else None
+    return plain_state(sd) if ranks.is_main else None
 
 
 # ReduceLROnPlateau's counters, kept in the DCP state as one float64 tensor (DCP holds tensors, not dicts).
