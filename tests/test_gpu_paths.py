@@ -181,7 +181,10 @@ def test_check_dry_run_lists_budgeted_steps():
     names = [s["name"] for s in plan["steps"]]
     assert len(names) == len(set(names)) >= 8
     assert all(isinstance(s["budget_s"], int | float) and s["budget_s"] > 0 for s in plan["steps"])
-    assert plan["total_budget_s"] == sum(s["budget_s"] for s in plan["steps"]) <= 540
+    assert plan["total_budget_s"] == sum(s["budget_s"] for s in plan["steps"])
+    assert {s["part"] for s in plan["steps"]} == {"both", 1, 2}
+    for part, budget in plan["parts"].items():  # each part fits one 10-minute call, start-up aside
+        assert budget == sum(s["budget_s"] for s in plan["steps"] if s["part"] in ("both", int(part))) <= 540
     for needed in ("train_resnet50", "fp8", "memory_report", "ddp_nccl", "fsdp2_nccl_dcp", "export_aoti_cuda",
                    "bench_compile"):
         assert needed in names
@@ -240,9 +243,8 @@ def test_check_timeouts_and_budget(tmp_path, monkeypatch):
         check.Step("after_slow", 5, "needs slow", lambda c: [["true"]], needs=("slow",)),
         check.Step("late", 5, "no time left", lambda c: [["true"]]),
     ])
-    monkeypatch.setattr(check, "TOTAL_BUDGET_S", 12)
     monkeypatch.setattr(check, "MIN_STEP_S", 10)
-    monkeypatch.setattr(sys, "argv", ["check.py", "--out", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["check.py", "--out", str(tmp_path), "--budget", "12"])
     assert check.main() == 1
     steps = {s["name"]: s for s in json.loads((tmp_path / "check.json").read_text())["steps"]}
     assert steps["env"]["status"] == "pass"
@@ -254,3 +256,11 @@ def test_check_timeouts_and_budget(tmp_path, monkeypatch):
 
     time.sleep(3)
     assert not marker.exists()  # the background child of the killed step died with it
+
+
+def test_check_parts_split_the_steps_and_only_adds_what_a_step_needs():
+    check = _load_check()
+    one, two = check.selected("1", None), check.selected("2", None)
+    assert one & two == {"env"} and one | two == {s.name for s in check.STEPS} == check.selected("all", None)
+    assert {"export_aoti_cuda", "inference_bench", "memory_report"} <= one and "bench_compile" in two
+    assert check.selected("2", "serve_throughput") == {"env", "serve_throughput", "export_aoti_cuda", "memory_report"}
