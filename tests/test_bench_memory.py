@@ -101,18 +101,24 @@ def test_fit_names_the_limiting_ranks_and_what_does_not_fit():
 def test_a_job_that_fails_is_started_once_more_and_both_errors_are_kept(tmp_path):
     from torchcls.bench.memory import BenchMemoryConfig, launch
 
-    # An unknown model gets past no check here (launch is called directly): each rank fails at once.
+    # launch is called directly, past the checks: 3 px is no multiple of test_vit's 16 px patches, and
+    # each rank's forward raises (an exception, not the worker's own refusal): started twice.
+    r = launch(BenchMemoryConfig("test_vit", ["ddp"], [1], img_size=3), "ddp", 1, tmp_path)
+    assert r["status"] == "failed" and r["error"].startswith("torchrun exited 1: AssertionError: Input height (3)")
+    assert r["first_attempt_error"] == r["error"]
+    # The worker's own refusal (an unknown model) would only repeat: started once.
     r = launch(BenchMemoryConfig("no_such_model", ["ddp"], [1], img_size=32), "ddp", 1, tmp_path)
-    assert r["status"] == "failed" and r["error"].startswith("torchrun exited 1")
-    assert "no_such_model" in r["first_attempt_error"] and "no_such_model" in r["error"]
+    assert r["error"].startswith("torchrun exited 1: error: unknown model 'no_such_model'")
+    assert "first_attempt_error" not in r
 
 
 def test_the_failing_rank_s_exception_is_reported_not_torchrun_s_summary():
     from torchcls.bench.memory import worker_error
 
+    # As torchrun prints a rank's failure: its traceback lines prefixed with [rank0]:, then the summary.
     stderr = ("W1204 14:00:59 torch/distributed/run.py:803] Setting OMP_NUM_THREADS\n"
-              "Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n"
-              "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
+              "[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in <module>\n"
+              "[rank0]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer\n"
               "E1204 14:00:59 api.py:1002] failed (exitcode: 1) local_rank: 0\n"
               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
               "  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html\n")

@@ -92,12 +92,16 @@ def cannot_start(cfg: BenchMemoryConfig, parallel: str, world: int, state_bytes:
     return f"needs about {mf.gib(need)} of host RAM, {mf.gib(free)} free" if need > 0.8 * free else None
 
 
+USER_ERROR = ": error: "  # in "torchrun exited N: error: ...": the worker refused the configuration
+
+
 def launch(cfg: BenchMemoryConfig, parallel: str, world: int, tmp: Path) -> dict[str, Any]:
-    """One configuration's torchrun job. A job that fails (not one that times out) is started once more:
-    a rendezvous or gloo connection that breaks while ranks start is the host's hiccup, not a figure of
-    this benchmark. The first attempt's error stays in the result, beside the second's outcome."""
+    """One configuration's torchrun job. A job that fails is started once more, unless it timed out or
+    the worker itself refused the configuration (`error: ...`, which would only repeat): a rendezvous or
+    gloo connection that breaks while ranks start is the host's hiccup, not a figure of this benchmark.
+    The first attempt's error stays in the result, beside the second's outcome."""
     first = _launch_once(cfg, parallel, world, tmp)
-    if first["status"] == "ok" or first["error"].startswith("timed out"):
+    if first["status"] == "ok" or first["error"].startswith("timed out") or USER_ERROR in first["error"]:
         return first
     return _launch_once(cfg, parallel, world, tmp) | {"first_attempt_error": first["error"]}
 
@@ -121,8 +125,9 @@ def _launch_once(cfg: BenchMemoryConfig, parallel: str, world: int, tmp: Path) -
 
 def worker_error(stderr: str) -> str:
     """The line of torchrun's stderr that says why a rank failed: the worker's own `error: ...` (a user
-    error), else the last exception a rank raised; not torchrun's ChildFailedError summary after it."""
-    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    error), else the last exception a rank raised; not torchrun's ChildFailedError summary after it.
+    torchrun prefixes a rank's traceback lines with `[rankN]:`; the prefix is dropped."""
+    lines = [t for x in stderr.splitlines() if (t := re.sub(r"^\[rank\d+\]:", "", x).strip())]
     mine = [x for x in lines if x.startswith("error: ")]
     raised = [x for x in lines if re.match(r"^[\w.]+(Error|Exception|Interrupt)\b", x) and "ChildFailedError" not in x]
     return (mine or raised or lines or ["no output"])[0 if mine else -1]
