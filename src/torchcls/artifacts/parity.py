@@ -10,7 +10,7 @@ artifact; an artifact below the agreement threshold is never called finished.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -18,10 +18,18 @@ from torch import nn
 from torchcls.errors import UserError
 
 if TYPE_CHECKING:  # light to import: compare() is used by quantization and the benchmarks
-    from torchcls.artifacts.artifact import LoadedArtifact
     from torchcls.checkpoint.files import CheckpointMeta
 
 DEFAULT_MIN_AGREEMENT = {"fp32": 0.999, "bf16": 0.99}
+
+
+class RunsBatches(Protocol):
+    """What measure_parity needs of a LoadedArtifact (artifacts/targets/base.py), named by its shape:
+    the targets import this module (int8 calibration), so naming the class would close a circle."""
+
+    info: Any  # its ArtifactInfo: max_batch
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 def held_out_images(meta: CheckpointMeta, limit: int, data: str | None = None,
@@ -76,7 +84,7 @@ def compare(reference: torch.Tensor, candidate: torch.Tensor, labels: torch.Tens
 
 
 @torch.inference_mode()
-def measure_parity(eager: nn.Module, artifact: LoadedArtifact, images: torch.Tensor, labels: torch.Tensor,
+def measure_parity(eager: nn.Module, artifact: RunsBatches, images: torch.Tensor, labels: torch.Tensor,
                    min_agreement: float) -> dict[str, Any]:
     """Run both in chunks that end with a partial one (the dynamic batch dimension is exercised too)."""
     chunk = max(1, min(artifact.info.max_batch, 32))

@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
-from torchcls.data.loaders import Preprocess
+from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
 from torchcls.models.registry import ModelSpec, create_model
 
@@ -55,9 +55,7 @@ class CheckpointMeta:
     @classmethod
     def from_json(cls, text: str) -> CheckpointMeta:
         raw = json.loads(text)
-        pre = raw["preprocess"]
-        return cls(ModelSpec(**raw["spec"]), raw["classes"],
-                   Preprocess(pre["img_size"], pre["channels"], tuple(pre["mean"]), tuple(pre["std"])),
+        return cls(ModelSpec(**raw["spec"]), raw["classes"], Preprocess.from_dict(raw["preprocess"]),
                    raw["config"], raw["epoch"], raw["step"], raw.get("thresholds"))
 
 

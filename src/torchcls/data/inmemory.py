@@ -28,14 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
-from torchvision.transforms.v2 import functional as TF
+from torchvision.transforms import v2
 
 from torchcls.data.batch_augment import one_thread, resized_crop_boxes, resized_crop_flip, shift_flip
 from torchcls.data.images import BadImage
-from torchcls.data.loaders import Preprocess
+from torchcls.data.preprocess import Preprocess
 from torchcls.data.sampling import epoch_order
 from torchcls.data.sources import ImageSet
-from torchcls.data.transforms import batch_augmentable, shift_pixels
+from torchcls.data.transforms import batch_augmentable, resize_and_crop, shift_pixels
 from torchcls.errors import UserError
 
 AUGMENTS = ("none", "light", "flip", "standard")
@@ -81,14 +81,14 @@ def build_cache(images: ImageSet, pre: Preprocess, threads: int = 0) -> tuple[to
     size = pre.img_size
     if images.images is not None:  # built-in sets: already a uint8 (N, H, W) tensor
         cache = images.images.unsqueeze(1)
-        if cache.shape[-1] != size or cache.shape[-2] != size:
-            cache = torch.cat([_fit(chunk, size) for chunk in cache.split(4096)])
+        if cache.shape[-1] != size or cache.shape[-2] != size or pre.resize_size != size:
+            cache = torch.cat([_fit(chunk, pre) for chunk in cache.split(4096)])
         return cache.contiguous(), []
     cache = torch.zeros(len(images), pre.channels, size, size, dtype=torch.uint8)
 
     def decode(i: int) -> tuple[str, str] | None:
         try:
-            cache[i] = _fit(images.load(i), size)
+            cache[i] = _fit(images.load(i), pre)
             return None
         except (BadImage, OSError, RuntimeError, ValueError) as e:  # the scan read headers only, or it changed
             return str(images.paths[i]), str(e)
@@ -99,8 +99,8 @@ def build_cache(images: ImageSet, pre: Preprocess, threads: int = 0) -> tuple[to
     return cache, bad
 
 
-def _fit(img: torch.Tensor, size: int) -> torch.Tensor:
-    return TF.center_crop(TF.resize(img, size, antialias=True), size)
+def _fit(img: torch.Tensor, pre: Preprocess) -> torch.Tensor:
+    return v2.Compose(resize_and_crop(pre))(img)
 
 
 class InMemoryLoader:

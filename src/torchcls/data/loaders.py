@@ -18,34 +18,14 @@ from torchvision.transforms import v2
 
 from torchcls.config import DataConfig
 from torchcls.data.images import BadImage
+from torchcls.data.preprocess import Preprocess, PretrainedInput, preprocess_for
 from torchcls.data.sampling import EpochSampler, epoch_seed
 from torchcls.data.skips import BadSampleError, DropBad, read_skips, record_skip, skip_log_path
-from torchcls.data.sources import IMAGENET_STATS, STATS, ImageSet, apply_size_limits, open_source
+from torchcls.data.sources import ImageSet, apply_size_limits, open_source
 from torchcls.data.splits import available_splits, check_same_classes
 from torchcls.data.transforms import build_transform
 from torchcls.errors import UserError
 from torchcls.tasks import check_task
-
-
-@dataclass(frozen=True)
-class Preprocess:
-    """What an image needs before the model: travels inside checkpoints and exported artifacts."""
-
-    img_size: int
-    channels: int
-    mean: tuple[float, ...]
-    std: tuple[float, ...]
-
-
-def preprocess_for(cfg: DataConfig, images: ImageSet) -> Preprocess:
-    channels = cfg.channels or images.channels
-    if channels not in (1, 3):
-        raise UserError(f"--channels must be 1 or 3, got {channels}")
-    size = cfg.img_size or images.side or 224
-    mean, std = STATS.get(images.name, IMAGENET_STATS if channels == 3 else ((0.5,), (0.5,)))
-    if len(mean) != channels:  # grey set shown as RGB or photos as grey: one value per channel
-        mean, std = (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
-    return Preprocess(size, channels, tuple(mean), tuple(std))
 
 
 class Transformed(Dataset):
@@ -153,8 +133,9 @@ class DataBundle:
 def needed_side(pre: Preprocess, augment: str) -> int:
     """The shortest image side the transforms use at full resolution: big JPEGs decode down to it.
 
-    Random resized crops keep down to ~half of the short side, so they need twice the size."""
-    return pre.img_size * 2 if augment == "standard" else pre.img_size
+    Random resized crops keep down to ~half of the short side, so they need twice the size; the
+    others resize the short side to `resize_size` before their centre crop."""
+    return pre.img_size * 2 if augment == "standard" else pre.resize_size
 
 
 def _check_max_pixels(cfg: DataConfig, pre: Preprocess) -> None:
@@ -179,11 +160,12 @@ def _separate_val(cfg: DataConfig, channels: int, min_side: int) -> tuple[ImageS
     return None, f"held out: --val-fraction {cfg.val_fraction} of the training data, stratified, seeded"
 
 
-def build_data(cfg: DataConfig, seed: int) -> DataBundle:
+def build_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | None = None) -> DataBundle:
+    """`pretrained`: the input a pretrained backbone expects (see data/preprocess.py)."""
     images = _open(cfg, cfg.source, "train", cfg.channels)
     check_task(cfg.task, images.targets, images.origin or cfg.source)
     _check_classes(images)
-    pre = preprocess_for(cfg, images)
+    pre = preprocess_for(cfg, images, pretrained)
     _check_max_pixels(cfg, pre)
     need = needed_side(pre, cfg.augment)
     images = apply_size_limits(images, need, cfg.on_bad_file)  # before the split: evaluate repeats it

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from torchcls.config import DataConfig
-from torchcls.data.loaders import Preprocess, preprocess_for
+from torchcls.data.preprocess import Preprocess, PretrainedInput, preprocess_for
 from torchcls.data.shards import ShardSet, is_shard_source, open_shards, split_shards
 from torchcls.data.splits import check_same_classes
 from torchcls.errors import UserError
@@ -52,9 +52,9 @@ class ShardBundle:
         return path
 
 
-def build_shard_data(cfg: DataConfig, seed: int) -> ShardBundle:
+def build_shard_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | None = None) -> ShardBundle:
     """Open `cfg.source` (a shard folder or brace pattern) and its validation part: --val-data shards,
-    else whole seeded shards held out per --val-fraction."""
+    else whole seeded shards held out per --val-fraction. `pretrained`: as in build_data."""
     shards = open_shards(cfg.source)
     if cfg.val_data is not None:
         if not is_shard_source(cfg.val_data):
@@ -68,7 +68,7 @@ def build_shard_data(cfg: DataConfig, seed: int) -> ShardBundle:
         how = f"whole shards held out (--val-fraction {cfg.val_fraction}, seed {seed})"
     # Normalisation statistics follow what the shards were written from (mnist-5k, a folder...).
     like = SimpleNamespace(name=shards.source or shards.name, channels=shards.channels, side=shards.side)
-    pre = preprocess_for(cfg, like)
+    pre = preprocess_for(cfg, like, pretrained)
     splits = {"train": {"source": cfg.source, "images": len(train), "shards": len(train.shards)},
               "val": {"source": cfg.val_data or cfg.source, "images": len(val) if val else 0, "how": how}}
     return ShardBundle(shards, pre, train, val, splits)

@@ -9,15 +9,12 @@ operations act on its one channel); random erasing is v2.RandomErasing on the no
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torchvision.transforms import v2
 
+from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
-
-if TYPE_CHECKING:
-    from torchcls.data.loaders import Preprocess
 
 GEOMETRIC = ("none", "light", "flip", "standard")
 # Policies searched or randomised over the ImageNet op set; they run on uint8 before ToDtype,
@@ -64,12 +61,13 @@ def build_transform(pre: Preprocess, train: bool, augment: str = "none", source_
     check_probability(random_erasing, "--random-erasing")
     size = pre.img_size
     shift = shift_pixels(size, max_shift)
+    mode = v2.InterpolationMode(pre.interpolation)
     steps: list[v2.Transform] = []
     if train and augment == "standard":
-        steps += [v2.RandomResizedCrop(size, scale=(0.35, 1.0), antialias=True), v2.RandomHorizontalFlip()]
+        steps += [v2.RandomResizedCrop(size, scale=(0.35, 1.0), interpolation=mode, antialias=True),
+                  v2.RandomHorizontalFlip()]
     else:
-        if source_size != size:
-            steps += [v2.Resize(size, antialias=True), v2.CenterCrop(size)]
+        steps += resize_and_crop(pre, source_size)
         if train and augment in ("light", "flip") and shift:
             # Small translations: safe for digits and text, where flips and big crops are not.
             steps.append(v2.RandomCrop(size, padding=shift))
@@ -82,6 +80,18 @@ def build_transform(pre: Preprocess, train: bool, augment: str = "none", source_
         # After Normalize, as timm and the paper do: the erased box becomes 0, the data's mean colour.
         steps.append(v2.RandomErasing(p=random_erasing))
     return v2.Compose(steps)
+
+
+def resize_and_crop(pre: Preprocess, source_size: int | None = None) -> list[v2.Transform]:
+    """The evaluation geometry: the short side to `pre.resize_size`, then the centre `img_size` crop
+    (timm's eval transform); the steps that would be no-ops on square `source_size` inputs are left out."""
+    steps: list[v2.Transform] = []
+    if source_size != pre.resize_size:
+        steps.append(v2.Resize(pre.resize_size, interpolation=v2.InterpolationMode(pre.interpolation),
+                               antialias=True))
+    if source_size is None or pre.resize_size != pre.img_size:  # a square input is now resize_size wide
+        steps.append(v2.CenterCrop(pre.img_size))
+    return steps
 
 
 def batch_augmentable(augment: str, random_erasing: float = 0.0) -> bool:

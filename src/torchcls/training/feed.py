@@ -138,6 +138,6 @@ def _shard_feed(cfg: Config, data: ShardBundle, session: Session) -> Feed:
                          min_side=needed_side(pre, d.augment), **common)
     val = None
     if data.val is not None:
-        val = shard_loader(data.val, batch * 2, d.workers, seed, shuffle=False, min_side=pre.img_size,
+        val = shard_loader(data.val, batch * 2, d.workers, seed, shuffle=False, min_side=pre.resize_size,
                            transform=build_transform(pre, False, source_size=data.val.side), **common)
     return Feed("shards", train, val, len(data.val) if data.val is not None else 0, seed)
