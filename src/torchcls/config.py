@@ -168,8 +168,12 @@ class PrecisionConfig:
                            "optional, not installed by torchcls)", choices=("torchao", "te"))
     fp8_emulate: bool = opt(False, "run FP8 through torchao's emulation (CPU or any GPU): checks numerics, no "
                             "speed-up")
-    fp8_min_dim: int = opt(0, "convert a Linear to FP8 only when max(in, out) >= this (0 = torchao's "
-                           "H100-measured size thresholds for the recipe); dims must also divide by 16")
+    fp8_min_dim: int = opt(0, "convert a Linear to FP8 only when max(in, out) >= this (0 = the shape rule: "
+                           "from each layer's tokens per step, in and out features, a measured --fp8-table or "
+                           "torchao's roofline; see docs/precision.md); dims must also divide by 16")
+    fp8_table: str | None = opt(None, "JSON of measured FP8/bf16 speed-ups per GEMM shape, written by "
+                                "benchmarks/gpu/fp8_gemm.py on this GPU: the shape rule uses it where it covers "
+                                "a layer's shape (default: torchao's roofline model only)")
     fp8_compile: bool = opt(True, "torch.compile the model when training in (non-emulated) torchao FP8, as "
                             "torchao recommends")
     fp8_fsdp_all_gather: bool = opt(False, "with --parallel fsdp2: all-gather the weights already cast to FP8 "

@@ -19,7 +19,8 @@ from torch import nn
 
 from torchcls.console import console
 from torchcls.errors import UserError
-from torchcls.precision.fp8_layers import LayerDecision, eligibility
+from torchcls.precision.fp8_layers import LayerDecision, eligibility, linear_tokens
+from torchcls.precision.fp8_rule import MeasuredTable, ShapeRule
 from torchcls.precision.hardware import describe_device, has_fp8_hardware, require_fp8_hardware, require_torchao
 
 if TYPE_CHECKING:
@@ -40,6 +41,7 @@ class Fp8Conversion:
     backend_recipe: str = ""
     fsdp_all_gather: bool = False  # FSDP2 all-gathers FP8 weights: scales are precomputed after each step
     fp8_gathered_weights: int | None = None  # counted at the first step
+    rule: str = ""  # how the layers were chosen (the report's size_rule)
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         if not self.fsdp_all_gather:
@@ -105,21 +107,53 @@ def check_fsdp_all_gather(cfg: PrecisionConfig, parallel: str) -> None:
         raise UserError(f"--fp8-fsdp-all-gather needs {'; '.join(missing)}; add them or drop --fp8-fsdp-all-gather")
 
 
-def convert_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device, parallel: str = "none") -> Fp8Conversion:
-    """Swap the layers the eligibility rule chooses for FP8 ones, in place (before FSDP wraps the model)."""
+@dataclass
+class LayerRule:
+    """How the layers were chosen: the shape rule with each layer's tokens, or a size rule (report text)."""
+
+    rule: ShapeRule | None
+    tokens: dict[str, int] | None
+    describe: str
+
+
+def layer_rule(model: nn.Module, cfg: PrecisionConfig, device: torch.device,
+               example_shape: tuple[int, ...] | None) -> LayerRule:
+    """The rule for `model` trained on batches of `example_shape` (None: not known)."""
+    if cfg.fp8_min_dim:
+        return LayerRule(None, None, f"max(in, out) >= --fp8-min-dim {cfg.fp8_min_dim}")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
+    rule = ShapeRule(cfg.fp8_recipe, gpu, MeasuredTable.load(cfg.fp8_table) if cfg.fp8_table else None)
+    if example_shape is None:
+        return LayerRule(None, None, f"torchao's size rule ({cfg.fp8_recipe}, H100-measured thresholds; tokens per "
+                                     "layer not known)")
+    try:
+        tokens = linear_tokens(model, example_shape)
+    except Exception as e:  # a model the shape-only forward cannot run: the size thresholds decide instead
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}" if str(e) else type(e).__name__
+        return LayerRule(None, None, f"torchao's size rule ({cfg.fp8_recipe}, H100-measured thresholds; the shape "
+                                     f"probe failed: {why})")
+    return LayerRule(rule, tokens, f"{rule.describe()}, at each layer's tokens per step for a batch of "
+                                   f"{tuple(example_shape)}")
+
+
+def convert_fp8(model: nn.Module, cfg: PrecisionConfig, device: torch.device, parallel: str = "none",
+                example_shape: tuple[int, ...] | None = None) -> Fp8Conversion:
+    """Swap the layers the rule chooses for FP8 ones, in place (before FSDP wraps the model). `example_shape`:
+    one training batch's shape on this rank, which gives each layer's M for the shape rule."""
     check_fsdp_all_gather(cfg, parallel)
     check_fp8(cfg, device)
-    layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim)
+    how = layer_rule(model, cfg, device, example_shape)
+    layers = eligibility(model, cfg.fp8_recipe, cfg.fp8_min_dim, how.tokens, how.rule)
     chosen = {d.name for d in layers if d.converted}
     if cfg.fp8_fsdp_all_gather and not chosen:  # otherwise it would only surface after the first step
-        size_rule = f"max(in, out) >= --fp8-min-dim {cfg.fp8_min_dim}" if cfg.fp8_min_dim else "torchao's size rule"
         raise UserError("--fp8-fsdp-all-gather: this model has no layer that FP8 converts (see the layer report: "
-                        f"only nn.Linear layers with dimensions divisible by 16 and {size_rule}), so no weight "
+                        f"only nn.Linear layers with dimensions divisible by 16 and {how.describe}), so no weight "
                         "could be all-gathered in FP8; set a lower --fp8-min-dim, use a model with such layers, "
                         "or drop --fp8-fsdp-all-gather")
-    if cfg.fp8_backend == "te":
-        return _convert_te(model, cfg, chosen, layers)
-    return _convert_torchao(model, cfg, chosen, layers)
+    conversion = _convert_te(model, cfg, chosen, layers) if cfg.fp8_backend == "te" else \
+        _convert_torchao(model, cfg, chosen, layers)
+    conversion.rule = how.describe
+    return conversion
 
 
 def _convert_torchao(model: nn.Module, cfg: PrecisionConfig, chosen: set[str], layers: list[LayerDecision]):

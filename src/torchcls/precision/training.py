@@ -214,12 +214,14 @@ def fp8_wants_compile(cfg: PrecisionConfig) -> bool:
 
 
 def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device, run=None, *,
-                    parallel: str = "none", compile: bool = False, compile_note: str = "") -> PrecisionPlan:
+                    parallel: str = "none", compile: bool = False, compile_note: str = "",
+                    example_shape: tuple[int, ...] | None = None) -> PrecisionPlan:
     """Check the precision against the hardware, convert FP8 layers in place, and return the plan.
 
     Call before parallelize(): FP8 swaps nn.Linear modules, which FSDP must see already swapped.
     `parallel` is the parallel mode (none/ddp/fsdp2). `compile` and `compile_note` say whether and why the
     caller compiles the model (torchcls.training.compile.should_compile decides): reported, not decided here.
+    `example_shape`: one training batch on this rank (N, C, H, W); FP8 measures each layer's tokens from it.
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
     name = cfg.precision
     if name not in PRECISIONS:
@@ -232,7 +234,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     if name in ("bf16", "fp8"):
         require_bf16(device)
     scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None  # fp16's narrow range needs loss scaling
-    fp8 = convert_fp8(model, cfg, device, parallel) if name == "fp8" else None
+    fp8 = convert_fp8(model, cfg, device, parallel, example_shape) if name == "fp8" else None
     plan = PrecisionPlan(name, device.type, cfg.nonfinite, scaler, fp8, compile)
     plan.report = _report(plan, cfg, device, compile_note)
     if run is not None:
@@ -258,8 +260,7 @@ def _report(plan: PrecisionPlan, cfg: PrecisionConfig, device: torch.device, com
             "backend": f.backend, "recipe": f.recipe, "backend_recipe": f.backend_recipe, "emulate": f.emulate,
             "hardware": fp8_hardware_note(device, f.emulate), "min_dim": cfg.fp8_min_dim,
             "fsdp_float8_all_gather": f.fsdp_all_gather,
-            "size_rule": f"max(in, out) >= {cfg.fp8_min_dim}" if cfg.fp8_min_dim else
-            f"torchao {f.recipe} thresholds (H100-measured)",
+            "size_rule": f.rule, "table": cfg.fp8_table,
             **summary(f.layers), "layers": [d.to_dict() for d in f.layers],
         }
     return report

@@ -181,8 +181,10 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
         console.print(frozen)
     model = gov.install(data, model)  # data/model hooks of the governed processing path
     # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
+    pre = data.preprocess  # FP8 measures each layer's tokens per step from one batch of this shape
+    batch = (sharding.per_rank_batch(cfg.data.batch_size, session), pre.channels, pre.img_size, pre.img_size)
     precision = apply_precision(model, cfg.precision, device, run, parallel=cfg.parallel.parallel,
-                                compile=compile_model, compile_note=compile_note)
+                                compile=compile_model, compile_note=compile_note, example_shape=batch)
     model = parallelize(model, cfg.parallel, device)
     if from_rank0:
         rank0_init.materialize(model, rank0_weights, device, cfg.parallel)
