@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,66 @@ def test_metadata_that_would_run_code_is_refused(tmp_path: Path) -> None:
     with pytest.raises(BaseException):  # noqa: PT011  (CheckpointException derives from BaseException)
         dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"))
     assert marker.exists()
+
+
+def _dotted_name_payload(marker: Path) -> bytes:
+    """A protocol-4 pickle that reaches the function and code types through dotted names on an
+    allowed DCP class (`Metadata.__init__.__class__`), builds a function that creates `marker`, calls it."""
+    code = compile(f"open({str(marker)!r}, 'w').close()", "<payload>", "exec")
+    fields = ("co_argcount", "co_posonlyargcount", "co_kwonlyargcount", "co_nlocals", "co_stacksize", "co_flags",
+              "co_code", "co_consts", "co_names", "co_varnames", "co_filename", "co_name", "co_qualname",
+              "co_firstlineno", "co_linetable", "co_exceptiontable", "co_freevars", "co_cellvars")
+    args = pickle.dumps(tuple(getattr(code, f) for f in fields), protocol=3)[2:-1]  # no PROTO or STOP, no frames
+
+    def glob(name: str) -> bytes:
+        return b"ctorch.distributed.checkpoint.metadata\n" + name.encode() + b"\n"
+
+    return (b"\x80\x04" + glob("Metadata.__init__.__class__")  # the function type
+            + glob("Metadata.__init__.__code__.__class__") + args + b"R"  # code object
+            + b"}\x86R" + b")R.")  # FunctionType(code, {})()
+
+
+@pytest.mark.skipif(sys.version_info[:2] != (3, 11), reason="the payload builds a Python 3.11 code object")
+def test_a_dotted_name_payload_is_refused_before_any_object_is_built(tmp_path: Path) -> None:
+    saved = _save(tmp_path / "ckpt")
+    marker = tmp_path / "pwned"
+    payload = _dotted_name_payload(marker)
+    pickle.loads(payload)  # the payload is real: a plain unpickler runs it
+    assert marker.exists()
+    marker.unlink()
+    (tmp_path / "ckpt" / ".metadata").write_bytes(payload)
+    target = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}}
+    with pytest.raises(UserError, match=r"Metadata\.__init__\.__class__ is not a DCP metadata type"):
+        safe_load(target, tmp_path / "ckpt")
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("module,name", [
+    ("torch.distributed.checkpoint.metadata", "os"),  # a module reachable from an allowed one
+    ("torch.distributed.checkpoint.metadata", "Metadata.__class__"),  # type itself, dotted
+    ("torch.distributed.checkpoint.planner", "LoadPlan"),  # a DCP class, but not one .metadata holds
+    ("builtins", "getattr"), ("torch", "load"), ("torch", "float32.__class__")])
+def test_only_the_listed_globals_resolve(module: str, name: str) -> None:
+    from torchcls.checkpoint.safe_dcp import _MetadataUnpickler
+
+    payload = b"\x80\x04c" + module.encode() + b"\n" + name.encode() + b"\n."
+    with pytest.raises(pickle.UnpicklingError, match="is not a DCP metadata type"):
+        _MetadataUnpickler(__import__("io").BytesIO(payload)).load()
+
+
+def test_consolidate_refuses_a_crafted_metadata_without_running_it(tmp_path: Path, trained_run: Path) -> None:
+    """The CLI path the finding used: `torchcls consolidate` on a run dir whose last.dcp was replaced."""
+    import subprocess
+
+    from torchcls.checkpoint.files import load_model
+
+    model, meta = load_model(trained_run / "checkpoints" / "best.safetensors")
+    run = tmp_path / "run"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(run / "checkpoints" / "last.dcp"))
+    (run / "checkpoints" / "last.dcp" / "meta.json").write_text(meta.to_json())
+    marker = tmp_path / "pwned"
+    (run / "checkpoints" / "last.dcp" / ".metadata").write_bytes(_dotted_name_payload(marker))
+    done = subprocess.run([sys.executable, "-m", "torchcls", "consolidate", str(run)], capture_output=True, text=True)
+    assert done.returncode != 0
+    assert "Nothing from it was run" in done.stderr and "Traceback" not in done.stderr
+    assert not marker.exists()

@@ -3,12 +3,14 @@
 torch's FileSystemReader.read_metadata is a plain `pickle.load` of `.metadata`, and the default
 load planner reads non-tensor entries with `torch.load(weights_only=False)`: a run dir from
 someone else could run code on `--resume` or `torchcls consolidate`. Here the metadata goes
-through an unpickler that only admits DCP's metadata classes (as weights_only does for
-torch.load), and byte entries through torch.load(weights_only=True).
+through an unpickler that resolves only an explicit list of (module, name) pairs (as weights_only
+does for torch.load) and refuses any other global before an object of it is built; byte entries go
+through torch.load(weights_only=True).
 """
 
 from __future__ import annotations
 
+import importlib
 import io
 import pickle
 from pathlib import Path
@@ -22,26 +24,33 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from torchcls.errors import UserError
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
-                "torch.distributed.checkpoint.filesystem", "torch.distributed.checkpoint._extension",
-                "torch.distributed.checkpoint.storage")
-_PLAIN = {("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"), ("torch", "Size"),
-          ("builtins", "slice"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-          ("torch.serialization", "_get_layout")}  # turns a layout's name back into torch.strided etc.
+_DCP_TYPES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
+              "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
+# Every global a DCP .metadata may name, as exact (module, name) pairs. A name is looked up as one
+# attribute, never as a dotted path: protocol 4 lets a pickle ask for `Metadata.__init__.__class__`
+# (the function type), and from the function and code types it can build and call anything. Each
+# entry below is a data type or a pure lookup: calling it with any arguments runs no code of the file's.
+ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
+    {("torch.distributed.checkpoint.metadata", name) for name in _DCP_TYPES}
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+       ("torch", "Size"),
+       ("torch.serialization", "_get_layout"),  # turns a layout's name back into torch.strided etc.
+       ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+    | {("torch", name) for name, value in vars(torch).items()
+       if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))})
 
 
 class _MetadataUnpickler(pickle.Unpickler):
+    """Resolves only ALLOWED_GLOBALS; anything else is refused before an object of it exists."""
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _PLAIN:
-            return super().find_class(module, name)
-        if module in _DCP_MODULES:  # its classes (dataclasses, enums) only: rebuilding them runs no code of ours
-            found = super().find_class(module, name)
-            if isinstance(found, type):
-                return found
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                         torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+        if (module, name) not in ALLOWED_GLOBALS:
+            raise pickle.UnpicklingError(f"{module}.{name} is not a DCP metadata type")
+        return getattr(importlib.import_module(module), name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not DCP metadata")
 
 
 class SafeReader(FileSystemReader):
