@@ -83,6 +83,31 @@ def test_deleting_a_record_and_recomputing_the_chain_is_caught(signed_run, tmp_p
     assert "PASS  audit log chain" in out
 
 
+def _strip_signatures(log: Path, seqs: set[int] | None) -> None:
+    """Remove hmac and key_id from the records `seqs` (all when None) and re-link the chain after them."""
+    out, prev = [], "0" * 64
+    for rec in (json.loads(line) for line in log.read_text().splitlines() if line.strip()):
+        if seqs is None or rec["seq"] in seqs:
+            rec.pop("hmac", None)
+            rec.pop("key_id", None)
+        rec["prev"] = prev
+        rec["hash"] = prev = record_hash(rec)
+        out.append(json.dumps(rec, sort_keys=True))
+    log.write_text("\n".join(out) + "\n")
+
+
+@pytest.mark.parametrize("which", ["newest", "all"])
+def test_a_signed_log_that_turns_unsigned_fails_verify_without_the_key(signed_run, tmp_path, capsys, which):
+    ckpt, log = _copy(signed_run, tmp_path)
+    newest = max(json.loads(line)["seq"] for line in log.read_text().splitlines())
+    _strip_signatures(log, {newest} if which == "newest" else None)
+    assert AuditLog(log).check_chain() == []
+    assert main(["verify", str(ckpt), "--audit-log", str(log)]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL  audit log signatures" in out
+    assert ("unsigned after signed records" if which == "newest" else "no record in it is signed") in out
+
+
 def test_the_key_stays_outside_the_log_and_a_signed_log_takes_no_unsigned_record(signed_run, tmp_path,
                                                                                  monkeypatch):
     cfg = tiny_config(signed_run["folder"], tmp_path / "runs", "x", epochs=1)

@@ -93,7 +93,7 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     problems = [p for p in problems if not p.torn]
     res.add("audit log chain", not problems, (f"{log.path}: intact" if not problems else _listed(problems))
             + ("; " + _listed(torn) if torn else ""))
-    _check_signatures(res, log, load_key(key_file, near=[log.path.parent]))
+    _check_signatures(res, log, load_key(key_file, near=[log.path.parent]), lineage)
     records = [r for _, r, _ in log.records() if r]
     pins = pins_of(artifact, lineage, records)
     bad, good = check_pins(pins, records)
@@ -111,15 +111,28 @@ def _listed(items: list) -> str:
     return "; ".join(str(p) for p in items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
 
 
-def _check_signatures(res: VerifyResult, log: AuditLog, key: bytes | None) -> None:
+def _check_signatures(res: VerifyResult, log: AuditLog, key: bytes | None, lineage: dict[str, Any] | None) -> None:
     if key is not None:
         problems = log.check_signatures(key)
         res.add("audit log signatures", not problems, _listed(problems) if problems else
                 f"every record signed with key id {key_id(key)}")
         return
-    signers = {r.get("key_id") for _, r, _ in log.records() if r and r.get("key_id")}
-    res.add("audit log signatures", None, f"records are signed (key id {', '.join(sorted(signers))}) but no key was "
-            f"given ({KEY_ENV} or --audit-key-file): not checked" if signers else
+    # Without the key no signature can be checked, but a log does not go from signed to unsigned: a
+    # signed log refuses unsigned appends (AuditLog._check_key), so an unsigned record after a signed
+    # one, or an unsigned log under an artifact whose lineage names a key, had its signatures stripped.
+    records = [(n, r) for n, r, _ in log.records() if r]
+    first_signed = next((i for i, (_, r) in enumerate(records) if r.get("key_id")), None)
+    after = records[first_signed:] if first_signed is not None else []
+    stripped = [f"audit log line {n}: record seq {r.get('seq')} is unsigned after signed records (its signature "
+                "was removed)" for n, r in after if not (r.get("key_id") and r.get("hmac"))]
+    named = (lineage or {}).get("key_id")
+    if named and first_signed is None:
+        stripped.append(f"{res.artifact}'s lineage says its run signed the log (key id {named}), but no record "
+                        "in it is signed: the signatures were removed")
+    signers = sorted({r["key_id"] for _, r in records if r.get("key_id")})
+    res.add("audit log signatures", False if stripped else None, _listed(stripped) if stripped else
+            f"records are signed (key id {', '.join(signers)}) but no key was given ({KEY_ENV} or "
+            "--audit-key-file): not checked" if signers else
             "the log is unsigned (no audit key was set when it was written)")
 
 
