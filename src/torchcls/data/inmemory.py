@@ -33,6 +33,7 @@ from torchvision.transforms import v2
 from torchcls.data.batch_augment import one_thread, resized_crop_boxes, resized_crop_flip, shift_flip
 from torchcls.data.images import BadImage
 from torchcls.data.preprocess import Preprocess
+from torchcls.data.refusals import refuse
 from torchcls.data.sampling import epoch_order
 from torchcls.data.sources import ImageSet
 from torchcls.data.transforms import batch_augmentable, resize_and_crop, shift_pixels
@@ -285,10 +286,8 @@ def bundle_loaders(bundle: Any, cfg: Any, seed: int, *, rank: int = 0, world: in
 def _cache_rows(images: ImageSet, pre: Preprocess, idx: torch.Tensor, on_bad_file: str,
                 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
     cache, bad = build_cache(images, pre)
-    if bad and on_bad_file == "error":
-        listing = "\n".join(f"  {f}: {r}" for f, r in bad[:20]) + ("\n  ..." if len(bad) > 20 else "")
-        raise UserError(f"{len(bad)} image file(s) failed to decode while caching them in memory:\n{listing}\n"
-                        "Fix or remove them, or pass --on-bad-file skip to leave them out (they are listed in the report)")
+    refuse(bad, on_bad_file, f"{images.origin or images.name} (failed to decode while caching it in memory)",
+           nothing_left=len(bad) == len(images))
     return cache, _drop(idx, images, bad), bad
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from torchcls.data.images import MAX_PIXELS, BadImage, load_image, plan_decode
+from torchcls.data.refusals import refuse
 from torchcls.data.scan import list_files, scan_headers
 from torchcls.data.splits import SPLIT_NAMES, available_splits, check_same_classes, csv_splits, split_folders
 from torchcls.errors import UserError
@@ -141,21 +142,14 @@ def _fashion_mnist(root: str | None, split: str, channels: int | None) -> ImageS
 
 
 
-def _refuse_or_keep(bad: list[tuple[str, str]], on_bad_file: str, where: str) -> None:
-    if bad and on_bad_file == "error":
-        listing = "\n".join(f"  {p}: {r}" for p, r in bad[:20]) + ("\n  ..." if len(bad) > 20 else "")
-        raise UserError(f"{where}: {len(bad)} unreadable image file(s):\n{listing}\n"
-                        "Fix or remove them, or pass --on-bad-file skip to leave them out (they are listed in the report).")
-
-
 def _finish(name: str, origin: str, classes: list[str], paths: list[Path], labels: list[int] | torch.Tensor,
             channels: int, on_bad_file: str, pre_skipped: list[tuple[str, str]], max_pixels: int) -> ImageSet:
     """Read every file's header (never its pixels); bad ones are refused or skipped per --on-bad-file.
     `labels`: class indices, or a float (N, classes) tensor of multi-label targets."""
     headers = scan_headers(paths)
     bad = pre_skipped + [(str(p), h) for p, h in zip(paths, headers) if isinstance(h, str)]
-    _refuse_or_keep(bad, on_bad_file, origin)
     good = [i for i, h in enumerate(headers) if not isinstance(h, str)]
+    refuse(bad, on_bad_file, origin, nothing_left=not good)
     if not good:
         raise UserError(f"{origin}: no readable images ({len(bad)} skipped)")
     sizes = torch.tensor([headers[i][1:] for i in good], dtype=torch.int32)
@@ -183,7 +177,7 @@ def apply_size_limits(images: ImageSet, min_side: int, on_bad_file: str) -> Imag
             bad.append((str(images.paths[i]), str(e)))
     if not bad:
         return images
-    _refuse_or_keep(bad, on_bad_file, images.origin)
+    refuse(bad, on_bad_file, f"{images.origin} (by their size, for a {min_side}px input)", nothing_left=not keep)
     if not keep:
         raise UserError(f"{images.origin}: no usable images ({len(bad)} refused by their size)")
     idx = torch.tensor(keep, dtype=torch.int64)
@@ -262,12 +256,9 @@ def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, s
     if has_split and not multilabel:  # a multi-label split may well lack a rare label
         check_same_classes(classes, sorted({lbl for _, lbl, _ in entries}), origin, "of the whole CSV")
     missing = [(str(p), f"listed on line {line} of {csv_path.name} but "
-                        + ("a broken symlink" if p.is_symlink() else "missing")) for p, _, line in entries
-               if not p.is_file()]
-    if missing and on_bad_file == "error":
-        listing = "\n".join(f"  {p}" for p, _ in missing[:20])
-        raise UserError(f"{csv_path}: {len(missing)} listed file(s) do not exist (paths are relative to {base}):\n"
-                        f"{listing}\nFix the paths, pass --root to change the base, or --on-bad-file skip")
+                        + ("a broken symlink" if p.is_symlink() else f"missing (paths are relative to {base}; "
+                                                                       "--root changes that)"))
+               for p, _, line in entries if not p.is_file()]
     gone = {p for p, _ in missing}
     entries = [(p, lbl) for p, lbl, _ in entries if str(p) not in gone]
     if multilabel:
