@@ -22,12 +22,6 @@ CPP_DIR = Path(__file__).resolve().parent.parent / "cpp"
 
 
 @pytest.fixture(scope="session")
-def aoti_export(trained_run, tmp_path_factory):
-    return export(trained_run, target="aoti", max_batch=MAX_BATCH,
-                  out=tmp_path_factory.mktemp("aoti") / "shapes.pt2")
-
-
-@pytest.fixture(scope="session")
 def onnx_path(trained_run, tmp_path_factory) -> Path:
     """Exported through the CLI, to cover the command as users type it."""
     from torchcls.cli import main
@@ -149,8 +143,10 @@ def test_load_artifact_errors(tmp_path, trained_run):
     with pytest.raises(UserError, match="does not exist"):
         load_artifact(tmp_path / "none.pt2")
     (tmp_path / "junk.pt2").write_bytes(b"not a package")
-    with pytest.raises(UserError, match="not a loadable AOTInductor package"):
+    with pytest.raises(UserError, match=r"refusing to load it: a \.pt2 is native code"):
         load_artifact(tmp_path / "junk.pt2")
+    with pytest.raises(UserError, match="not a loadable AOTInductor package"):
+        load_artifact(tmp_path / "junk.pt2", trust=True)
     (tmp_path / "junk.onnx").write_bytes(b"not onnx")
     with pytest.raises(UserError, match="not a loadable ONNX model"):
         load_artifact(tmp_path / "junk.onnx")

@@ -122,14 +122,14 @@ def test_cuda_artifact_refused_on_cpu_host(cpu_pt2, tmp_path, capsys):
     assert json.loads(package_metadata(foreign)["torchcls"])["compute_capability"] == "9.0"
     if NO_GPU:
         with pytest.raises(UserError, match=r"built for CUDA compute capability 9\.0 \(NVIDIA H200\) and needs that"):
-            load_artifact(foreign)
+            load_artifact(foreign, trust=True)
     with pytest.raises(UserError, match="cannot run on the CPU"):
-        load_artifact(foreign, device="cpu")
+        load_artifact(foreign, device="cpu", trust=True)
     images = tmp_path / "img.png"
     from PIL import Image
 
     Image.new("RGB", (32, 32), (200, 10, 10)).save(images)
-    code, err = _run_cli(["predict", str(foreign), str(images), "--device", "cpu"], capsys)
+    code, err = _run_cli(["predict", str(foreign), str(images), "--device", "cpu", "--trust-artifact"], capsys)
     assert code != 0 and "built for CUDA compute capability 9.0" in err and "--device cuda" in err
     # The CPU build itself: runs on the CPU, refuses cuda (before any GPU check: the artifact cannot run there).
     art = load_artifact(cpu_pt2, device="cpu")
@@ -144,7 +144,7 @@ def test_old_artifact_without_device_metadata_loads(cpu_pt2, tmp_path):
     old = tmp_path / "old.pt2"
     rewrite_metadata(cpu_pt2, old, device=None, compute_capability=None, gpu=None)
     assert "device" not in json.loads(package_metadata(old)["torchcls"])
-    art = load_artifact(old)
+    art = load_artifact(old, trust=True)  # rewritten here: not what export published
     assert art.info.device == "cpu" and art.device == torch.device("cpu")
     x = torch.randn(2, 3, 32, 32)
     assert torch.allclose(art(x), load_artifact(cpu_pt2)(x))

@@ -1,0 +1,126 @@
+"""Whether a `.pt2` may be loaded: an explicit trust decision, secure by default.
+
+An AOTInductor package is a shared library: loading it runs its constructors before any metadata
+is read, so a `.pt2` from elsewhere is code, as a pickle is. It is loaded only when one of these holds:
+
+1. its SHA-256 equals `--expect-sha256` (the digest its publisher gave you);
+2. `torchcls export` on this machine published a file with this digest (the export record below:
+   your own export -> serve path needs no flag);
+3. its registration in the audit log verifies under the audit key you configured (TORCHCLS_AUDIT_KEY
+   or --audit-key-file): the sidecar's artifact record holds this digest, every record of the log
+   is intact, signed with your key, and the sidecar's pin matches;
+4. the user says so: `--trust-artifact`.
+
+Why a registration counts only under a key: without one, an artifact, its sidecar and an audit log
+can be forged together (the chain is only a hash chain), so a run dir sent by someone else would
+vouch for itself. The export record lives outside every run dir (TORCHCLS_EXPORT_RECORD, default
+$XDG_STATE_HOME/torchcls/exports.jsonl), where a run dir that arrives from elsewhere cannot add to it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torchcls.errors import UserError
+from torchcls.governance.artifacts import sidecar
+from torchcls.governance.digest import looks_like_sha256, sha256_file
+from torchcls.governance.keys import KEY_ENV, load_key
+from torchcls.governance.lineage import AuditLog, record_hash
+
+RECORD_ENV = "TORCHCLS_EXPORT_RECORD"
+TRUST_FLAG = "--trust-artifact"
+
+
+@dataclass(frozen=True)
+class Trust:
+    sha256: str
+    reason: str  # why the file may be loaded, for the log line
+
+
+def export_record_path() -> Path:
+    if os.environ.get(RECORD_ENV):
+        return Path(os.environ[RECORD_ENV])
+    state = Path(os.environ.get("XDG_STATE_HOME") or Path.home() / ".local" / "state")
+    return state / "torchcls" / "exports.jsonl"
+
+
+def record_export(path: str | Path, digest: str) -> None:
+    """`torchcls export`: remember the digest of an artifact it published (`digest`, taken before it was
+    published under `path`), so that loading it on this machine needs no flag."""
+    record = export_record_path()
+    record.parent.mkdir(parents=True, exist_ok=True)
+    entry = {"sha256": digest, "path": str(Path(path).resolve()),
+             "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    with open(record, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # parallel exports append whole lines
+        f.write(json.dumps(entry, sort_keys=True) + "\n")
+
+
+def _exported_here(digest: str) -> str | None:
+    record = export_record_path()
+    if not record.is_file():
+        return None
+    with open(record) as f:
+        for line in f:
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(entry, dict) and entry.get("sha256") == digest:
+                return f"published by torchcls export on this machine ({entry.get('time')}, recorded in {record})"
+    return None
+
+
+def _registered(path: Path, digest: str) -> tuple[str | None, str]:
+    """(reason it verifies, None) or (None, why it does not)."""
+    try:
+        lineage = json.loads(sidecar(path).read_text())
+        log = AuditLog(Path(str(lineage["audit_log"])))
+        artifact_id, pin = lineage["artifact_id"], dict(lineage["chain_head"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, f"no readable registration ({sidecar(path).name})"
+    if not log.path.is_file():
+        return None, f"its registration names {log.path}, which does not exist"
+    mine = [r for _, r, _ in log.records() if r and r.get("kind") == "artifact" and r.get("artifact_id") == artifact_id]
+    if not mine or mine[-1].get("hash") != record_hash(mine[-1]) or pin.get("hash") != mine[-1]["hash"]:
+        return None, f"its record in {log.path} is missing or does not match the sidecar's pin"
+    if mine[-1].get("sha256") != digest:
+        return None, f"its SHA-256 {digest[:16]}… differs from the one registered in {log.path}: the file changed"
+    key = load_key(None, near=[log.path.parent])
+    if key is None:
+        return None, (f"it is registered in {log.path}, but no audit key is configured ({KEY_ENV}): without one a "
+                      "registration can be forged along with the file")
+    broken = [p for p in log.check_chain() if not p.torn] + log.check_signatures(key)
+    if broken:
+        return None, f"its audit log {log.path} does not verify ({broken[0]})"
+    return f"registered in {log.path} (seq {mine[-1]['seq']}), signed with the configured audit key", ""
+
+
+def decide(path: str | Path, expect_sha256: str | None = None, trust: bool = False) -> Trust:
+    """The trust decision for loading native code from `path`; a UserError naming the ways to trust it otherwise."""
+    path = Path(path)
+    digest = sha256_file(path)
+    if expect_sha256 is not None:
+        if not looks_like_sha256(expect_sha256):
+            raise UserError(f"--expect-sha256 {expect_sha256!r}: not a SHA-256 hex digest (64 hex digits)")
+        if digest != expect_sha256.removeprefix("sha256:").lower():
+            raise UserError(f"{path}: its SHA-256 {digest[:16]}… differs from --expect-sha256 "
+                            f"{expect_sha256.removeprefix('sha256:')[:16]}…: refusing to load it")
+        return Trust(digest, "its SHA-256 matches --expect-sha256")
+    if trust:
+        return Trust(digest, f"trusted by {TRUST_FLAG}")
+    here = _exported_here(digest)
+    if here:
+        return Trust(digest, here)
+    reason, why_not = _registered(path, digest)
+    if reason:
+        return Trust(digest, reason)
+    raise UserError(f"{path}: refusing to load it: a .pt2 is native code, run as soon as it is loaded, and nothing "
+                    f"vouches for this file ({why_not}; not exported on this machine). To load it, pass "
+                    f"--expect-sha256 with the digest its publisher gave you (this file's is {digest}), or set the "
+                    f"audit key ({KEY_ENV}) under which it was registered; or, if you trust the file, {TRUST_FLAG}")
