@@ -2,16 +2,19 @@
 
     env    torch, CUDA, GPU name and compute capability; exit 3 without a usable CUDA GPU
     train  one model's training step, bf16 autocast, eager then torch.compile: images/s (synthetic batches)
-    fp8    bf16 vs torchao FP8 tensorwise/rowwise on ViT-H-sized MLP blocks: step time, loss parity, and
-           FP8 inference latency with parity (the old benchmarks/gpu/precision.py)
+    fp8    bf16 vs FP8 tensorwise/rowwise training of a timm backbone (--model, --depth), the whole model
+           compiled in every arm, converted-layer counts beside each figure; then bf16 vs FP8 inference,
+           both compiled
     infer  a CUDA .pt2 vs eager vs torch.compile of its checkpoint: batch-1 latency, batch-64 throughput
 
 Training goes through torchcls's `apply_precision` (the function `torchcls train` uses), so the FP8 layer
-selection and autocast are the ones a run gets. Every figure is written to the --json file as soon as it
-is measured: a step killed by its timeout still leaves what it measured.
+selection and autocast are the ones a run gets, and through torchcls.bench.steps.timed_train_steps: no
+host synchronisation inside the timed steps (deferred NaN/Inf check, losses kept as tensors, one CUDA
+event pair around them). Every figure is written to the --json file as soon as it is measured: a step
+killed by its timeout still leaves what it measured.
 
-`--device cpu` (with small --img-size, --batch and --variants bf16) runs the same code on a CPU: a smoke
-test of this script before a GPU is spent on it, not a measurement.
+`--device cpu` (with small --img-size, --batch, --depth and --fp8-emulate) runs the same code on a CPU: a
+smoke test of this script before a GPU is spent on it, not a measurement.
 """
 
 from __future__ import annotations
@@ -81,37 +84,11 @@ def env(args, rec: Record) -> int:
     return 0
 
 
-def train_steps(model: nn.Module, plan, batches, warmup: int, steps: int, lr: float = 1e-4) -> dict[str, Any]:
-    """Median step time of `model` under `plan` (torchcls's PrecisionPlan), after `warmup` steps."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
-    losses, times = [], []
-
-    def step(i: int) -> None:
-        x, y = batches[i % len(batches)]
-        with plan.autocast():
-            logits = model(x)
-        loss = nn.functional.cross_entropy(logits.float(), y)
-        opt.zero_grad(set_to_none=True)
-        plan.backward_step(loss, opt, model, 1.0, i + 1)
-        losses.append(loss.item())
-
-    t = time.perf_counter()
-    step(0)  # compiles, when compiled
-    first_s = time.perf_counter() - t
-    for i in range(1, warmup):
-        step(i)
-    for i in range(warmup, warmup + steps):
-        times.append(cuda_ms(lambda: step(i)))
-    ms = statistics.median(times)
-    return {"step_ms": round(ms, 2), "images_per_s": round(len(batches[0][0]) / ms * 1e3, 1),
-            "first_step_s": round(first_s, 1), "losses": [round(v, 5) for v in losses],
-            "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if DEVICE.type == "cuda" else None}
-
-
 def train(args, rec: Record) -> int:
     """bf16 eager, then bf16 torch.compile of the same weights on the same batches (what --compile does)."""
     import timm
 
+    from torchcls.bench.steps import fused_adamw, timed_train_steps
     from torchcls.config import PrecisionConfig
     from torchcls.precision.training import apply_precision
 
@@ -131,86 +108,98 @@ def train(args, rec: Record) -> int:
         if variant == "compile":
             model = torch.compile(model)
         log(f"{args.model} {variant}")
-        rec.set(**{variant: train_steps(model, plan, batches, args.warmup, args.steps)})
+        rec.set(**{variant: timed_train_steps(model, plan, fused_adamw(model), batches, args.warmup, args.steps)})
         del model
         release()
     rec.set(compile_speedup=round(rec.data["compile"]["images_per_s"] / rec.data["eager"]["images_per_s"], 3))
     return 0
 
 
-class MLPBlocks(nn.Module):
-    """ViT-H/14's MLP (1280 → 5120 → 1280, pre-norm, residual) `depth` times on 257 tokens, then a head: the
-    GEMM shapes where FP8 pays, without ViT-H's compile time."""
-
-    def __init__(self, dim: int = 1280, hidden: int = 5120, depth: int = 4, classes: int = 1000):
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(dim), nn.Linear(dim, hidden), nn.GELU(),
-                                                  nn.Linear(hidden, dim)) for _ in range(depth))
-        self.head = nn.Linear(dim, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return self.head(x.mean(1))
-
-
 def fp8(args, rec: Record) -> int:
-    """bf16 vs FP8 tensorwise vs rowwise (training), each block compiled on its own (identical blocks share
-    one graph), same weights and batches; then FP8 inference vs bf16 with parity."""
+    """bf16 vs FP8 tensorwise vs rowwise training of one timm backbone (--model, --depth blocks), the whole
+    model compiled in every arm, the same weights and batches, no host synchronisation inside the timed
+    steps (torchcls.bench.steps); the layers FP8 converts are the ones torchcls's rule chooses at this batch
+    (or --fp8-table's), counted next to each figure. Then bf16 vs FP8 inference, both compiled."""
+    import timm
+
+    from torchcls.bench.steps import fused_adamw, timed_train_steps
     from torchcls.config import PrecisionConfig
     from torchcls.precision.hardware import require_fp8_hardware
     from torchcls.precision.training import apply_precision
 
     variants = args.variants.split(",")
-    if any(v.startswith("fp8") for v in variants):
+    if any(v.startswith("fp8") for v in variants) and not args.fp8_emulate:
         require_fp8_hardware(DEVICE, "the FP8 step", None)
     torch.manual_seed(0)
-    base = MLPBlocks().to(DEVICE)
+    size = args.img_size
+    depth = {"depth": args.depth} if args.depth else {}  # fewer blocks: the same GEMM shapes, less compile time
+    base = timm.create_model(args.model, pretrained=False, num_classes=1000, img_size=size, **depth).to(DEVICE).train()
     g = torch.Generator(device=DEVICE).manual_seed(0)
-    tokens = 257 if DEVICE.type == "cuda" else 5
-    batches = [(torch.randn(args.batch, tokens, 1280, device=DEVICE, generator=g),
+    batches = [(torch.randn(args.batch, 3, size, size, device=DEVICE, generator=g),
                 torch.randint(0, 1000, (args.batch,), device=DEVICE, generator=g)) for _ in range(2)]
-    rec.set(model=f"MLPBlocks(1280->5120, depth 4, {tokens} tokens)", batch=args.batch, train={})
+    rec.set(model=args.model, depth=args.depth, batch=args.batch, img_size=size, tokens_per_step=None,
+            compiled="whole model, every arm", fp8_table=args.fp8_table, emulated=args.fp8_emulate, train={})
     for name in variants:
         precision, _, recipe = name.partition("-")
-        model = copy.deepcopy(base).train()
-        plan = apply_precision(model, PrecisionConfig(precision=precision, fp8_recipe=recipe or "tensorwise"),
-                               DEVICE, compile=True, compile_note="per block")
-        for block in model.blocks:
-            block.compile()
+        model = copy.deepcopy(base)
+        cfg = PrecisionConfig(precision=precision, fp8_recipe=recipe or "tensorwise", fp8_emulate=args.fp8_emulate
+                              and precision == "fp8", fp8_table=args.fp8_table, fp8_min_dim=args.fp8_min_dim)
+        plan = apply_precision(model, cfg, DEVICE, compile=True, compile_note="whole model, every arm",
+                               example_shape=(args.batch, 3, size, size))
         log(f"train {name}")
-        result = train_steps(model, plan, batches, args.warmup, args.steps)
-        result["fp8_converted"] = ((getattr(plan, "report", None) or {}).get("fp8") or {}).get("converted")
-        rec.data["train"][name] = result
+        result = timed_train_steps(torch.compile(model), plan, fused_adamw(model), batches, args.warmup, args.steps)
+        rec.data["train"][name] = result | _fp8_layers(plan)
         rec.set()
         del model
         release()
-    ref = rec.data["train"]["bf16"]
-    for r in rec.data["train"].values():
-        r["speedup_vs_bf16"] = round(ref["step_ms"] / r["step_ms"], 3)
-        r["max_abs_loss_diff_vs_bf16"] = round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 5)
+    _compare(rec.data["train"], variants[0])
     rec.set()
-    fp8_inference(base, batches[0][0], variants, rec)
+    fp8_inference(base, batches[0][0], variants, rec, args)
     return 0
 
 
-def fp8_inference(base: nn.Module, x: torch.Tensor, variants: list[str], rec: Record) -> None:
+def _fp8_layers(plan) -> dict[str, Any]:
+    """The converted-layer count and rule beside a figure (and each layer's decision, in the JSON only)."""
+    report = (getattr(plan, "report", None) or {}).get("fp8")
+    if not report:
+        return {"fp8_converted": 0}
+    return {"fp8_converted": report["converted"], "linear_layers": report["linear_layers"],
+            "fp8_rule": report["size_rule"],
+            "fp8_layers": [{k: d[k] for k in ("name", "in_features", "out_features", "tokens", "converted",
+                                              "speedup", "reason")} for d in report["layers"]]}
+
+
+def _compare(train: dict[str, dict[str, Any]], reference: str) -> None:
+    ref = train[reference]
+    for r in train.values():
+        r["speedup_vs_bf16"] = round(ref["step_ms"] / r["step_ms"], 3)
+        r["max_abs_loss_diff_vs_bf16"] = round(max(abs(a - b) for a, b in zip(r["losses"], ref["losses"])), 5)
+
+
+def fp8_inference(base: nn.Module, x: torch.Tensor, variants: list[str], rec: Record, args) -> None:
+    """bf16 and FP8 inference of the same weights, each compiled (torchao publishes FP8 inference gains
+    under torch.compile only), latency of one batch; parity against the bf16 model."""
     from torchcls.artifacts.parity import compare
     from torchcls.precision.inference import apply_inference_precision
 
-    with torch.no_grad():
-        reference = base.eval()(x).float()
     rec.data["inference"] = {}
+    reference = None
     for name in variants:
         precision, _, recipe = name.partition("-")
-        model = apply_inference_precision(base, precision, DEVICE, fp8_recipe=recipe or "tensorwise").model
+        if precision == "fp8" and args.fp8_emulate:
+            continue  # torchao's FP8 inference has no emulation: a GPU of compute capability >= 8.9 only
+        converted = apply_inference_precision(base, precision, DEVICE, fp8_recipe=recipe or "tensorwise")
+        model = torch.compile(converted.model)
         with torch.no_grad():
-            model(x)
-            ms = statistics.median(cuda_ms(lambda: model(x)) for _ in range(10))
-            parity = compare(reference, model(x))
-        rec.data["inference"][name] = {"latency_ms": round(ms, 3), "top1_agreement": parity["top1_agreement"],
-                                       "max_abs_logit_diff": parity["max_abs_diff"]}
+            out = model(x).float()
+            ms = statistics.median(cuda_ms(lambda m=model: m(x)) for _ in range(10))
+        reference = out if reference is None else reference
+        rec.data["inference"][name] = {"latency_ms": round(ms, 3), "compiled": True,
+                                       "quantized_layers": converted.summary()["quantized_layers"],
+                                       **{k: v for k, v in compare(reference, out).items()
+                                          if k in ("top1_agreement", "max_abs_diff")}}
         rec.set()
+        release()
 
 
 def release() -> None:
@@ -281,6 +270,12 @@ def main() -> int:
     p.add_argument("--artifact")
     p.add_argument("--checkpoint")
     p.add_argument("--big", type=int, default=64, help="infer: the large batch")
+    p.add_argument("--depth", type=int, help="fp8: the backbone's blocks (default: timm's); each block has the "
+                   "full width, so the GEMM shapes are the backbone's")
+    p.add_argument("--fp8-table", help="fp8: a table of fp8_gemm.py for torchcls's layer rule (--fp8-table)")
+    p.add_argument("--fp8-emulate", action="store_true", help="fp8: torchao's emulation (the CPU stand-in)")
+    p.add_argument("--fp8-min-dim", type=int, default=0, help="fp8: torchcls's --fp8-min-dim (0: the shape rule); "
+                   "the CPU stand-in sets it, as its tiny shapes never pay")
     p.add_argument("--device", default="cuda", help="cuda; cpu only to smoke-test this script")
     args = p.parse_args()
     rec = Record(args.json)
