@@ -150,11 +150,18 @@ def _cmd_report(opts: o.ReportOptions) -> int:
     return 0
 
 
+def _cmd_models(opts: o.ModelsOptions) -> int:
+    from torchcls.cli_output import print_models
+    from torchcls.models.catalog import list_models
+
+    return print_models(list_models(opts.pattern, opts.pretrained), opts.json)
+
+
 # (command, options class, handler); a handler gets the options instance built from the parsed flags.
 COMMANDS = [("evaluate", o.EvaluateOptions, _cmd_evaluate), ("predict", o.PredictOptions, _cmd_predict),
             ("explain", o.ExplainOptions, _cmd_explain), ("export", o.ExportOptions, _cmd_export),
             ("demo", o.DemoOptions, _cmd_demo), ("consolidate", o.ConsolidateOptions, _cmd_consolidate),
-            ("report", o.ReportOptions, _cmd_report)]
+            ("report", o.ReportOptions, _cmd_report), ("models", o.ModelsOptions, _cmd_models)]
 GROUPS = {"audit": ("audits: custom kernels (torchcls audit kernels)",
                     [("kernels", o.AuditKernelsOptions, _cmd_audit_kernels)]),
           "bench": ("benchmarks: torch.compile gains, memory when scaling (torchcls bench compile|memory)",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,20 @@ def evaluation_lines(r: dict[str, Any]) -> list[str]:
             f"{ee['mean_flops'] / 1e6:.2f} MFLOP/image ({ee['relative_compute']:.0%} of the backbone)  "
             f"{ee['latency_ms_per_sample']:.2f} ms/image (backbone {ee['backbone_latency_ms_per_sample']:.2f})")
     return lines
+
+
+def print_models(entries, as_json: bool) -> int:
+    """One name a line (grep-able), grouped by family; pretrained tags with their hub form and cache state."""
+    if as_json:
+        print(json.dumps([e.as_dict() for e in entries], indent=2))
+        return 0
+    tags = any(e.pretrained for e in entries)  # a pretrained listing: show each tag's hub form
+    for e in entries:
+        hub = (e.pretrained or "(no hub copy)") + ("  [in cache]" if e.cached else "") if tags else ""
+        print(f"{e.name:<44}{e.family:<12}{hub}".rstrip())
+    cached = sum(e.cached for e in entries)
+    print(f"{len(entries)} model(s)" + (f", {cached} with weights in the local hub cache" if cached else ""))
+    return 0
 
 
 def print_predictions(preds, topk: int) -> None:

@@ -22,9 +22,11 @@ import tomli_w
 from torchcls.errors import UserError
 
 
-def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: str | None = None) -> Any:
-    """A config field with its CLI help (and optional choices / flag name)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: str | None = None,
+        const: Any = None) -> Any:
+    """A config field with its CLI help (and optional choices / flag name). `const`: the value of the flag
+    given without one (`--pretrained` alone)."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "const": const})
 
 
 @dataclass
@@ -79,7 +81,8 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = opt("smallnet", "model: 'smallnet' (built-in, for 28x28), any timm name, or a torchvision "
-                    "classification name prefixed 'tv/' (e.g. tv/resnet18); random init, nothing is downloaded",
+                    "classification name prefixed 'tv/' (e.g. tv/resnet18); `torchcls models` lists them; random "
+                    "init unless --pretrained",
                     flag="model")
     drop_rate: float = opt(0.0, "dropout before the classifier")
     drop_path: float = opt(0.0, "stochastic depth: the rate at which residual branches of timm models are dropped "
@@ -90,10 +93,14 @@ class ModelConfig:
                                 "probability reaches this value, in [0, 1]")
     freeze: str = opt("", "train only part of the model: backbone = everything but the classifier; stages:N = "
                       "the stem and the first N stages; empty = nothing frozen")
-    pretrained: str | None = opt(None, "start from local weights: a torchcls run dir or checkpoint, a timm or "
-                                 "torchvision state dict (.safetensors, or .pth/.bin read with weights_only), or a "
-                                 "Hugging Face hub folder; the classifier is re-initialised when the classes differ "
-                                 "and the first convolution adapted when the channels differ")
+    pretrained: str | None = opt(None, "start from pretrained weights: hf-hub:ORG/NAME (a timm model on the Hugging "
+                                 "Face hub, from its cache or downloaded; --model and the preprocessing follow its "
+                                 "config unless given), the flag alone (= 'hub': the weights --model's pretrained "
+                                 "tag names, e.g. --model convnext_tiny.fb_in22k_ft_in1k), a torchcls run dir or "
+                                 "checkpoint, a timm or torchvision state dict (.safetensors, or .pth/.bin read with "
+                                 "weights_only), or a local hub folder; the classifier is re-initialised when the "
+                                 "classes differ and the first convolution adapted when the channels differ",
+                                 const="hub")
 
 
 @dataclass

@@ -248,6 +248,19 @@ class ShardOptions:
 
 
 @dataclass
+class ModelsOptions:
+    """list model names and pretrained tags (timm, torchvision, built-in)
+
+    The names --model takes: torchcls's own (smallnet, fastnet), early-exit forms (ee/...), timm's
+    registry and torchvision's classifiers (tv/...). With --pretrained: timm's names with a pretrained
+    tag, the hub repository of each (--pretrained hf-hub:ORG/NAME, or --model NAME.TAG --pretrained)
+    and whether its weights are in the local Hugging Face cache (usable offline)."""
+    pattern: str | None = positional("part of a name (convnext), or an fnmatch pattern (resnet1*)", nargs="?")
+    pretrained: bool = opt(False, "list timm's pretrained tags instead, with their hub repository")
+    json: bool = opt(False, "print JSON")
+
+
+@dataclass
 class ReportOptions:
     """(re)write RUN_DIR/report.html from every result found in the run dir
 
@@ -300,6 +313,8 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "", supp
         elif typing.get_origin(t) is list:
             parser.add_argument(flag, action="append", metavar=f.name.upper().rstrip("S"), **kwargs)
         else:
+            if meta.get("const") is not None:  # the flag alone means `const` (`--pretrained` = 'hub')
+                kwargs.update(nargs="?", const=meta["const"])
             parser.add_argument(flag, type=t, choices=meta.get("choices"), required=bool(meta.get("required")),
                                 metavar=None if meta.get("choices") else f.name.upper(), **kwargs)
 

@@ -71,7 +71,7 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
     good: list[tuple[Path, torch.Tensor]] = []
     for f in expand_inputs(inputs):
         try:
-            good.append((f, transform(load_image(f, meta.preprocess.channels, meta.preprocess.img_size))))
+            good.append((f, transform(load_image(f, meta.preprocess.channels, meta.preprocess.resize_size))))
         except BadImage as e:
             if on_bad_file == "error":
                 raise UserError(f"{f}: {e} (pass --on-bad-file skip to leave it out)") from None

@@ -18,7 +18,7 @@ from torchvision.transforms import v2
 
 from torchcls.config import DataConfig
 from torchcls.data.images import BadImage
-from torchcls.data.preprocess import Preprocess, PretrainedInput, preprocess_for
+from torchcls.data.preprocess import Preprocess, PretrainedInput, resolve_preprocess
 from torchcls.data.sampling import EpochSampler, epoch_seed
 from torchcls.data.skips import BadSampleError, DropBad, read_skips, record_skip, skip_log_path
 from torchcls.data.sources import ImageSet, apply_size_limits, open_source
@@ -96,6 +96,7 @@ class DataBundle:
     val: Transformed
     val_images: ImageSet | None = None  # a separate validation set; None: held out of `images`
     splits: dict[str, Any] = field(default_factory=dict)  # which split came from where (data_splits.json)
+    preprocess_from: dict[str, str] = field(default_factory=dict)  # which source set each part (preprocess.json)
 
     @property
     def classes(self) -> list[str]:
@@ -165,7 +166,7 @@ def build_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | None = 
     images = _open(cfg, cfg.source, "train", cfg.channels)
     check_task(cfg.task, images.targets, images.origin or cfg.source)
     _check_classes(images)
-    pre = preprocess_for(cfg, images, pretrained)
+    pre, chosen = resolve_preprocess(cfg, images, pretrained)
     _check_max_pixels(cfg, pre)
     need = needed_side(pre, cfg.augment)
     images = apply_size_limits(images, need, cfg.on_bad_file)  # before the split: evaluate repeats it
@@ -185,7 +186,7 @@ def build_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | None = 
               "val": {"source": val_set.origin, "images": len(val_idx), "how": how}}
     if "test" in available_splits(cfg.source):
         splits["test"] = {"source": f"{cfg.source} (test split; used by evaluate --split test)"}
-    return DataBundle(images, pre, train, val, val_images, splits)
+    return DataBundle(images, pre, train, val, val_images, splits, chosen)
 
 
 def eval_dataset(cfg: DataConfig, pre: Preprocess, split: str, seed: int) -> tuple[Transformed, ImageSet]:

@@ -82,7 +82,7 @@ def resolve_preprocess(cfg: DataConfig, images: Any,
     else:
         size, chosen["img_size"] = images.side or 224, "the data" if images.side else "built-in default"
     if cfg.img_size and pretrained is not None and pretrained.img_size != cfg.img_size:
-        chosen["img_size"] += f"; the pretrained config says {pretrained.img_size}"
+        chosen["img_size"] += f" (the pretrained config says {pretrained.img_size})"
     if pretrained is None:
         mean, std = STATS.get(images.name, IMAGENET_STATS if channels == 3 else ((0.5,), (0.5,)))
         interpolation, crop_pct = "bilinear", 1.0
@@ -105,9 +105,12 @@ def preprocess_for(cfg: DataConfig, images: Any, pretrained: PretrainedInput | N
 
 def describe(pre: Preprocess, chosen: dict[str, str]) -> str:
     """One line for the console: what the input is and where each part came from."""
-    return (f"preprocess: {pre.img_size} px ({chosen['img_size']}), {pre.interpolation} resize to "
-            f"{pre.resize_size} + centre crop (crop_pct {pre.crop_pct:g}: {chosen['crop_pct']}), mean/std "
-            f"{_fmt(pre.mean)}/{_fmt(pre.std)} ({chosen['mean_std']})")
+    by_source: dict[str, list[str]] = {}
+    for part, source in chosen.items():
+        by_source.setdefault(source, []).append(part)
+    sources = "; ".join(f"{', '.join(parts)} from {source}" for source, parts in by_source.items())
+    return (f"preprocess: {pre.img_size} px, {pre.interpolation} resize to {pre.resize_size} + centre crop "
+            f"(crop_pct {pre.crop_pct:g}), mean/std {_fmt(pre.mean)}/{_fmt(pre.std)} ({sources})")
 
 
 def _fmt(values: tuple[float, ...]) -> str:

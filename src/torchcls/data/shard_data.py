@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from torchcls.config import DataConfig
-from torchcls.data.preprocess import Preprocess, PretrainedInput, preprocess_for
+from torchcls.data.preprocess import Preprocess, PretrainedInput, resolve_preprocess
 from torchcls.data.shards import ShardSet, is_shard_source, open_shards, split_shards
 from torchcls.data.splits import check_same_classes
 from torchcls.errors import UserError
@@ -24,6 +24,7 @@ class ShardBundle:
     train: ShardSet
     val: ShardSet | None
     splits: dict[str, Any] = field(default_factory=dict)
+    preprocess_from: dict[str, str] = field(default_factory=dict)  # which source set each part (preprocess.json)
 
     @property
     def classes(self) -> list[str]:
@@ -68,7 +69,7 @@ def build_shard_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | N
         how = f"whole shards held out (--val-fraction {cfg.val_fraction}, seed {seed})"
     # Normalisation statistics follow what the shards were written from (mnist-5k, a folder...).
     like = SimpleNamespace(name=shards.source or shards.name, channels=shards.channels, side=shards.side)
-    pre = preprocess_for(cfg, like, pretrained)
+    pre, chosen = resolve_preprocess(cfg, like, pretrained)
     splits = {"train": {"source": cfg.source, "images": len(train), "shards": len(train.shards)},
               "val": {"source": cfg.val_data or cfg.source, "images": len(val) if val else 0, "how": how}}
-    return ShardBundle(shards, pre, train, val, splits)
+    return ShardBundle(shards, pre, train, val, splits, chosen)

@@ -1,12 +1,18 @@
-"""Start a model from local pretrained weights: a torchcls checkpoint or run dir, a timm or
-torchvision state dict (.safetensors; .pth/.pt/.bin only through torch.load(weights_only=True)),
-or a local folder in the Hugging Face hub layout that timm reads (model.safetensors or
-pytorch_model.bin beside config.json).
+"""Start a model from pretrained weights: a torchcls checkpoint or run dir, a timm or torchvision
+state dict (.safetensors; .pth/.pt/.bin only through torch.load(weights_only=True)), a local folder
+in the Hugging Face hub layout that timm reads (model.safetensors or pytorch_model.bin beside
+config.json), or weights on the hub (`hf-hub:ORG/NAME`, or `hub`: --model's pretrained tag), fetched
+through huggingface_hub's cache by models/hub.py and read here like a local file.
 
 Where the data differs from the weights' origin: a classifier whose class count differs is
 re-initialised, a first convolution whose channel count differs is adapted (timm's
 adapt_input_conv: RGB weights summed for grey, repeated for more channels). Any other key whose
-shape disagrees means another architecture: refused, naming the keys. Nothing is downloaded.
+shape disagrees means another architecture: refused, naming the keys. timm-format weights (the
+hub's, a hub folder's) first go through the model family's own checkpoint_filter_fn, as
+timm.create_model(pretrained=True) does (a ViT's position embeddings resampled to another size).
+
+A hub config (config.json) also gives the architecture (it becomes --model when that was left at
+its default) and the input the backbone was trained on (timm's data config: `PretrainedInput`).
 """
 
 from __future__ import annotations
@@ -19,12 +25,75 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchcls.data.preprocess import PretrainedInput
 from torchcls.errors import UserError
+from torchcls.models.hub import OWN_TAG, fetch, is_hub
 
 HUB_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_model.safetensors")
 # Wrappers around a state dict that training scripts write (timm: state_dict / state_dict_ema).
 CONTAINER_KEYS = ("state_dict", "model", "model_state", "model_state_dict", "module")
 PREFIXES = ("module.", "_orig_mod.")  # DDP and torch.compile wrappers
+
+
+@dataclass(frozen=True)
+class PretrainedSource:
+    """Where the weights of --pretrained are, and what is known of them."""
+
+    given: str  # the --pretrained value
+    file: Path  # the weights file (inside the hub cache for hub weights)
+    architecture: str | None = None  # the timm model they are for (a hub config, timm's registry)
+    input: PretrainedInput | None = None  # what the backbone was trained on (timm's data config)
+    hub: dict[str, str] | None = None  # weights from the hub: repo_id, revision (snapshot), cache
+    timm_format: bool = False  # timm's checkpoint_filter_fn applies
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"file": str(self.file), "architecture": self.architecture, "hub": self.hub,
+                "input": None if self.input is None else self.input.__dict__}
+
+
+def resolve_pretrained(value: str, model_name: str) -> PretrainedSource:
+    """The weights --pretrained `value` names for --model `model_name`; hub weights are fetched (cache first)."""
+    if is_hub(value):
+        weights = fetch(value, model_name)
+        label = value if value != OWN_TAG else f"hf-hub:{weights.pretrained_cfg.get('hf_hub_id')}"
+        hub = {"repo_id": weights.repo_id, "revision": weights.revision, "cache": str(weights.weights.parents[2])}
+        return PretrainedSource(value, weights.weights, weights.architecture,
+                                _pretrained_input(label, weights.pretrained_cfg), hub, timm_format=True)
+    file = weights_file(value)
+    folder = Path(value)
+    if file.parent == folder and (folder / "config.json").is_file():  # a hub folder (not a run dir)
+        from timm.models._hub import load_model_config_from_path  # what timm.create_model reads a hub config with
+
+        pretrained_cfg, architecture, _ = load_model_config_from_path(folder)
+        return PretrainedSource(value, file, architecture, _pretrained_input(value, pretrained_cfg), timm_format=True)
+    return PretrainedSource(value, file)
+
+
+def model_for(model_name: str, source: PretrainedSource, default: str) -> str:
+    """The --model to build for these weights: their own architecture when --model is `default` (was not
+    given); a --model of another architecture is refused before anything is read."""
+    if source.architecture is None:
+        return model_name
+    if model_name == default:
+        return source.architecture
+    if _arch(model_name) != _arch(source.architecture):
+        raise UserError(f"--pretrained {source.given} holds weights of {source.architecture}, but --model is "
+                        f"{model_name}; leave --model out (the weights name their architecture) or give "
+                        f"--model {source.architecture}")
+    return model_name
+
+
+def _arch(name: str) -> str:
+    return name.removeprefix("ee/").split(".", 1)[0]
+
+
+def _pretrained_input(label: str, pretrained_cfg: dict[str, Any]) -> PretrainedInput | None:
+    """timm's data config of the weights, or None when their config says nothing of the input."""
+    if not any(k in pretrained_cfg for k in ("input_size", "mean", "interpolation", "crop_pct")):
+        return None
+    from timm.data import resolve_data_config
+
+    return PretrainedInput.from_timm(label, resolve_data_config(pretrained_cfg=pretrained_cfg))
 
 
 @dataclass
@@ -35,10 +104,12 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
     reinitialised: list[str] = field(default_factory=list)  # classifier keys: other number of classes
     adapted: list[str] = field(default_factory=list)  # first convolution: other number of channels
+    origin: dict[str, Any] = field(default_factory=dict)  # PretrainedSource.as_dict(): file, hub, input
 
     def as_dict(self) -> dict[str, Any]:
         return {"source": self.source, "loaded": self.loaded, "missing": self.missing,
-                "unexpected": self.unexpected, "reinitialised": self.reinitialised, "adapted": self.adapted}
+                "unexpected": self.unexpected, "reinitialised": self.reinitialised, "adapted": self.adapted,
+                **self.origin}
 
     def summary(self) -> str:
         return (f"pretrained {self.source}: {self.loaded} tensors loaded, {len(self.missing)} missing, "
@@ -105,13 +176,18 @@ def _unwrap(state: Any, file: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def load_pretrained(model: nn.Module, path: str | Path, num_classes: int,
+def load_pretrained(model: nn.Module, path: str | Path | PretrainedSource, num_classes: int,
                     classes: list[str] | None = None) -> LoadReport:
-    """Load `path` into `model` in place (see the module docstring for what is adapted). `classes`: the
-    new data's class names; a torchcls checkpoint of other classes (even as many) gets a new classifier."""
+    """Load `path` (any --pretrained form, or a resolved PretrainedSource) into `model` in place (see the
+    module docstring for what is adapted). `classes`: the new data's class names; a torchcls checkpoint
+    of other classes (even as many) gets a new classifier."""
+    resolved = path if isinstance(path, PretrainedSource) else resolve_pretrained(str(path), _timm_name(model))
+    path = resolved.file
     source = read_state_dict(path)
+    if resolved.timm_format:
+        source = _timm_filter(model, source)
     target = model.state_dict()
-    report = LoadReport(str(path))
+    report = LoadReport(resolved.given, origin=resolved.as_dict())
     usable: dict[str, torch.Tensor] = {}
     wrong: list[str] = []
     other_classes = classes is not None and _classes_of(path) not in (None, list(classes))
@@ -140,11 +216,27 @@ def load_pretrained(model: nn.Module, path: str | Path, num_classes: int,
     if wrong or absent:
         detail = "; ".join(wrong[:5]) if wrong else (f"{len(absent)} of the model's {len(target)} tensors are not "
                                                       f"in it, e.g. {', '.join(absent[:3])}")
-        raise UserError(f"--pretrained {path} does not fit this --model ({detail}); was it trained with another "
+        raise UserError(f"--pretrained {resolved.given} does not fit this --model ({detail}); was it trained with another "
                         "architecture?")
     model.load_state_dict(usable, strict=False)
     report.loaded = len(usable)
     return report
+
+
+def _timm_name(model: nn.Module) -> str:
+    """A timm model's name with its pretrained tag (what the bare `hub` form resolves), else ''."""
+    cfg = getattr(model, "pretrained_cfg", None) or {}
+    return ".".join(part for part in (cfg.get("architecture"), cfg.get("tag")) if part)
+
+
+def _timm_filter(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """timm's own conversion of checkpoints for this model family (the checkpoint_filter_fn its factory
+    hands to timm's loader): e.g. a ViT's position embeddings resampled to this model's grid."""
+    import sys
+
+    module = type(model).__module__
+    convert = getattr(sys.modules.get(module), "checkpoint_filter_fn", None) if module.startswith("timm.") else None
+    return convert(dict(state), model) if convert is not None else state
 
 
 def _classes_of(path: str | Path) -> list[str] | None:

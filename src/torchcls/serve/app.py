@@ -156,7 +156,7 @@ class Service:
         tensors = []
         for fname, data in uploads:
             try:  # the decoder every file goes through; min_side bounds the resize
-                tensors.append(self.transform(decode_bytes(data, pre.channels, pre.img_size)))
+                tensors.append(self.transform(decode_bytes(data, pre.channels, pre.resize_size)))
             except BadImage as e:
                 raise HTTPError(400, f"{fname}: {e}") from None
         return torch.stack(tensors)

@@ -37,7 +37,8 @@ def model_metadata(name: str, info: ArtifactInfo) -> dict[str, Any]:
                        "task": info.task, **({"thresholds": thresholds(info).tolist()} if info.task == "multilabel"
                                             else {}),
                        "preprocess": {"img_size": pre.img_size, "channels": pre.channels,
-                                      "mean": list(pre.mean), "std": list(pre.std)}},
+                                      "mean": list(pre.mean), "std": list(pre.std),
+                                      "interpolation": pre.interpolation, "crop_pct": pre.crop_pct}},
     }
 
 

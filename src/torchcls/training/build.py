@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import asdict
 from functools import partial
 from typing import Any
 
@@ -17,16 +18,19 @@ from torch import nn
 
 from torchcls import governance
 from torchcls.checkpoint.checkpointer import Checkpointer
-from torchcls.config import Config
+from torchcls.config import Config, ModelConfig
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
 from torchcls.data.mixing import build_mixing
+from torchcls.data.preprocess import PretrainedInput
+from torchcls.data.preprocess import describe as describe_preprocess
 from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
+from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
 from torchcls.tasks import multilabel_criterion
 from torchcls.training import rank0_init, sharding
@@ -88,6 +92,7 @@ def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> Train
 def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """Everything a run needs, in dependency order; governance refuses before any data is read."""
     _check_options(cfg)
+    source = _resolve_pretrained(cfg)  # before config.toml is written: it may name the weights' architecture
     saved = run.path / "config.toml"  # before it is overwritten: what a resume may change
     changes = option_changes(saved, cfg) if cfg.run.resume and saved.is_file() else {}
     if session.is_main:
@@ -97,7 +102,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
-    data = _open_data(gov.data_config, cfg.train.seed, run, session)
+    data = _open_data(gov.data_config, cfg.train.seed, run, session, source.input if source else None)
     pre = data.preprocess
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
@@ -105,7 +110,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
     compile_model, compile_note = should_compile(cfg.train, cfg.precision)
     model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
-                                    compile_model, compile_note)
+                                    compile_model, compile_note, source)
     optimizer = build_optimizer(model, cfg.optim)
     feed = build_feed(cfg, data, session, device)
     steps_per_epoch = _optimizer_steps_per_epoch(len(feed), cfg.optim.accum_steps)
@@ -167,11 +172,11 @@ def _optimizer_steps_per_epoch(batches: int, accum_steps: int) -> int:
 
 
 def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,
-                 memory_format: torch.memory_format, compile_model: bool,
-                 compile_note: str) -> tuple[nn.Module, PrecisionPlan]:
+                 memory_format: torch.memory_format, compile_model: bool, compile_note: str,
+                 source: PretrainedSource | None = None) -> tuple[nn.Module, PrecisionPlan]:
     """The model, with governance hooks, precision and parallelism applied from outside it."""
     from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
-    factory = partial(_new_model, spec, cfg.model.pretrained, run if session.is_main else None, data.classes)
+    factory = partial(_new_model, spec, source, run if session.is_main else None, data.classes)
     if from_rank0:  # FSDP2: no rank holds the whole model on its device
         model, rank0_weights = rank0_init.build_on_meta(factory, session.rank)
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
@@ -191,12 +196,21 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
     return model, precision
 
 
-def _new_model(spec: ModelSpec, pretrained: str | None, run: RunDir | None, classes: list[str]) -> nn.Module:
-    """The architecture `spec` names, from random init or from local --pretrained weights (recorded in the run)."""
+def _resolve_pretrained(cfg: Config) -> PretrainedSource | None:
+    """--pretrained located (hub weights fetched into the cache); --model left at its default becomes the
+    architecture the weights name (a hub config)."""
+    if not cfg.model.pretrained:
+        return None
+    source = resolve_pretrained(cfg.model.pretrained, cfg.model.name)
+    cfg.model.name = model_for(cfg.model.name, source, default=ModelConfig.name)
+    return source
+
+
+def _new_model(spec: ModelSpec, pretrained: PretrainedSource | None, run: RunDir | None,
+               classes: list[str]) -> nn.Module:
+    """The architecture `spec` names, from random init or from --pretrained weights (recorded in the run)."""
     model = create_model(spec)
     if pretrained:
-        from torchcls.models.pretrained import load_pretrained
-
         report = load_pretrained(model, pretrained, spec.num_classes, classes)
         if run is not None:
             console.print(report.summary())
@@ -204,12 +218,18 @@ def _new_model(spec: ModelSpec, pretrained: str | None, run: RunDir | None, clas
     return model
 
 
-def _open_data(data_cfg, seed: int, run: RunDir, session: Session):
-    """A DataBundle (folders, CSV, built-in and hf: sets) or a ShardBundle (WebDataset shards)."""
-    data = build_shard_data(data_cfg, seed) if is_shard_source(data_cfg.source) else build_data(data_cfg, seed)
+def _open_data(data_cfg, seed: int, run: RunDir, session: Session, pretrained: PretrainedInput | None = None):
+    """A DataBundle (folders, CSV, built-in and hf: sets) or a ShardBundle (WebDataset shards); their
+    preprocessing follows `pretrained` (the backbone's data config) where no flag overrides it."""
+    shards = is_shard_source(data_cfg.source)
+    data = (build_shard_data if shards else build_data)(data_cfg, seed, pretrained)
     data.log_skips_to(run.path, session.rank)  # files that fail in a worker are logged, not fatal (--on-bad-file skip)
     if session.is_main:
         data.write_splits(run.path)
+        (run.path / "preprocess.json").write_text(json.dumps(
+            {"preprocess": asdict(data.preprocess), "from": data.preprocess_from}, indent=2))
+        if pretrained is not None:
+            console.print(describe_preprocess(data.preprocess, data.preprocess_from))
         if data.skipped:
             console.print(f"[yellow]skipped {len(data.skipped)} unreadable file(s); listed in the report[/]")
     return data

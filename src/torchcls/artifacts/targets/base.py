@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from torchcls.data.loaders import Preprocess
+from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
 
 if TYPE_CHECKING:
@@ -55,10 +55,8 @@ class ArtifactInfo:
     def from_json(cls, text: str, where: str) -> ArtifactInfo:
         try:
             raw = json.loads(text)
-            pre = raw["preprocess"]
             return cls(str(raw["name"]), str(raw["target"]), [str(c) for c in raw["classes"]],
-                       Preprocess(int(pre["img_size"]), int(pre["channels"]), tuple(map(float, pre["mean"])),
-                                  tuple(map(float, pre["std"]))), int(raw["max_batch"]), str(raw["precision"]),
+                       Preprocess.from_dict(raw["preprocess"]), int(raw["max_batch"]), str(raw["precision"]),
                        int(raw.get("exits", 0)), str(raw.get("device", "cpu")),
                        str(raw.get("compute_capability", "")), str(raw.get("gpu", "")),
                        task=str(raw.get("task", "multiclass")),
@@ -73,6 +71,7 @@ class ArtifactInfo:
         return {"torchcls.classes": "\n".join(self.classes), "torchcls.img_size": str(pre.img_size),
                 "torchcls.channels": str(pre.channels), "torchcls.mean": ",".join(map(repr, pre.mean)),
                 "torchcls.std": ",".join(map(repr, pre.std)), "torchcls.max_batch": str(self.max_batch),
+                "torchcls.interpolation": pre.interpolation, "torchcls.crop_pct": repr(pre.crop_pct),
                 "torchcls.precision": self.precision, "torchcls.exits": str(self.exits),
                 "torchcls.device": self.device, "torchcls.compute_capability": self.compute_capability,
                 "torchcls.task": self.task}
