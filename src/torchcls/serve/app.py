@@ -37,7 +37,7 @@ from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
 from torchcls.serve.config import ServeConfig
 from torchcls.serve.errors import HTTPError
-from torchcls.serve.limits import AuthMiddleware, BodyLimitMiddleware
+from torchcls.serve.limits import AuthMiddleware, BodyGuard, InflightBudget
 from torchcls.serve.metrics import MetricsMiddleware, ServeMetrics
 from torchcls.tasks import labels_above
 
@@ -68,6 +68,8 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     pre = info.preprocess
     shape = (pre.channels, pre.img_size, pre.img_size)
     max_body = int(cfg.max_body_mb * 2**20)
+    budget = InflightBudget(int(cfg.max_inflight_mb * 2**20))
+    metrics.inflight_bytes.set_function(lambda: budget.used)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -81,7 +83,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
 
     app = FastAPI(title="torchcls serve", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.batcher, app.state.metrics = batcher, metrics
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_body)
+    app.add_middleware(BodyGuard, max_bytes=max_body, budget=budget)
     if token:
         app.add_middleware(AuthMiddleware, token=token, public=PUBLIC_PATHS, compare=secrets.compare_digest)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: sees 401/413 too
@@ -207,10 +209,15 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
         x, req = await svc.off_loop(svc.parse_slots, oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER),
                                     info, max_batch)
         outputs = oip.requested_outputs(req)
+        binary = oip.binary_outputs(req, outputs)
         result = await svc.run(x)
-        body = oip.infer_response(svc.name, req, outputs, result.logits, result.probs, result.top1, info.classes,
-                                  oip.thresholds(info))
-        return json_response(body, headers={"X-Batch-Size": str(result.batch_size)})
+        body, header_length = oip.infer_response(svc.name, req, outputs, result.logits, result.probs, result.top1,
+                                                 info.classes, oip.thresholds(info), binary)
+        headers = {"X-Batch-Size": str(result.batch_size)}
+        if header_length is None:
+            return json_response(body, headers=headers)
+        headers["Inference-Header-Content-Length"] = str(header_length)
+        return Response(body, media_type="application/octet-stream", headers=headers)
 
     @app.post("/predict")
     async def predict(request: Request, topk: int = 5) -> Response:
@@ -238,7 +245,7 @@ def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: s
         return None
     from torchcls.serve.worker import ModelProcess
 
-    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device)
+    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device, cfg.trust_artifact, cfg.precision)
     batcher.fn = worker
     return worker
 
@@ -263,4 +270,14 @@ async def read_uploads(request: Request, max_files: int, max_part_bytes: int) ->
     body = await request.body()
     if not body:
         raise HTTPError(400, "the request body is empty; send image bytes (raw body or multipart file)")
-    return [("body", body)]
+    return [("body", bytes(body))]
+
+
+async def read_body(request: Request) -> bytearray:
+    """The whole body in one growing buffer: one copy in memory (Starlette's request.body() joins a list
+    of chunks, twice the body at its peak). Never sized from Content-Length up front: a client that
+    declares 31 MiB and sends nothing would make it allocate 31 MiB that BodyGuard's budget never saw."""
+    buf = bytearray()
+    async for chunk in request.stream():
+        buf += chunk
+    return buf

@@ -24,7 +24,17 @@ class ServeConfig:
     max_queue: int = opt(256, "images accepted but not yet running; requests beyond it get 503")
     max_body_mb: float = opt(32.0, "largest request body in MiB; bigger ones get 413")
     max_connections: int = opt(1024, "open connections and requests at once; beyond it the server answers 503 "
-                               "at once instead of queueing without bound")
+                               "at once instead of queueing without bound (health probes and /metrics are always "
+                               "answered), and a new connection closes the one waiting longest for its headers")
+    max_inflight_mb: float = opt(256.0, "request body bytes held at once by all connections together (counted as "
+                                 "they arrive); a body that does not fit gets 503 with Retry-After, refused before "
+                                 "it is read when its Content-Length says so")
+    max_header_kb: float = opt(16.0, "largest request line + headers in KiB (and at most 100 header lines); "
+                               "beyond it 431 and the connection closes")
+    header_timeout: float = opt(10.0, "seconds a client has to send a request's headers, counted from its "
+                                "connection or its previous answer; then 408 (or a silent close when idle)")
+    body_timeout: float = opt(60.0, "seconds a client has to send a request's whole body once its headers are "
+                              "in; then 408 and the connection closes")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")

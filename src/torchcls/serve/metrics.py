@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.requests import ClientDisconnect
+
+from torchcls.serve.limits import TIMED_OUT, ClientGone
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+CLIENT_GONE = 499  # nginx's "client closed request": the client left before its body was in; no 5xx
+log = logging.getLogger("torchcls.serve")
 
 
 class ServeMetrics:
@@ -23,6 +29,11 @@ class ServeMetrics:
                                    registry=self.registry)
         self.queue_depth = Gauge("torchcls_queue_depth", "images accepted and waiting for the model",
                                  registry=self.registry)
+        self.closed = Counter("torchcls_connections_closed", "connections closed by a bound before a request "
+                              "reached the app, by reason", ("reason",), registry=self.registry)
+        self.open_connections = Gauge("torchcls_open_connections", "open HTTP connections", registry=self.registry)
+        self.inflight_bytes = Gauge("torchcls_inflight_body_bytes", "request body bytes held now "
+                                    "(--max-inflight-mb bounds them)", registry=self.registry)
 
     def observe_batch(self, n: int, seconds: float) -> None:
         self.batch_size.observe(n)
@@ -33,7 +44,11 @@ class ServeMetrics:
 
 
 class MetricsMiddleware:
-    """Counts every request by route template and status, and times it (pure ASGI: cheap)."""
+    """Counts every request by route template and status, and times it (pure ASGI: cheap).
+
+    A client that left before its body was complete (ClientGone from limits.py, or Starlette's
+    ClientDisconnect from a multipart upload) is no server fault: one log line, status 499 (408 when
+    --body-timeout closed it), and no traceback."""
 
     def __init__(self, app, metrics: ServeMetrics):
         self.app, self.metrics = app, metrics
@@ -51,8 +66,15 @@ class MetricsMiddleware:
 
         try:
             await self.app(scope, receive, send_and_record)
+        except (ClientGone, ClientDisconnect) as e:
+            timed_out = scope.get(TIMED_OUT, False)
+            status = 408 if timed_out else CLIENT_GONE
+            client = "%s:%s" % tuple(scope["client"]) if scope.get("client") else "client"
+            log.info("%s %s from %s: %s %s", scope["method"], scope["path"], client,
+                     "body deadline passed" if timed_out else "client went away", str(e) or "before the body was complete")
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", "unmatched")  # the template: no per-name label explosion
             self.metrics.requests.labels(endpoint, str(status)).inc()
             self.metrics.latency.labels(endpoint).observe(time.perf_counter() - start)
+

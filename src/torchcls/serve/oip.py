@@ -2,8 +2,11 @@
 
 Inputs: one FP32 tensor named `input` of shape [N, C, H, W], as JSON `data` (flat or nested,
 row-major) or, with the binary tensor extension, as raw little-endian bytes after the JSON
-header (`Inference-Header-Content-Length` + `parameters.binary_data_size`). Outputs (JSON):
-`logits` and `probabilities` (FP32 [N, K]) and `labels` (BYTES [N], the top-1 class names).
+header (`Inference-Header-Content-Length` + `parameters.binary_data_size`). Outputs:
+`logits` and `probabilities` (FP32 [N, K]) and `labels` (BYTES [N], the top-1 class names), as JSON,
+or as raw bytes after the JSON header when asked (`parameters.binary_data_output` for the request,
+`parameters.binary_data` per output, as tritonclient sends). The JSON is parsed at a cost bounded by
+the declared shape (serve/tensor_json.py).
 A multilabel model (its artifact's task): `probabilities` are one sigmoid per class, and each `labels`
 entry names every class at or above its threshold, joined by ';' (empty: none).
 """
@@ -18,6 +21,7 @@ import torch
 
 from torchcls.artifacts.artifact import ArtifactInfo
 from torchcls.serve.errors import HTTPError
+from torchcls.serve.tensor_json import load_request, parse_data
 from torchcls.tasks import labels_above
 
 INPUT_NAME = "input"
@@ -44,24 +48,14 @@ def model_metadata(name: str, info: ArtifactInfo) -> dict[str, Any]:
 
 def _split_binary(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
     if header_length is None:
-        return body, b""
+        return body, memoryview(b"")
     try:
         n = int(header_length)
     except ValueError:
         raise HTTPError(400, f"Inference-Header-Content-Length {header_length!r} is not an integer") from None
     if not 0 < n <= len(body):
         raise HTTPError(400, f"Inference-Header-Content-Length {n} is outside the body's {len(body)} bytes")
-    return body[:n], body[n:]
-
-
-def _load_json(text: bytes) -> dict[str, Any]:
-    try:
-        request = orjson.loads(text)
-    except orjson.JSONDecodeError as e:
-        raise HTTPError(400, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(request, dict):
-        raise HTTPError(400, "the request body must be a JSON object with an 'inputs' list")
-    return request
+    return body[:n], memoryview(body)[n:]
 
 
 def _check_shape(spec: dict[str, Any], info: ArtifactInfo, max_batch: int) -> list[int]:
@@ -82,7 +76,7 @@ def _check_shape(spec: dict[str, Any], info: ArtifactInfo, max_batch: int) -> li
     return shape
 
 
-def _tensor_data(spec: dict[str, Any], binary: bytes, count: int) -> np.ndarray:
+def _tensor_data(spec: dict[str, Any], binary: memoryview, count: int) -> np.ndarray:
     size = (spec.get("parameters") or {}).get("binary_data_size")
     if size is not None:
         if size != count * 4 or len(binary) != size:
@@ -100,13 +94,14 @@ def _tensor_data(spec: dict[str, Any], binary: bytes, count: int) -> np.ndarray:
     return arr.reshape(-1)
 
 
-def parse_infer(body: bytes, header_length: str | None, info: ArtifactInfo,
+def parse_infer(body: bytes | bytearray, header_length: str | None, info: ArtifactInfo,
                 max_batch: int) -> tuple[torch.Tensor, dict]:
     """An infer request -> (float32 NCHW tensor, the request JSON); any fault -> HTTPError 400.
 
-    `max_batch` is the server's bound (--max-batch), which may be below the artifact's."""
+    `max_batch` is the server's bound (--max-batch), which may be below the artifact's. Only the
+    request's envelope is parsed before `shape` is checked; `data` is parsed after it, bounded by it."""
     text, binary = _split_binary(body, header_length)
-    request = _load_json(text)
+    request, spans = load_request(text)
     inputs = request.get("inputs")
     if not isinstance(inputs, list) or len(inputs) != 1 or not isinstance(inputs[0], dict):
         raise HTTPError(400, f"'inputs' must be a list with one tensor named '{INPUT_NAME}'")
@@ -116,7 +111,12 @@ def parse_infer(body: bytes, header_length: str | None, info: ArtifactInfo,
     if spec.get("datatype") != "FP32":
         raise HTTPError(400, f"input datatype {spec.get('datatype')!r} is not supported; send FP32")
     shape = _check_shape(spec, info, max_batch)
-    data = _tensor_data(spec, binary, int(np.prod(shape)))
+    params = spec.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise HTTPError(400, f"input 'parameters' must be an object, got {params!r:.80}")
+    data = None if "binary_data_size" in params else parse_data(text, spans, spec.get("data"), shape)
+    if data is None:
+        data = _tensor_data(spec, binary, int(np.prod(shape)))
     if not np.isfinite(data).all():
         raise HTTPError(400, "input 'data' holds NaN or infinite values")
     return torch.from_numpy(data.reshape(shape).copy()), request
@@ -138,11 +138,36 @@ def requested_outputs(request: dict[str, Any]) -> list[str]:
     return names
 
 
+def binary_outputs(request: dict[str, Any], outputs: list[str]) -> frozenset[str]:
+    """The outputs to answer as raw bytes: each output's `parameters.binary_data`, else the request's
+    `parameters.binary_data_output` (tritonclient sets it when it names no output), else JSON."""
+    def flag(params: Any, key: str, where: str) -> bool | None:
+        if params is None:
+            return None
+        if not isinstance(params, dict) or not isinstance(params.get(key, False), bool):
+            raise HTTPError(400, f"{where} 'parameters' must be an object whose '{key}' is true or false")
+        return params.get(key)
+
+    default = flag(request.get("parameters"), "binary_data_output", "the request's") or False
+    per_output = {o.get("name"): flag(o.get("parameters"), "binary_data", "an output's")
+                  for o in request.get("outputs") or []}
+    return frozenset(o for o in outputs if (default if per_output.get(o) is None else per_output[o]))
+
+
+def _bytes_tensor(items: list[str]) -> bytes:
+    """BYTES elements in the binary extension: each a 4-byte little-endian length, then the bytes."""
+    encoded = [s.encode() for s in items]
+    return b"".join(len(e).to_bytes(4, "little") + e for e in encoded)
+
+
 def infer_response(name: str, request: dict[str, Any], outputs: list[str], logits: np.ndarray,
                    probs: np.ndarray, top1: np.ndarray, classes: list[str],
-                   label_thresholds: np.ndarray | None = None) -> bytes:
-    """The answer JSON; numpy in (no torch call here: this runs on the event loop). With
-    `label_thresholds` (multilabel) each `labels` entry is every class at or above its threshold, ';'-joined."""
+                   label_thresholds: np.ndarray | None = None,
+                   binary: frozenset[str] = frozenset()) -> tuple[bytes, int | None]:
+    """The answer, and the length of its JSON header when outputs in `binary` follow it as raw bytes
+    (the Inference-Header-Content-Length response header), else None. Numpy in (no torch call here: this
+    runs on the event loop). With `label_thresholds` (multilabel) each `labels` entry is every class at
+    or above its threshold, ';'-joined."""
     n, k = logits.shape
     if label_thresholds is not None:
         names = [";".join(d["label"] for d in labels_above(p, label_thresholds.tolist(), classes))
@@ -150,15 +175,24 @@ def infer_response(name: str, request: dict[str, Any], outputs: list[str], logit
     else:
         names = [classes[i] for i in top1.tolist()]
     tensors = {
-        "logits": lambda: {"datatype": "FP32", "shape": [n, k], "data": logits.reshape(-1)},
-        "probabilities": lambda: {"datatype": "FP32", "shape": [n, k], "data": probs.reshape(-1)},
-        "labels": lambda: {"datatype": "BYTES", "shape": [n], "data": names},
+        "logits": ("FP32", [n, k], lambda: logits.reshape(-1), lambda: logits.astype("<f4").tobytes()),
+        "probabilities": ("FP32", [n, k], lambda: probs.reshape(-1), lambda: probs.astype("<f4").tobytes()),
+        "labels": ("BYTES", [n], lambda: names, lambda: _bytes_tensor(names)),
     }
-    answer: dict[str, Any] = {"model_name": name, "model_version": "1",
-                              "outputs": [{"name": o, **tensors[o]()} for o in outputs]}
+    entries, raw = [], []
+    for o in outputs:
+        datatype, shape, as_json, as_bytes = tensors[o]
+        if o in binary:
+            raw.append(as_bytes())
+            entries.append({"name": o, "datatype": datatype, "shape": shape,
+                            "parameters": {"binary_data_size": len(raw[-1])}})
+        else:
+            entries.append({"name": o, "datatype": datatype, "shape": shape, "data": as_json()})
+    answer: dict[str, Any] = {"model_name": name, "model_version": "1", "outputs": entries}
     if "id" in request:
         answer["id"] = request["id"]
-    return orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    header = orjson.dumps(answer, option=orjson.OPT_SERIALIZE_NUMPY)
+    return (header + b"".join(raw), len(header)) if raw else (header, None)
 
 
 def thresholds(info: ArtifactInfo) -> np.ndarray | None:

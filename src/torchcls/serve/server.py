@@ -28,16 +28,33 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
         raise UserError(f"--max-batch {cfg.max_batch} must be between 1 and the artifact's max batch "
                         f"{artifact_max_batch} (0 = use the artifact's)")
     for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb),
-                        ("--max-connections", cfg.max_connections)):
+                        ("--max-connections", cfg.max_connections), ("--max-inflight-mb", cfg.max_inflight_mb),
+                        ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
     if cfg.graceful_timeout < 0:
+    if cfg.max_body_mb > cfg.max_inflight_mb:
+        raise UserError(f"--max-body-mb {cfg.max_body_mb:g} is above --max-inflight-mb {cfg.max_inflight_mb:g}: "
+                        "a body that large could never be read; raise --max-inflight-mb or lower --max-body-mb")
+    if cfg.max_header_kb < 1:
+        raise UserError(f"--max-header-kb must be at least 1 (KiB), got {cfg.max_header_kb:g}")
         raise UserError(f"--graceful-timeout must be >= 0 seconds, got {cfg.graceful_timeout}")
     if cfg.max_wait_ms < 0:
         raise UserError(f"--max-wait-ms must be >= 0, got {cfg.max_wait_ms}")
 
 
 def _bind(host: str, port: int) -> socket.socket:
+def _protocol(cfg: ServeConfig, metrics):
+    """uvicorn's httptools protocol with header/body deadlines, a header cap and admission by age."""
+    from torchcls.serve.protocol import ConnectionLimits, protocol_class
+
+    limits = ConnectionLimits(cfg.max_connections, int(cfg.max_header_kb * 1024), cfg.header_timeout,
+                              cfg.body_timeout)
+    cls, count_open = protocol_class(limits, lambda reason: metrics.closed.labels(reason).inc())
+    metrics.open_connections.set_function(count_open)
+    return cls
+
+
     """Bind here so that a busy port is a clear message, not a uvicorn traceback."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -92,7 +109,9 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     app = create_app(artifact, cfg, token=token, on_ready=on_ready, model_path=artifact_path)
     config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=cfg.graceful_timeout,  # seconds, 0 = none
-                            limit_concurrency=cfg.max_connections, loop="auto", http="auto")
+                            # uvicorn answers 503 from `limit` open connections on: +1 makes it "beyond N"
+                            limit_concurrency=cfg.max_connections + 1, loop="auto", ws="none",
+                            http=_protocol(cfg, app.state.metrics))
     server = uvicorn.Server(config)
     log.info("warming up %s; listening on %s (auth %s)", artifact_path, url, "on" if token else "off")
     # uvicorn re-raises the stopping signal after its graceful shutdown; with these handlers in

@@ -1,0 +1,303 @@
+"""The bounds of `torchcls serve` against slow, large and vanishing clients, over real sockets on 127.0.0.1.
+
+One real server with short deadlines (--header-timeout 1.5, --body-timeout 4) and small caps
+(--max-header-kb 4, --max-connections 8, --max-inflight-mb 64): slow headers and bodies are cut off,
+oversized headers get 431, a body that does not fit the in-flight budget gets 503 before it is read,
+31 MiB parse bombs are refused at a small CPU cost while a normal infer is answered, the probes are
+answered at the connection cap, a client leaving mid-body is a 499 with one log line, and binary
+outputs reach the real tritonclient as binary.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+psutil = pytest.importorskip("psutil")
+from test_serve import free_port, images_of, infer_body, preprocessed  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MiB = 2**20
+INFER = "/v2/models/shapes/infer"
+
+
+class LoggedServer:
+    """`torchcls serve` with its log in a file (read while it runs; a pipe nobody reads could fill)."""
+
+    def __init__(self, artifact: Path, log: Path, *flags: str):
+        self.port, self.log = free_port(), log
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.out = log.open("w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "torchcls", "serve", str(artifact), "--port",
+                                      str(self.port), "--threads", "1", *flags], stdout=self.out,
+                                     stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            try:
+                if httpx.get(f"{self.url}/v2/health/ready", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.25)
+        self.stop()
+        raise AssertionError(f"server did not become ready: {log.read_text()[-3000:]}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            return self.proc.wait(timeout=60)
+        finally:
+            self.out.close()
+
+    def metric(self, name: str, **labels: str) -> float:
+        text = httpx.get(f"{self.url}/metrics").text
+        want = [f'{k}="{v}"' for k, v in labels.items()]
+        found = re.findall(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M)  # label values may hold braces
+        return sum(float(v) for got, v in found if all(w in got for w in want))
+
+    def wait_metric(self, name: str, at_least: float, **labels: str) -> float:
+        """The metric once it reaches `at_least` (the app counts a request after its connection is gone)."""
+        deadline = time.monotonic() + 10
+        while (value := self.metric(name, **labels)) < at_least and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return value
+
+    def cpu_seconds(self) -> float:
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
+
+@pytest.fixture(scope="module")
+def bounded(trained_run, tmp_path_factory):
+    s = LoggedServer(trained_run, tmp_path_factory.mktemp("bounds") / "serve.log", "--header-timeout", "1.5",
+                     "--body-timeout", "4", "--max-header-kb", "4", "--max-connections", "8",
+                     "--max-body-mb", "32", "--max-inflight-mb", "64", "--max-batch", "8",
+                     "--precision", "fp32")  # logits checked against eager fp32 (auto may serve bf16)
+    yield s
+    assert s.stop() == 0
+
+
+def connect(server: LoggedServer, timeout: float = 30) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=timeout)
+    return sock
+
+
+def read_all(sock: socket.socket) -> bytes:
+    """Everything until the server closes the connection (a socket timeout fails the test)."""
+    chunks = []
+    try:
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:  # it closed with our bytes unread: a reset may follow its answer
+        pass
+    return b"".join(chunks)
+
+
+def status_of(response: bytes) -> int:
+    return int(response.split(b" ", 2)[1]) if response.startswith(b"HTTP/1.1 ") else 0
+
+
+def post_head(length: int | None, path: str = INFER, extra: str = "") -> bytes:
+    size = f"Content-Length: {length}\r\n" if length is not None else "Transfer-Encoding: chunked\r\n"
+    return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n{size}{extra}\r\n".encode()
+
+
+def test_slow_and_idle_clients_are_cut_off(bounded):
+    """Headers trickled one line every 0.2 s: 408 and closed; a connection that sends nothing: closed."""
+    before = bounded.metric("torchcls_connections_closed_total", reason="header_timeout")
+    slow, idle = connect(bounded), connect(bounded)
+    slow.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n")
+    lines = 0
+    try:
+        while lines < 150:  # 30 s of trickling at most: the old server never closed it
+            slow.sendall(b"X-Slow: %d\r\n" % lines)
+            lines += 1
+            time.sleep(0.2)
+    except OSError:  # reset or broken pipe: the server closed it
+        pass
+    assert lines < 150, "the slow client was never cut off"
+    assert status_of(read_all(slow)) in (408, 0)
+    assert read_all(idle) == b""  # closed without a word: it had begun no request
+    slow_body = connect(bounded)  # a body that stops after its first bytes: 408 at --body-timeout
+    slow_body.sendall(post_head(100_000) + b"[" * 100)
+    answer = read_all(slow_body)
+    assert status_of(answer) == 408 and b"--body-timeout" in answer
+    assert bounded.metric("torchcls_connections_closed_total", reason="header_timeout") >= before + 2
+    assert bounded.wait_metric("torchcls_requests_total", 1, status="408") >= 1
+    assert httpx.get(f"{bounded.url}/v2/health/live").status_code == 200
+
+
+def test_oversized_headers_get_431_before_they_are_buffered(bounded):
+    huge = connect(bounded)
+    huge.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    sent = 0
+    try:
+        while sent < 64 * MiB:  # the old server buffered all of it
+            huge.sendall(b"a" * 65536)
+            sent += 65536
+    except OSError:
+        pass
+    assert sent < 64 * MiB
+    assert status_of(read_all(huge)) in (431, 0)
+    many = connect(bounded)  # 101 short header lines: under 4 KiB, still refused
+    many.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(101))
+                 + b"\r\n")
+    answer = read_all(many)
+    assert status_of(answer) == 431 and b"header lines" in answer
+    assert bounded.metric("torchcls_connections_closed_total", reason="header_too_large") >= 2
+    ok = httpx.get(f"{bounded.url}/v2/health/live", headers={"X-Fine": "b" * 3000})  # under the cap
+    assert ok.status_code == 200
+
+
+def test_bodies_share_one_budget_and_a_declared_body_that_does_not_fit_is_refused_unread(bounded):
+    """Two clients hold 30 MiB each of a 64 MiB budget; a third declaring 31 MiB gets 503 at once."""
+    holders = [connect(bounded) for _ in range(2)]
+    for h in holders:
+        h.sendall(post_head(31 * MiB) + b" " * (30 * MiB))
+    deadline = time.monotonic() + 3
+    while bounded.metric("torchcls_inflight_body_bytes") < 60 * MiB and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bounded.metric("torchcls_inflight_body_bytes") >= 60 * MiB
+    third = connect(bounded)
+    third.sendall(post_head(31 * MiB))  # no body byte sent: the answer comes before any is read
+    answer = read_all(third)
+    assert status_of(answer) == 503 and b"--max-inflight-mb" in answer
+    assert re.search(rb"retry-after: 1", answer, re.I)
+    for h in holders:  # mid-body disconnects: 499, the bytes are given back
+        h.close()
+    deadline = time.monotonic() + 10
+    while bounded.metric("torchcls_inflight_body_bytes") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert bounded.metric("torchcls_inflight_body_bytes") == 0
+    assert bounded.wait_metric("torchcls_requests_total", 2, status="499") >= 2
+    assert bounded.metric("torchcls_requests_total", status="500") == 0
+
+
+def test_many_large_bodies_stay_within_the_budget(bounded):
+    """8 concurrent 31 MiB bodies: the server's peak RSS grows by about the budget, not 8 x 31 MiB x 2."""
+    proc = psutil.Process(bounded.proc.pid)
+    rss_before = proc.memory_info().rss
+    body = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 32, 32], "data": [' + \
+        b"0," * (31 * MiB // 2 - 64) + b"0]}]}"
+
+    def send(_):
+        try:
+            with httpx.Client(timeout=60) as c:
+                return c.post(f"{bounded.url}{INFER}", content=body).status_code
+        except httpx.TransportError:  # refused mid-body (503 and close) while still sending
+            return 0
+
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(send, range(8)))
+    assert set(codes) <= {400, 503, 0} and 400 in codes, codes  # 400: too many values for the shape
+    peak = int(re.search(r"VmHWM:\s+(\d+) kB", Path(f"/proc/{bounded.proc.pid}/status").read_text()).group(1)) * 1024
+    assert (peak - rss_before) / MiB < 200, (rss_before / MiB, peak / MiB)  # the old server: > 500 MiB
+
+
+def test_parse_bombs_are_refused_cheaply_while_infer_works(bounded, trained_run):
+    bomb = (b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 3, 32, 32], "data": ['
+            + b"[]," * (31 * MiB // 3 - 40) + b"[]]}]}")
+    assert len(bomb) < 31 * MiB
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    cpu_before = bounded.cpu_seconds()
+    with ThreadPoolExecutor(3) as pool:
+        bombs = [pool.submit(httpx.post, f"{bounded.url}{INFER}", content=bomb, timeout=120) for _ in range(2)]
+        good = httpx.post(f"{bounded.url}{INFER}", json=infer_body(x), timeout=120)
+        answers = [b.result() for b in bombs]
+    assert good.status_code == 200, good.text
+    for r in answers:
+        assert r.status_code == 400 and "values" in r.json()["error"], r.text
+    # The old server spent ~21 s of CPU per bomb building nested lists; this one counts bytes.
+    assert bounded.cpu_seconds() - cpu_before < 4
+
+
+def test_probes_are_answered_at_the_connection_cap_and_slow_clients_make_room(bounded, trained_run):
+    holders = []
+    try:
+        for _ in range(8):  # 8 requests in their body phase: the cap, and none can be evicted
+            h = connect(bounded)
+            h.sendall(post_head(1000) + b"[")
+            holders.append(h)
+        time.sleep(0.3)
+        for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
+            assert httpx.get(f"{bounded.url}{path}").status_code == 200, path
+        x = torch.zeros(1, 3, 32, 32)
+        assert httpx.post(f"{bounded.url}{INFER}", json=infer_body(x)).status_code == 503
+    finally:
+        for h in holders:
+            h.close()
+    time.sleep(0.3)
+    evicted = bounded.metric("torchcls_connections_closed_total", reason="evicted")
+    slow = [connect(bounded) for _ in range(8)]  # 8 slowloris connections fill the cap...
+    for s in slow:
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\n")
+    time.sleep(0.3)
+    r = httpx.post(f"{bounded.url}{INFER}", json=infer_body(x))  # ...and a real request closes the oldest
+    assert r.status_code == 200, r.text
+    assert bounded.metric("torchcls_connections_closed_total", reason="evicted") > evicted
+    for s in slow:
+        s.close()
+
+
+def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(bounded):
+    before = bounded.metric("torchcls_requests_total", status="499")
+    gone = connect(bounded)
+    gone.sendall(post_head(1_000_000) + b"0" * 1000)
+    time.sleep(0.3)
+    gone.close()
+    assert bounded.wait_metric("torchcls_requests_total", before + 1, status="499") == before + 1
+    assert bounded.metric("torchcls_requests_total", status="500") == 0
+    log = bounded.log.read_text()
+    assert "client went away after 1,000 of 1,000,000 body bytes" in log
+    assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+TRITON_CLIENT = """
+import sys, numpy as np, tritonclient.http as tc
+client = tc.InferenceServerClient(sys.argv[1])
+x = np.load(sys.argv[2])
+inp = tc.InferInput("input", list(x.shape), "FP32")
+inp.set_data_from_numpy(x, binary_data=True)
+asked = client.infer("shapes", [inp], outputs=[tc.InferRequestedOutput("logits", binary_data=True),
+                                                tc.InferRequestedOutput("labels", binary_data=False)])
+default = client.infer("shapes", [inp])  # no outputs named: tritonclient asks for binary_data_output
+for name, r in (("asked", asked), ("default", default)):
+    for out in r.get_response()["outputs"]:
+        print(name, out["name"], "binary" if "binary_data_size" in out.get("parameters", {}) else "json")
+np.save(sys.argv[3], asked.as_numpy("logits"))
+print("labels", [b.decode() if isinstance(b, bytes) else b for b in default.as_numpy("labels").tolist()])
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tritonclient") is None, reason="tritonclient[http] (test extra)")
+def test_tritonclient_gets_binary_outputs(bounded, trained_run, tmp_path):
+    import numpy as np
+
+    from torchcls.checkpoint.files import load_model
+
+    model, meta = load_model(trained_run)
+    x = preprocessed(trained_run, [f for f, _ in images_of(trained_run)[::9]][:3])
+    np.save(tmp_path / "x.npy", x.numpy())
+    # Its own process: tritonclient.http imports gevent, which should not share the test process.
+    r = subprocess.run([sys.executable, "-c", TRITON_CLIENT, f"127.0.0.1:{bounded.port}", str(tmp_path / "x.npy"),
+                        str(tmp_path / "logits.npy")], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert {"asked logits binary", "asked labels json", "default logits binary", "default probabilities binary",
+            "default labels binary"} <= set(lines), r.stdout
+    # The same server's JSON answer for the same batch (its precision may differ from eager fp32 here).
+    out = {o["name"]: o for o in httpx.post(f"{bounded.url}{INFER}", json=infer_body(x)).json()["outputs"]}
+    expected = torch.tensor(out["logits"]["data"]).reshape(3, -1)
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "logits.npy")), expected)
+    assert f"labels {out['labels']['data']}" in lines
+    assert out["labels"]["data"] == [meta.classes[i] for i in model(x).argmax(1).tolist()]
