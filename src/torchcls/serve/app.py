@@ -205,7 +205,7 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
     async def infer(model_name: str, request: Request) -> Response:
         svc.check_model(model_name)
         svc.admit()
-        body = await request.body()
+        body = await read_body(request)
         x, req = await svc.off_loop(svc.parse_slots, oip.parse_infer, body, request.headers.get(oip.BINARY_HEADER),
                                     info, max_batch)
         outputs = oip.requested_outputs(req)
@@ -245,7 +245,7 @@ def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: s
         return None
     from torchcls.serve.worker import ModelProcess
 
-    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device, cfg.trust_artifact, cfg.precision)
+    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device)
     batcher.fn = worker
     return worker
 
@@ -267,7 +267,7 @@ async def read_uploads(request: Request, max_files: int, max_part_bytes: int) ->
         if not uploads:
             raise HTTPError(400, "the multipart form holds no file; send the image as a file field")
         return uploads
-    body = await request.body()
+    body = await read_body(request)
     if not body:
         raise HTTPError(400, "the request body is empty; send image bytes (raw body or multipart file)")
     return [("body", bytes(body))]

@@ -46,7 +46,7 @@ def model_metadata(name: str, info: ArtifactInfo) -> dict[str, Any]:
     }
 
 
-def _split_binary(body: bytes, header_length: str | None) -> tuple[bytes, bytes]:
+def _split_binary(body: bytes | bytearray, header_length: str | None) -> tuple[bytes | bytearray, memoryview]:
     if header_length is None:
         return body, memoryview(b"")
     try:

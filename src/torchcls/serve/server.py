@@ -32,18 +32,17 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
                         ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
-    if cfg.graceful_timeout < 0:
     if cfg.max_body_mb > cfg.max_inflight_mb:
         raise UserError(f"--max-body-mb {cfg.max_body_mb:g} is above --max-inflight-mb {cfg.max_inflight_mb:g}: "
                         "a body that large could never be read; raise --max-inflight-mb or lower --max-body-mb")
     if cfg.max_header_kb < 1:
         raise UserError(f"--max-header-kb must be at least 1 (KiB), got {cfg.max_header_kb:g}")
+    if cfg.graceful_timeout < 0:
         raise UserError(f"--graceful-timeout must be >= 0 seconds, got {cfg.graceful_timeout}")
     if cfg.max_wait_ms < 0:
         raise UserError(f"--max-wait-ms must be >= 0, got {cfg.max_wait_ms}")
 
 
-def _bind(host: str, port: int) -> socket.socket:
 def _protocol(cfg: ServeConfig, metrics):
     """uvicorn's httptools protocol with header/body deadlines, a header cap and admission by age."""
     from torchcls.serve.protocol import ConnectionLimits, protocol_class
@@ -55,6 +54,7 @@ def _protocol(cfg: ServeConfig, metrics):
     return cls
 
 
+def _bind(host: str, port: int) -> socket.socket:
     """Bind here so that a busy port is a clear message, not a uvicorn traceback."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
