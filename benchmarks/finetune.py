@@ -9,6 +9,11 @@ on): the top-1 of the last epoch, no selection on that set. The subsets are writ
 files with a CSV manifest (path,label,split), so each run is a plain `torchcls train --data CSV`.
 Prints JSON, a Markdown table, and writes a plot (benchmarks/results/finetune.png).
 
+One more row: a real ImageNet-pretrained backbone (--imagenet-model, a timm name with a pretrained
+tag) fine-tuned on the largest size (`--pretrained` alone: the tag's weights from the Hugging Face
+hub), when its weights are in the local hub cache; otherwise the row says "skipped: not in cache"
+(nothing is downloaded: a benchmark does not wait on the network).
+
     python benchmarks/finetune.py                  # 50/200/1000 images, 3 seeds
     python benchmarks/finetune.py --quick          # tiny end-to-end check (minutes), plot in a temp dir
 """
@@ -46,6 +51,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--pretrain-epochs", type=int, default=2, help="epochs of the Fashion-MNIST run")
     p.add_argument("--pretrain-images", type=int, default=0, help="Fashion-MNIST training images (0 = all 60,000)")
     p.add_argument("--plot", default=str(RESULTS / "finetune.png"))
+    p.add_argument("--imagenet-model", default="resnet18.a1_in1k", help="timm name with an ImageNet pretrained tag "
+                   "for the extra row (its weights must be in the local hub cache; 'none' leaves the row out)")
+    p.add_argument("--imagenet-img-size", type=int, default=64, help="input size of the ImageNet row (--img-size "
+                   "overrides the backbone's 224 px: the digits are 28 px, and 224 px costs 12x the compute)")
     p.add_argument("--quick", action="store_true", help="a tiny end-to-end check: sizes 50,200, one seed, 20 steps, "
                    "one epoch on 2,000 Fashion-MNIST images, plot in a temporary folder")
     args = p.parse_args()
@@ -102,13 +111,17 @@ def pretrain(work: Path, args) -> Path:
     return result.run_dir
 
 
-def digit_run(csv_path: Path, n: int, seed: int, pretrained: Path | None, work: Path, args) -> float:
-    """Train on the N labelled digits of `csv_path`; the last epoch's top-1 on the fixed held-out digits."""
-    name = f"{'finetuned' if pretrained else 'scratch'}-{n}-seed{seed}"
+def digit_run(csv_path: Path, n: int, seed: int, pretrained: Path | str | None, work: Path, args,
+              imagenet: bool = False) -> float:
+    """Train on the N labelled digits of `csv_path`; the last epoch's top-1 on the fixed held-out digits.
+    `imagenet`: --imagenet-model from its hub weights, the digits shown as RGB at --imagenet-img-size."""
+    name = f"{'imagenet' if imagenet else 'finetuned' if pretrained else 'scratch'}-{n}-seed{seed}"
     cfg = base_config(str(csv_path), work / "runs", name, seed, min(args.batch_size, n), args.lr)
     steps_per_epoch = math.ceil(n / cfg.data.batch_size)  # the last, smaller batch is kept (no drop_last)
     cfg.train.epochs = max(1, math.ceil(args.steps / steps_per_epoch))
     cfg.model.pretrained = str(pretrained) if pretrained else None
+    if imagenet:  # mean/std, interpolation and crop follow the backbone's pretrained config
+        cfg.model.name, cfg.data.channels, cfg.data.img_size = args.imagenet_model, 3, args.imagenet_img_size
     run_dir = train(cfg).run_dir
     last = [r for r in read_metrics(run_dir) if r.get("kind") == "epoch"][-1]
     return float(last["val_top1"])
@@ -121,7 +134,7 @@ def run(args, work: Path) -> list[dict]:
     val = per_class(labels, everything, VAL_PER_CLASS, np.random.default_rng(1234))  # the same for every run
     pool = np.setdiff1d(everything, val)
     fashion_run = pretrain(work, args)
-    results = []
+    results, largest = [], {}
     for seed in [int(s) for s in args.seeds.split(",")]:
         order = np.random.default_rng(seed)
         for n in sorted(int(s) for s in args.sizes.split(",")):
@@ -133,7 +146,43 @@ def run(args, work: Path) -> list[dict]:
                 top1 = digit_run(csv_path, n, seed, pretrained, work, args)
                 results.append({"images": n, "seed": seed, "mode": mode, "val_top1": round(top1, 4)})
                 print(json.dumps(results[-1]), file=sys.stderr, flush=True)  # progress while it runs
+            largest[seed] = (n, csv_path)
+    if imagenet_skipped(args.imagenet_model) is None:
+        for seed, (n, csv_path) in largest.items():
+            top1 = digit_run(csv_path, n, seed, "hub", work, args, imagenet=True)
+            results.append({"images": n, "seed": seed, "mode": "imagenet", "model": args.imagenet_model,
+                            "img_size": args.imagenet_img_size, "val_top1": round(top1, 4)})
+            print(json.dumps(results[-1]), file=sys.stderr, flush=True)
     return results
+
+
+def imagenet_skipped(model: str) -> str | None:
+    """Why the ImageNet row is not run (None: it is): its weights must already be in the local hub cache."""
+    from timm.models import get_pretrained_cfg
+
+    from torchcls.models.hub import cache_dir, in_cache
+
+    if model == "none":
+        return "skipped: --imagenet-model none"
+    cfg = get_pretrained_cfg(model)
+    if cfg is None or not cfg.hf_hub_id:
+        return f"skipped: {model} has no pretrained weights on the Hugging Face hub"
+    if not in_cache(cfg.hf_hub_id):
+        return (f"skipped: not in cache ({cache_dir()} has no hf-hub:{cfg.hf_hub_id}; `torchcls train --model "
+                f"{model} --pretrained` where the network is reachable fills it)")
+    return None
+
+
+def imagenet_line(results: list[dict], args) -> str:
+    """The ImageNet row of the Markdown table, or why it was skipped."""
+    runs = [r["val_top1"] for r in results if r["mode"] == "imagenet"]
+    if not runs:
+        return f"| ImageNet-pretrained {args.imagenet_model} | {imagenet_skipped(args.imagenet_model)} | | |"
+    n = results[-1]["images"]
+    scratch = statistics.fmean(r["val_top1"] for r in results if r["mode"] == "scratch" and r["images"] == n)
+    mean = statistics.fmean(runs)
+    return (f"| {n}, ImageNet-pretrained {args.imagenet_model} at {args.imagenet_img_size} px | {scratch:.2%} | "
+            f"{mean:.2%} | {mean - scratch:+.2%} |")
 
 
 def summary(results: list[dict]) -> list[dict]:
@@ -189,6 +238,7 @@ def main() -> None:
     for r in rows:
         s, f = r["scratch"]["mean"], r["finetuned"]["mean"]
         print(f"| {r['images']} | {s:.2%} | {f:.2%} | {f - s:+.2%} |")
+    print(imagenet_line(results, args))
     print(f"\ntop-1 on the same 1,000 held-out digits, mean of {len(args.seeds.split(','))} seed(s); plot: {plot_path}")
 
 
