@@ -133,7 +133,7 @@ def test_cli_rejects_bad_threshold(tmp_path, capsys):
 
 
 def test_calibration_hits_its_target_on_a_fixed_data_set():
-    from torchcls.evaluation.early_exit import ExitCosts, calibrate, simulate, sweep
+    from torchcls.evaluation.early_exit import ExitCosts, calibrate, reached, simulate, sweep
 
     g = torch.Generator().manual_seed(0)
     n, c = 400, 4
@@ -157,8 +157,11 @@ def test_calibration_hits_its_target_on_a_fixed_data_set():
     conf = logits.softmax(2).amax(2)
     assert all((conf[:int(i), s] < 0.9).all() and (int(i) == 2 or conf[int(i), s] >= 0.9)
                for s, i in enumerate(index))
-    with pytest.raises(UserError, match="no threshold reaches"):
-        calibrate(points, target_accuracy=0.999)
+    # A target no threshold meets: the nearest one (the most accurate; the cheapest), not an error.
+    best = calibrate(points, target_accuracy=0.999)
+    assert best.accuracy == max(p.accuracy for p in points) and not reached(best, 0.999, None)
+    cheapest = calibrate(points, target_compute=0.01)
+    assert cheapest.relative_compute == min(p.relative_compute for p in points) and not reached(cheapest, None, 0.01)
     with pytest.raises(UserError, match="outside"):
         calibrate(points, target_accuracy=1.5)
     with pytest.raises(UserError, match="exactly one"):

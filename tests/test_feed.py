@@ -102,3 +102,20 @@ def test_ddp_over_shards_with_two_ranks(tmp_path: Path, sources: dict[str, Path]
     assert len(epochs) == 2 and all(0.0 <= e["val_top1"] <= 1.0 for e in epochs)
     splits = json.loads((tmp_path / "ddp" / "data_splits.json").read_text())
     assert splits["train"]["images"] + splits["val"]["images"] == 56
+
+
+def test_shards_train_and_validate_on_a_folder(tmp_path: Path, sources: dict[str, Path]) -> None:
+    """--val-data takes any source beside shard training: the folder is read map-style and is the
+    validation set (all 56 of its images), shards are the training set (all of them, none held out)."""
+    import json
+
+    from torchcls.training import train
+
+    cfg = _config(sources["shards"], tmp_path, "val-folder", "shards")
+    cfg.train.epochs, cfg.data.val_data = 1, str(sources["files"])
+    result = train(cfg)
+    splits = json.loads((result.run_dir / "data_splits.json").read_text())
+    assert splits["val"] == {"source": str(sources["files"]), "images": 56, "how": "--val-data"}
+    assert splits["train"]["images"] == 56  # no shard held out
+    records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["kind"] == "epoch" and "val_top1" in records[-1]

@@ -11,7 +11,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from torchcls.noise import silence_known_noise
+
 __version__ = "0.1.0"
+silence_known_noise()  # library lines that read as errors on a successful run (torchcls.noise)
 
 _API = {
     "train": "torchcls.training",

@@ -66,15 +66,12 @@ def _cmd_explain(opts: o.ExplainOptions) -> int:
 
 def _cmd_export(opts: o.ExportOptions) -> int:
     from torchcls.artifacts import export
-    from torchcls.artifacts.edge import describe
+    from torchcls.cli_output import export_lines
+    from torchcls.console import phases
 
-    r = export(opts.checkpoint, **o.kwargs_of(opts, "checkpoint"))
-    p = r.parity
-    print(f"wrote {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {r.info.target} {r.info.precision}, batch 1-"
-          f"{r.info.max_batch})\nparity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
-          f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}")
-    if details := describe(p):  # ExecuTorch lowering, early-exit parity per exit
-        print(details)
+    with phases("export"):  # on a terminal: which phase is running and for how long (a build takes 20-80 s)
+        r = export(opts.checkpoint, **o.kwargs_of(opts, "checkpoint"))
+    print("\n".join(export_lines(r)))
     return 0
 
 
@@ -184,7 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    p = sub.add_parser("train", help="train a model; writes runs/<name>/", description="Train a model. Options "
+    p = sub.add_parser("train", help="train a model; writes runs/<name>/", usage="torchcls train [--recipe NAME] "
+                       "[--config FILE.toml] [--OPTION VALUE ...]", description="Train a model. Options "
                        f"come from --config FILE.toml (sections {' '.join(f'[{s}]' for s in SECTIONS)}) and flags.")
     add_config_flags(p)
     p.set_defaults(func=_cmd_train)
@@ -205,12 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args)
-    except UserError as e:
-        print(f"torchcls {args.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
+    from torchcls.cli_errors import run  # unknown options, user errors, a closed pipe
+
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

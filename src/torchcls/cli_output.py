@@ -38,6 +38,21 @@ def print_models(entries, as_json: bool) -> int:
     return 0
 
 
+def export_lines(r) -> list[str]:
+    """What `torchcls export` prints: the artifact, its parity, and the target's own details (edge.describe)."""
+    from torchcls.artifacts.edge import describe
+
+    p = r.parity
+    quantized = p.get("executorch", {}).get("quantize") not in (None, "none")  # int8 weights and activations
+    kind = f"{r.info.target} {p['executorch']['quantize'] if quantized else r.info.precision}"
+    lines = [f"wrote {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {kind}, batch 1-{r.info.max_batch})",
+             f"parity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
+             f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}"]
+    if details := describe(p):  # ExecuTorch lowering, early-exit parity per exit
+        lines.append(details)
+    return lines
+
+
 def print_predictions(preds, topk: int) -> None:
     from rich.table import Table
 

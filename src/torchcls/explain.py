@@ -18,6 +18,7 @@ from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 from torchcls.options import ExplainOptions as _D  # the defaults, declared once
 from torchcls.prediction import expand_inputs
 
@@ -43,7 +44,7 @@ def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.m
     try:
         from captum.attr import IntegratedGradients, Saliency
     except ImportError:
-        raise UserError("explain needs captum: pip install 'torchcls[explain]'") from None
+        raise missing_extra("explain", "torchcls explain", "captum") from None
     path = resolve_checkpoint(checkpoint)
     model, meta = load_model(path)
     if target is not None and target not in meta.classes:

@@ -30,6 +30,7 @@ from torchcls.artifacts.placement import cpu_only, portable_device
 from torchcls.artifacts.targets import get_target
 from torchcls.artifacts.targets.base import ArtifactInfo, ExportRequest, LoadedArtifact, Plan
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
+from torchcls.console import phase
 from torchcls.devices import BuildDevice
 from torchcls.errors import UserError
 from torchcls.models.early_exit import CondEarlyExit, EarlyExitNet
@@ -104,10 +105,10 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     at = dev if target == "aoti" else torch.device("cpu")
     ep = capture(copy.deepcopy(model).to(at), info, at)
     with _partial_file(path) as tmp:
-        report = plan.build(ep, info, tmp, extra)
-        artifact = tgt.load(tmp, device=str(dev))
+        report, artifact = _build_and_load(plan, tgt, ep, info, tmp, extra, dev)
         # The eager reference runs on the same device (early-exit models: on the CPU, where their exits are chosen).
         reference = model if early_exit or dev.type == "cpu" else OnDevice(model, dev)
+        phase(f"parity on {len(images)} held-out images")
         parity = measure_parity(reference, artifact, images, labels, min_agreement)
         parity.update(target=target, precision=precision, checkpoint=str(ckpt.resolve()), artifact=path.name,
                       device=built.type)
@@ -142,10 +143,20 @@ class OnDevice(nn.Module):
         return self.model(x.to(self.device)).float().cpu()
 
 
+def _build_and_load(plan: Plan, tgt, ep: torch.export.ExportedProgram, info: ArtifactInfo, tmp: Path,
+                    extra: dict[str, str], dev: torch.device) -> tuple[dict[str, Any], LoadedArtifact]:
+    """Build the artifact under its temporary name, then load it back with the user's loader."""
+    phase(f"build ({info.target} {plan.label})")
+    report = plan.build(ep, info, tmp, extra)
+    phase("load back")
+    return report, tgt.load(tmp, device=str(dev))
+
+
 def capture(model: nn.Module, info: ArtifactInfo, device: torch.device | str = "cpu") -> torch.export.ExportedProgram:
     """torch.export of what the artifact computes (float32 normalised images → float32 logits; early-exit
     models also return the exit per image), batch dimension dynamic in [1, max_batch] (static at 1). The
     model and the example batch are on `device`: AOTInductor compiles for the device the program holds."""
+    phase("capture (torch.export)")
     pre = info.preprocess
     if isinstance(model, EarlyExitNet):
         module: nn.Module = CondEarlyExit(model)  # a Python `if` on a tensor cannot be exported

@@ -2,6 +2,11 @@
 
 The verdict is for CI: any failed check makes `passed` false (exit code 1); warnings
 (e.g. no CUDA kernel) are listed with what to do but do not fail the audit.
+
+What is audited is what the user's code registered: the namespaces that --import and the --model's own
+code add, the custom ops its graph calls, or --namespace. Operators of the libraries torchcls itself
+runs on (torchvision's nms, roi_align, ...; torchao's when loaded) are their maintainers' to test: they
+are listed as context with their op count, and audited only when asked for with --namespace.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ class KernelAudit:
     binaries: list[dict[str, Any]] = field(default_factory=list)
     triton: list[dict[str, Any]] = field(default_factory=list)
     model: dict[str, Any] | None = None
+    library_ops: dict[str, int] = field(default_factory=dict)  # namespace -> ops: context, not audited
 
     @property
     def failures(self) -> list[str]:
@@ -35,7 +41,7 @@ class KernelAudit:
     def as_dict(self) -> dict[str, Any]:
         return {"imports": self.imports, "device": self.device, "passed": not self.failures,
                 "failures": self.failures, "ops": self.ops, "binaries": self.binaries,
-                "triton_kernels": self.triton, "model": self.model}
+                "triton_kernels": self.triton, "model": self.model, "library_ops": self.library_ops}
 
 
 def _device() -> dict[str, Any]:
@@ -83,22 +89,26 @@ def audit_kernels(imports: list[str] = (), model: str | None = None,
                   namespaces: list[str] | None = None) -> KernelAudit:
     """Audit the custom ops registered after importing `imports` (and those a model's graph uses)."""
     import torch
+    import torchvision  # noqa: F401  (torchcls's own dependency: its ops are there before the user's code runs)
 
     from torchcls.audit import binaries, graph, ops
 
     before = ops.namespaces_now()
+    library = before - ops.BUILTIN_NAMESPACES
     dirs = [d for d in _import_targets(list(imports)) if d.is_dir()]
-    # Which ops to audit: the namespaces asked for, else those the imports registered, else all non-PyTorch ones.
-    # (importing a package can also make PyTorch register its own lazy namespaces: those are not custom)
-    scope = set(namespaces or ()) or ((ops.namespaces_now() - before - ops.BUILTIN_NAMESPACES) if imports else set())
     audit = KernelAudit(list(imports), _device())
     model_info = None
     if model:
         net, x, kind = graph.load_audit_model(model)
-        model_info = {"target": model, "kind": kind} | graph.ops_in_graph(net, x)
-        if scope:  # the ops a model calls are audited too
-            scope |= {name.split("::", 1)[0] for name in model_info["custom_ops"]}
-    audit.ops = [ops.audit_op(n).as_dict() for n in ops.custom_op_names(scope or None)]
+        model_info = _split_library_ops({"target": model, "kind": kind} | graph.ops_in_graph(net, x), library)
+    # Which ops to audit: the namespaces asked for, else those the imports and the model's code registered
+    # (importing a package can also make PyTorch register its own lazy namespaces: those are not custom),
+    # and in either case the custom ops the model's graph calls.
+    scope = set(namespaces or ()) or (ops.namespaces_now() - before - ops.BUILTIN_NAMESPACES)
+    if model_info:
+        scope |= {name.split("::", 1)[0] for name in model_info["custom_ops"]}
+    audit.ops = [ops.audit_op(n).as_dict() for n in ops.custom_op_names(scope)] if scope else []
+    audit.library_ops = {ns: n for ns, n in ops.count_by_namespace(library).items() if ns not in scope}
     libs = [str(p) for p in getattr(torch.ops, "loaded_libraries", set())]
     for so in binaries.shared_objects(dirs, libs):
         found = binaries.scan_shared_object(so)
@@ -112,6 +122,14 @@ def audit_kernels(imports: list[str] = (), model: str | None = None,
                       "fix": ""}
     audit.model = model_info
     return audit
+
+
+def _split_library_ops(model_info: dict[str, Any], library: set[str]) -> dict[str, Any]:
+    """The graph's calls of library ops (torchvision::nms ...) apart from the user's custom ops."""
+    calls = model_info["custom_ops"]
+    model_info["library_ops"] = {k: v for k, v in calls.items() if k.split("::", 1)[0] in library}
+    model_info["custom_ops"] = {k: v for k, v in calls.items() if k not in model_info["library_ops"]}
+    return model_info
 
 
 def default_out(model: str | None) -> Path:
@@ -136,16 +154,17 @@ def to_markdown(d: dict[str, Any]) -> str:
     dev = d["device"]
     lines = [f"# Kernel audit: {'PASSED' if d['passed'] else 'FAILED'}", "",
              f"torch {dev['torch']}; local GPU: {dev['name'] or 'none'} ({dev['capability'] or 'no CUDA'}); "
-             f"torch built for {', '.join(dev['torch_cuda_archs']) or 'CPU only'}", "",
-             "| op | keys | traceable | " + " | ".join(c["name"] for c in (d["ops"][0]["checks"] if d["ops"] else []))
-             + " | status |"]
+             f"torch built for {', '.join(dev['torch_cuda_archs']) or 'CPU only'}", ""]
     if d["ops"]:
-        lines.append("|" + "---|" * (4 + len(d["ops"][0]["checks"])))
+        lines += ["| op | keys | traceable | " + " | ".join(c["name"] for c in d["ops"][0]["checks"]) + " | status |",
+                  "|" + "---|" * (4 + len(d["ops"][0]["checks"]))]
     for op in d["ops"]:
         lines.append(f"| {op['name']} | {' '.join(op['dispatch_keys'])} | {'yes' if op['traceable'] else 'no'} | "
                      + " | ".join(c["status"] for c in op["checks"]) + f" | {op['status']} |")
     if not d["ops"]:
-        lines.append("(no custom ops registered)")
+        lines.append("(no custom ops registered by the imports or the model)")
+    if d.get("library_ops"):
+        lines += ["", library_line(d["library_ops"])]
     fixes = [(op["name"], c) for op in d["ops"] for c in op["checks"] if c["status"] in ("fail", "warn")]
     if fixes:
         lines += ["", "## What to fix", ""] + [f"- **{n}** {c['name']} ({c['status']}): {c['detail']} — {c['fix']}"
@@ -163,4 +182,14 @@ def to_markdown(d: dict[str, Any]) -> str:
         lines.append(f"exported: {m['exported']}" + (f" ({m['error']})" if m["error"] else
                      f", {m['graph_calls']} calls; custom ops: " + (", ".join(f"{k} ×{v}" for k, v in
                                                                          m["custom_ops"].items()) or "none")))
+        if m.get("library_ops"):
+            lines.append("library ops it calls (context): " + ", ".join(f"{k} ×{v}" for k, v in m["library_ops"].items()))
     return "\n".join(lines) + "\n"
+
+
+def library_line(library_ops: dict[str, int]) -> str:
+    """The context line: library operators present but not audited, and how to audit them."""
+    listing = ", ".join(f"{ns} ({n} ops)" for ns, n in sorted(library_ops.items()))
+    first = sorted(library_ops)[0]
+    return (f"Library operators, not audited (their maintainers test them): {listing}; "
+            f"audit one with --namespace {first}")

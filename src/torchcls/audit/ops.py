@@ -59,6 +59,16 @@ def custom_op_names(namespaces: set[str] | None = None) -> list[str]:
     return sorted(n for n in names if "::" in n and keep(n.split("::", 1)[0]))
 
 
+def count_by_namespace(namespaces: set[str]) -> dict[str, int]:
+    """How many ops each of `namespaces` holds (overloads counted once per op)."""
+    counts: dict[str, int] = {}
+    for n in {n.split(".", 1)[0] for n in torch._C._dispatch_get_all_op_names() if "::" in n}:
+        ns = n.split("::", 1)[0]
+        if ns in namespaces:
+            counts[ns] = counts.get(ns, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _has(name: str, key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(name, key)
 

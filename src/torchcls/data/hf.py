@@ -19,6 +19,7 @@ import torch
 
 from torchcls.data import images as image_files
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 
 PREFIX = "hf:"
 # Our split names -> the names a DatasetDict may use for them.
@@ -126,7 +127,7 @@ def _load_from_disk(path: Path, split: str | None):
     try:
         import datasets
     except ModuleNotFoundError:
-        raise UserError("--data hf:... needs the 'datasets' package: pip install 'torchcls[hf]'") from None
+        raise missing_extra("hf", "--data hf:...", "datasets") from None
     try:
         ds = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:

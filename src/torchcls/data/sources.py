@@ -24,6 +24,7 @@ from torchcls.data.refusals import refuse
 from torchcls.data.scan import list_files, scan_headers
 from torchcls.data.splits import SPLIT_NAMES, available_splits, check_same_classes, csv_splits, split_folders
 from torchcls.errors import UserError
+from torchcls.suggest import data_names, did_you_mean
 
 FASHION_MNIST_DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
 FASHION_MNIST_CLASSES = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
@@ -99,7 +100,7 @@ def open_source(source: str, root: str | None, split: str, channels: int | None,
         return _csv_manifest(path, Path(root) if root else path.parent, channels or 3, on_bad_file, split,
                              max_pixels)
     raise UserError(f"--data {source!r}: not a built-in data set ({', '.join(BUILTIN)}), "
-                    "not an existing directory, and not a .csv manifest")
+                    "not an existing directory, and not a .csv manifest" + did_you_mean(source, data_names(source, BUILTIN)))
 
 
 def _mnist_5k(channels: int | None) -> ImageSet:

@@ -91,7 +91,9 @@ def sweep(logits: torch.Tensor, targets: torch.Tensor, costs: ExitCosts, grid=GR
 def calibrate(points: list[SweepPoint], target_accuracy: float | None = None,
               target_compute: float | None = None) -> SweepPoint:
     """The threshold for a target: the cheapest one reaching `target_accuracy`, or the most
-    accurate one within `target_compute` (mean FLOPs as a fraction of the backbone's)."""
+    accurate one within `target_compute` (mean FLOPs as a fraction of the backbone's). A target that no
+    threshold meets gets the nearest one instead: the most accurate (then cheapest), or the cheapest;
+    calibrate_on says so (see `reached`)."""
     if (target_accuracy is None) == (target_compute is None):
         raise UserError("give exactly one calibration target: --target-accuracy or --target-compute")
     if target_accuracy is not None:
@@ -99,19 +101,20 @@ def calibrate(points: list[SweepPoint], target_accuracy: float | None = None,
             raise UserError(f"--target-accuracy {target_accuracy} is outside [0, 1] (e.g. 0.9 for 90%)")
         ok = [p for p in points if p.accuracy >= target_accuracy]
         if not ok:
-            best = max(p.accuracy for p in points)
-            raise UserError(f"no threshold reaches accuracy {target_accuracy:.4f} on the validation split "
-                            f"(best: {best:.4f}); lower --target-accuracy")
+            return max(points, key=lambda p: (p.accuracy, -p.mean_flops))
         return min(ok, key=lambda p: (p.mean_flops, -p.accuracy))
     if not 0.0 < target_compute <= 1.5:
         raise UserError(f"--target-compute {target_compute}: give the mean compute as a fraction of the "
                         "backbone's, e.g. 0.7 for 70%")
     ok = [p for p in points if p.relative_compute <= target_compute]
     if not ok:
-        cheapest = min(p.relative_compute for p in points)
-        raise UserError(f"no threshold keeps mean compute within {target_compute:.2f} of the backbone "
-                        f"(cheapest: {cheapest:.2f}); raise --target-compute")
+        return min(points, key=lambda p: (p.relative_compute, -p.accuracy))
     return max(ok, key=lambda p: (p.accuracy, -p.mean_flops))
+
+
+def reached(point: SweepPoint, target_accuracy: float | None, target_compute: float | None) -> bool:
+    return point.accuracy >= target_accuracy if target_accuracy is not None else \
+        point.relative_compute <= target_compute
 
 
 @torch.no_grad()
@@ -158,8 +161,18 @@ def calibrate_on(model: EarlyExitNet, loader, device: torch.device, image_shape,
     logits, targets = all_exit_logits(model, loader, device)
     chosen = calibrate(sweep(logits, targets, exit_costs(model, image_shape)), target_accuracy, target_compute)
     model.threshold = check_threshold(chosen.threshold)
+    met = reached(chosen, target_accuracy, target_compute)
+    if not met:  # the nearest threshold, and what would meet the target
+        from torchcls.console import console
+
+        target, fix = (f"accuracy {target_accuracy:.4f}", "train longer, or lower --target-accuracy") \
+            if target_accuracy is not None else (f"compute {target_compute:.2f} of the backbone",
+                                                 "raise --target-compute")
+        console.print(f"[yellow]no exit threshold reaches {target} on the validation split ({len(targets)} "
+                      f"images); using the nearest: threshold {chosen.threshold:.4g}, accuracy {chosen.accuracy:.4f}, "
+                      f"{chosen.relative_compute:.0%} of the backbone's compute. To reach it: {fix}[/]")
     return {"target_accuracy": target_accuracy, "target_compute": target_compute, "n": len(targets),
-            "chosen": asdict(chosen)}
+            "chosen": asdict(chosen), "reached": met}
 
 
 def _take(loader, n: int):

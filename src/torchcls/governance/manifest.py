@@ -22,6 +22,7 @@ from torchcls.errors import UserError
 from torchcls.governance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_basis_term
+from torchcls.suggest import data_names, did_you_mean
 
 BUILTIN_SPLITS = {"mnist-5k": ("train",), "fashion-mnist": ("train", "test")}  # the samples a manifest hashes
 
@@ -69,7 +70,8 @@ def build_manifest(source: str, root: str | None = None, meta: DatasetMeta | Non
     else:
         path = Path(source)
         if not (path.is_dir() or (path.suffix.lower() == ".csv" and path.is_file())):
-            raise UserError(f"{source!r} is not a built-in data set, an existing directory or a .csv file")
+            raise UserError(f"{source!r} is not a built-in data set, an existing directory or a .csv file"
+                            + did_you_mean(source, data_names(source, BUILTIN_META)))
         base, records, distribution = _file_backed(path, root, cache)
     manifest = {
         "@context": CONTEXT, "@type": "sc:Dataset", "conformsTo": CONFORMS_TO,

@@ -13,6 +13,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from torchcls.noise import KINETO_CPU_ONLY, stderr_without
+
 # Index 1.. of each timeline row, in torch.profiler._memory_profiler._CATEGORY_TO_COLORS order.
 TIMELINE_CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
                        "autograd_detail", "unknown")
@@ -29,16 +31,19 @@ class StepProfiler:
         self.prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
                             with_stack=True, schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
                             on_trace_ready=self._ready)
-        self.prof.start()
+        with stderr_without(KINETO_CPU_ONLY):  # kineto's GPU probe in a CUDA build on a CPU (torchcls.noise)
+            self.prof.start()
         self.running = True
 
     def step(self) -> None:
-        if self.running:
-            self.prof.step()
+        if self.running and self.result is None:  # after the window the profiler has nothing left to do
+            with stderr_without(KINETO_CPU_ONLY):
+                self.prof.step()
 
     def stop(self) -> None:
         if self.running:
-            self.prof.stop()
+            with stderr_without(KINETO_CPU_ONLY):
+                self.prof.stop()
             self.running = False
 
     def _ready(self, prof) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada (sm_89), Hopper (sm_90), Blackwell (sm_100+): the GPUs with FP8 tensor cores
 
@@ -48,4 +49,4 @@ def require_torchao(what: str) -> None:
     try:
         import torchao  # noqa: F401
     except ImportError:
-        raise UserError(f"{what} needs torchao: pip install 'torchcls[precision]' (torchao==0.18.0)") from None
+        raise missing_extra("precision", what, "torchao") from None

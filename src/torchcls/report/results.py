@@ -103,6 +103,10 @@ def kernel_audit(run_dir: Path) -> str | None:
     parts = [f"<p>verdict: {status('pass' if d['passed'] else 'fail')} — {len(d['ops'])} custom op(s), "
              f"{len(d['binaries'])} GPU binar(ies), {len(d['triton_kernels'])} Triton kernel(s); local GPU: "
              f"{esc(d['device'].get('capability') or 'none')}</p>"]
+    if d.get("library_ops"):
+        from torchcls.audit.kernels import library_line
+
+        parts.append(f"<p>{esc(library_line(d['library_ops']))}</p>")
     if d["ops"]:
         names = [c["name"] for c in d["ops"][0]["checks"]]
         rows = [[op["name"], " ".join(op["dispatch_keys"]), "yes" if op["traceable"] else "no",
@@ -119,7 +123,9 @@ def kernel_audit(run_dir: Path) -> str | None:
     if d.get("model"):
         mo = d["model"]
         found = ", ".join(f"{k} ×{v}" for k, v in mo["custom_ops"].items()) or "none"
+        library = ", ".join(f"{k} ×{v}" for k, v in mo.get("library_ops", {}).items())
         parts.append(f"<p>model {esc(mo['target'])}: " + (f"custom ops in the exported graph: {esc(found)}"
+                     + (f"; library ops (context): {esc(library)}" if library else "")
                      if mo["exported"] else f"export failed: {esc(mo['error'])}") + "</p>")
     return "".join(parts)
 

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 from torchcls.serve.config import TOKEN_ENV, ServeConfig
 
 log = logging.getLogger("torchcls.serve")
@@ -76,7 +77,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
         import fastapi  # noqa: F401
         import uvicorn
     except ImportError as e:
-        raise UserError(f"serving needs the 'serve' extra ({e.name} is missing): pip install 'torchcls[serve]'") from None
+        raise missing_extra("serve", "torchcls serve", e.name) from None
     import torch
 
     from torchcls.artifacts.artifact import load_artifact

@@ -43,7 +43,7 @@ from torchcls.training.freeze import apply_freeze
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
-from torchcls.training.resume_options import option_changes
+from torchcls.training.resume_options import Finished, finished_run, option_changes
 from torchcls.training.rundir import RunDir
 from torchcls.training.tensorboard import open_writer
 from torchcls.training.tracking import open_tracker
@@ -54,8 +54,11 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
     """Train per `cfg`; writes the run dir. Ctrl-C saves a checkpoint that --resume continues.
     A run that fails before its first step removes the run dir it created (nothing else), so the
     same command can be run again once the cause is fixed."""
+    _check_options(cfg)  # before a run dir exists: a wrong value leaves nothing to clean up
     session = setup(cfg)  # torchrun ranks (ddp/fsdp2); inactive for --parallel none
     run = session.prepare_run(cfg)
+    if cfg.run.resume and (done := finished_run(run.path, cfg)) is not None:
+        return _already_finished(done, run, session)
     t = None
     try:
         t = build(cfg, session, run, callbacks)
@@ -67,6 +70,15 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         if session.is_main and not cfg.run.resume and first_step_not_taken and run.discard_failed_start():
             console.print(f"[yellow]removed {run.path}: the run stopped before its first step[/]")
         raise
+
+
+def _already_finished(done: Finished, run: RunDir, session: Session) -> TrainResult:
+    """--resume of a complete run: nothing is built or trained; say so (rank 0) and describe the run."""
+    if session.is_main:
+        console.print(done.message, highlight=False)
+    session.close()
+    last, best = run.checkpoints / "last.safetensors", run.checkpoints / "best.safetensors"
+    return TrainResult(run.path, best if best.is_file() else last, last, done.best_top1, done.step)
 
 
 def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> TrainResult:
@@ -91,7 +103,6 @@ def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> Train
 
 def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """Everything a run needs, in dependency order; governance refuses before any data is read."""
-    _check_options(cfg)
     source = _resolve_pretrained(cfg)  # before config.toml is written: it may name the weights' architecture
     saved = run.path / "config.toml"  # before it is overwritten: what a resume may change
     changes = option_changes(saved, cfg) if cfg.run.resume and saved.is_file() else {}
@@ -142,6 +153,9 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
 
 def _check_options(cfg: Config) -> None:
     """Options whose values are wrong whatever the data: refused before anything is read."""
+    if cfg.data.batch_size < 1:
+        raise UserError(f"--batch-size {cfg.data.batch_size}: give the number of images per training step, >= 1 "
+                        "(e.g. 128; with torchrun, a multiple of the number of processes)")
     if cfg.train.log_every < 0:
         raise UserError(f"--log-every {cfg.train.log_every}: give a number of steps >= 1, or 0 for ten records an "
                         "epoch")

@@ -23,7 +23,7 @@ import torch
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
 from torchcls.data.inmemory import bundle_loaders
-from torchcls.data.loaders import build_transform, needed_side, reseed
+from torchcls.data.loaders import Transformed, build_transform, needed_side, reseed
 from torchcls.data.sampling import balanced_weights, epoch_seed
 from torchcls.data.shard_data import ShardBundle
 from torchcls.errors import UserError
@@ -40,6 +40,7 @@ class Feed:
     seed: int
     skipped_at_cache: list[tuple[str, str]] = field(default_factory=list)
     _restored: bool = False
+    val_streamed: bool | None = None  # None: as the training data (shards: streamed); False: map-style files
 
     def __len__(self) -> int:
         return len(self.train)
@@ -63,7 +64,7 @@ class Feed:
 
     def val_own(self, rank: int, world: int) -> int:
         """How many of the validation images that `rank` reads are its own (see validation.validate)."""
-        if self.kind == "shards":  # each rank streams a disjoint range, no wrap-around
+        if self.kind == "shards" and self.val_streamed is not False:  # each rank streams a disjoint range
             from torchcls.data.streaming import rank_range
 
             lo, hi = rank_range(self.val_count, rank, world)
@@ -71,8 +72,7 @@ class Feed:
         return math.ceil((self.val_count - rank) / world)
 
     def decode_skips(self) -> list[list[str]]:
-        return self.train.skipped + (self.val.skipped if self.val is not None else []) if self.kind == "shards" \
-            else []
+        return self.train.skipped + (getattr(self.val, "skipped", None) or []) if self.kind == "shards" else []
 
     # -- the streamed loader's position, saved beside the checkpoint of the same step
     def save_state(self, checkpoints: Path, rank: int, step: int, step_in_epoch: int) -> None:
@@ -136,8 +136,10 @@ def _shard_feed(cfg: Config, data: ShardBundle, session: Session) -> Feed:
                                 max_shift=d.max_shift)
     train = shard_loader(data.train, batch, d.workers, seed, transform=transform,
                          min_side=needed_side(pre, d.augment), **common)
-    val = None
-    if data.val is not None:
+    val, streamed = None, not isinstance(data.val, Transformed)  # --val-data of files: read map-style
+    if data.val is not None and not streamed:
+        val = sharding.val_loader(data.val, d.batch_size * 2, d.workers, session)
+    elif data.val is not None:
         val = shard_loader(data.val, batch * 2, d.workers, seed, shuffle=False, min_side=pre.resize_size,
                            transform=build_transform(pre, False, source_size=data.val.side), **common)
-    return Feed("shards", train, val, len(data.val) if data.val is not None else 0, seed)
+    return Feed("shards", train, val, len(data.val) if data.val is not None else 0, seed, val_streamed=streamed)

@@ -1,17 +1,21 @@
 """What a resumed run may change: options that would make the checkpoint a different run are
 refused, the learning rate and weight decay are applied to the restored optimizer and schedule
 (which would otherwise silently keep the old values while config.toml claims the new ones), and
-every change is recorded in metrics.jsonl.
+every change is recorded in metrics.jsonl. A run that has trained all its epochs has nothing to resume:
+it says so, and how to train further.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchcls.checkpoint.files import read_meta
 from torchcls.config import SECTIONS, Config, load_toml
 from torchcls.errors import UserError
+from torchcls.training.rundir import read_metrics
 
 # Changing one of these would resume other data or another order of batches. (Another --model is
 # refused by the checkpoint itself; another --parallel or world size is what DCP resharding is for.)
@@ -37,6 +41,41 @@ def option_changes(saved: Path, cfg: Config) -> dict[str, tuple[Any, Any]]:
         raise UserError(f"--resume: {listing} would not continue the run in {saved.parent} (other data, model or "
                         "batch order); resume with the run's options, or start a new run (another --name)")
     return changes
+
+
+@dataclass
+class Finished:
+    """A --resume of a run that has nothing left to train: what it holds and what the user can do."""
+    epoch: int
+    step: int
+    best_top1: float | None
+    message: str
+
+
+def finished_run(run_path: Path, cfg: Config) -> Finished | None:
+    """None while the run has epochs left; else why it is complete and the command that trains further.
+    The last checkpoint's metadata says how many epochs it finished (an interrupted epoch is not counted)."""
+    last = run_path / "checkpoints" / "last.safetensors"
+    if not last.is_file():
+        return None
+    meta = read_meta(last)
+    records = read_metrics(run_path)
+    stopped = next((r for r in reversed(records) if r.get("kind") == "early_stop"), None)
+    stopped_early = stopped is not None and stopped.get("epoch") == meta.epoch and cfg.train.early_stop
+    if meta.epoch < cfg.train.epochs and not stopped_early:
+        return None
+    best = max((r["val_top1"] for r in records if r.get("kind") == "epoch" and "val_top1" in r), default=None)
+    command = f"torchcls train --config {run_path / 'config.toml'} --resume"
+    if stopped_early:
+        why = (f"it stopped early after epoch {meta.epoch} (--early-stop {cfg.train.early_stop}: no better "
+               "validation score)")
+        further = f"{command} --early-stop 0 --epochs {max(cfg.train.epochs, meta.epoch + 1)}"
+    else:
+        why = f"it has trained {meta.epoch} of {cfg.train.epochs} epoch(s)"
+        further = f"{command} --epochs {max(2 * meta.epoch, meta.epoch + 1)}"
+    return Finished(meta.epoch, meta.step, best, f"{run_path} is complete: {why}, step {meta.step}"
+                    + (f", best val top1 {best:.2%}" if best is not None else "") + "; nothing to resume. To train "
+                    f"further, raise --epochs (the schedule is stretched to the new length): {further}")
 
 
 def apply_optim_changes(optimizer, scheduler, changes: dict[str, tuple[Any, Any]], schedule_restored: bool,

@@ -53,6 +53,10 @@ class LRSchedule:
 
         w, total = self.warmup_steps, self.total_steps
         common = dict(warmup_t=w, warmup_lr_init=0.0, t_in_epochs=False)
+        if self.sched == "cosine" and total - w <= 1:
+            # One step after the warm-up: the cosine's only value is the peak, a constant schedule gives the
+            # same rate (and timm's cosine would log that it "will have no effect" on every 1-step run).
+            return MultiStepLRScheduler(self.optimizer, decay_t=[], warmup_prefix=False, **common)
         if self.sched == "cosine":
             return CosineLRScheduler(self.optimizer, t_initial=max(1, total - w), lr_min=0.0, warmup_prefix=True,
                                      **common)

@@ -5,14 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 
 
 def open_writer(run_path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
-        raise UserError("--tensorboard needs the 'tensorboard' package: pip install tensorboard") from None
+        raise missing_extra("tensorboard", "--tensorboard", "tensorboard") from None
     return SummaryWriter(str(run_path / "tensorboard"))
 
 

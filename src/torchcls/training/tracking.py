@@ -32,6 +32,7 @@ from urllib.parse import urlparse
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
 ARTIFACTS = ("report.html", "metrics.jsonl", "config.toml", "pretrained.json", "skipped_files.json")
@@ -46,8 +47,7 @@ def open_tracker(cfg: Config, run_dir: Path) -> Tracker | None:
     try:
         from mlflow.tracking import MlflowClient
     except ImportError:
-        raise UserError("--tracking mlflow needs the MLflow client: pip install 'torchcls[tracking]' "
-                        "(mlflow-skinny with SQLAlchemy), or run with --tracking none") from None
+        raise missing_extra("tracking", "--tracking mlflow", "mlflow", "run with --tracking none") from None
     if not cfg.train.tracking_experiment.strip():
         raise UserError("--tracking-experiment is empty: name the MLflow experiment (default: torchcls)")
     given = cfg.train.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "."

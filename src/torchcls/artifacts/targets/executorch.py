@@ -35,6 +35,8 @@ from torchcls.artifacts.targets.base import (
     has_cond,
 )
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
+from torchcls.noise import EXECUTORCH_CPUINFO, stderr_without
 
 if TYPE_CHECKING:
     from torchcls.checkpoint.files import CheckpointMeta
@@ -43,7 +45,6 @@ BACKENDS = ("xnnpack", "portable")
 META_METHOD = f"{META_KEY}_metadata"
 # Graph plumbing, not compute: never "left to portable kernels" in a meaningful sense.
 _PLUMBING = {"getitem", "sym_size", "sym_size_int", "executorch_call_delegate", "cond", "output"}
-_INSTALL = "pip install 'torchcls[edge]' (executorch==1.5.1, torchao==0.18.0)"
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _require_executorch() -> None:
     try:
         import executorch.exir  # noqa: F401
     except ImportError:
-        raise UserError(f"--target executorch needs ExecuTorch: {_INSTALL}") from None
+        raise missing_extra("edge", "--target executorch", "executorch") from None
 
 
 def lower(ep: torch.export.ExportedProgram, backend: str, metadata: str | None = None) -> tuple[bytes, LoweringReport]:
@@ -194,7 +195,7 @@ class ExecuTorchArtifact(LoadedArtifact):
         try:
             from executorch.runtime import Runtime
         except ImportError:
-            raise UserError(f"running .pte programs needs the ExecuTorch runtime: {_INSTALL}") from None
+            raise missing_extra("edge", "running .pte programs", "executorch") from None
         try:
             self.program = Runtime.get().load_program(str(path))
         except Exception as e:  # the runtime raises RuntimeError/ValueError for foreign or broken files
@@ -206,7 +207,8 @@ class ExecuTorchArtifact(LoadedArtifact):
         (raw,) = self.program.load_method(META_METHOD).execute([])
         self.info = ArtifactInfo.from_json(bytes(raw.tolist()).decode(), str(path))
         try:
-            self.method = self.program.load_method("forward")
+            with stderr_without(EXECUTORCH_CPUINFO):  # the XNNPACK threadpool's ARM core probe (torchcls.noise)
+                self.method = self.program.load_method("forward")
         except Exception as e:  # e.g. a kernel or backend missing from this runtime build
             raise UserError(f"{path}: the ExecuTorch runtime cannot load 'forward' ({first_line(e)}); the "
                             "program needs ops or a backend this runtime lacks") from None

@@ -23,6 +23,7 @@ from torchcls.artifacts.targets.base import (
     first_line,
 )
 from torchcls.errors import UserError
+from torchcls.extras import missing_extra
 
 
 class OnnxArtifact(LoadedArtifact):
@@ -34,7 +35,7 @@ class OnnxArtifact(LoadedArtifact):
         try:
             import onnxruntime as ort
         except ImportError:
-            raise UserError("running .onnx artifacts needs onnxruntime: pip install 'torchcls[export]'") from None
+            raise missing_extra("export", "running .onnx artifacts", "onnxruntime") from None
         self._runs_on, providers = onnx_providers(device, ort.get_available_providers())
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
@@ -75,8 +76,7 @@ def check(req: ExportRequest) -> None:
     try:
         import onnxscript  # noqa: F401  (the dynamo exporter needs it; fail here with an install hint)
     except ImportError:
-        raise UserError("--target onnx needs onnx, onnxscript and onnxruntime: "
-                        "pip install 'torchcls[export]'") from None
+        raise missing_extra("export", "--target onnx", "onnxscript") from None
     if req.precision != "fp32":
         raise UserError("--target onnx supports --precision fp32 only: ONNX Runtime's CPU provider has no bf16 "
                         "convolution kernels; use --target aoti for bf16")
