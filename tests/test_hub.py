@@ -136,9 +136,13 @@ def test_fine_tune_from_the_hub_offline_carries_its_preprocessing(offline_hub: P
 
 
 def test_bare_flag_takes_the_tags_weights_from_a_bin_with_weights_only(offline_hub: Path) -> None:
+    from torchcls.cli import build_parser
     from torchcls.models import ModelSpec, create_model
     from torchcls.models.pretrained import load_pretrained, model_for, resolve_pretrained
+    from torchcls.options import config_from_args
 
+    argv = ["train", "--model", "test_resnet.r160_in1k", "--pretrained", "--epochs", "1"]
+    assert config_from_args(build_parser().parse_args(argv)).model.pretrained == "hub"  # the flag alone
     source = resolve_pretrained("hub", "test_resnet.r160_in1k")
     assert source.file.name == "pytorch_model.bin" and source.hub["repo_id"] == "timm/test_resnet.r160_in1k"
     pre = source.input  # timm's registry config of the tag: 160 px, crop 0.95, mean/std 0.5
