@@ -47,6 +47,7 @@ from torchcls.config import Config, DataConfig
 from torchcls.data import build_data, make_loader
 from torchcls.data.inmemory import InMemoryLoader, build_cache
 from torchcls.data.sources import STATS, open_source
+from torchcls.machine import describe_machine, machine_line
 
 FMNIST_STATS = STATS["fashion-mnist"]
 IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
@@ -137,6 +138,7 @@ def scan_ms_per_file(folder: Path, count: int) -> float:
 def base_config(args, out: Path, name: str) -> Config:
     cfg = Config()
     cfg.data.workers, cfg.train.threads, cfg.train.progress = args.workers, args.threads, False
+    cfg.precision.precision = "fp32"  # as the timm loop it is compared with (the default, auto, may pick bf16)
     cfg.run.out_dir, cfg.run.name = str(out), name
     return cfg
 
@@ -315,7 +317,8 @@ def measure(args, out: Path) -> dict[str, object]:
 
 
 def markdown(r: dict) -> str:
-    lines = [f"Scan: {r['scan_ms_per_file']['median']} ms per file ({r['setup']['jpegs']} JPEGs, 500x375).", "",
+    lines = [f"Machine: {machine_line(r['machine'])}", "",
+             f"Scan: {r['scan_ms_per_file']['median']} ms per file ({r['setup']['jpegs']} JPEGs, 500x375).", "",
              "| time to first step (ResNet-18, 64 px, batch 32) | seconds |", "|---|---|"]
     lines += [f"| {k} | {v['median']} |" for k, v in r["first_step_s"].items()]
     for kind, named in r["loader_img_per_s"].items():
@@ -358,6 +361,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="torchcls-bench-data-") as tmp:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(tmp) / "inductor"))
         result = {"benchmark": "data_pipeline", "quick": args.quick, "setup": vars(args), **measure(args, Path(tmp))}
+    result["machine"] = describe_machine("fp32")
     result["load_average_1min"] = {"before": round(load_before, 2), "after": round(os.getloadavg()[0], 2)}
     text = json.dumps(result, indent=2)
     print(text)

@@ -16,6 +16,7 @@ import argparse
 import json
 
 from torchcls.bench.memory import BenchMemoryConfig, bench_memory, to_markdown
+from torchcls.machine import describe_machine, machine_line
 
 MODEL = "vit_base_patch16_224"
 
@@ -29,7 +30,9 @@ def main() -> None:
     args = ap.parse_args()
     cfg = BenchMemoryConfig(MODEL, ["ddp", "fsdp2"], args.worlds, batch=args.batch, img_size=args.img_size)
     data = bench_memory(cfg, args.out)
+    data["machine"] = describe_machine("fp32") | data.get("machine", {})  # the ranks' training steps are fp32
     print(json.dumps(data, indent=2))
+    print(f"Machine: {machine_line(data['machine'])}\n")
     print(to_markdown(data))
 
 

@@ -22,6 +22,8 @@ from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
 from torchcls.evaluation.early_exit import all_exit_logits, calibrate, exit_costs, sweep, sweep_point
 from torchcls.evaluation.evaluator import predict_logits
+from torchcls.machine import describe_machine, machine_line
+from torchcls.precision.hardware import choose_precision
 from torchcls.training import train
 
 FASHION = Path("/usr/share/datasets/fashion-mnist")
@@ -115,7 +117,10 @@ def main() -> None:
               "latency_images": len(images), "rounds": args.rounds, "ee_final_exit_accuracy":
               sweep_point(logits, targets, costs, 2.0).accuracy, "calibration_target_val_accuracy": target,
               "rows": rows}
+    trained_in = choose_precision(Config().precision.precision, torch.device("cpu")).precision
+    result["machine"] = describe_machine(f"training auto -> {trained_in}, inference fp32")
     print(json.dumps(result, indent=2))
+    print(f"\nMachine: {machine_line(result['machine'])}")
     print("\n| model | threshold | accuracy | Δ pt vs plain | MFLOP/img | compute vs plain | exits (%) | ms/img b1 |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:

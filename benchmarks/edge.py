@@ -25,6 +25,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from torchcls.machine import describe_machine, machine_line
+
 FASHION = Path("/usr/share/datasets/fashion-mnist")
 MEAN, STD = 0.2860, 0.3530
 
@@ -152,8 +154,10 @@ def main() -> None:
                 row["int8_drop_pt"] = 100 * (acc["pte_fp32"] - acc["pte_int8"])
             results.append(row)
             print(json.dumps(row), file=sys.stderr, flush=True)
+    machine = describe_machine("fp32 and int8 (.pte)")
     print(json.dumps({"quick": args.quick, "threads": torch.get_num_threads(), "rounds": rounds, "reps": reps,
-                      "results": results}, indent=2))
+                      "machine": machine, "results": results}, indent=2))
+    print(f"\nMachine: {machine_line(machine)}")
     print("\n| model | px | .pte fp32 MB | .pte int8 MB | eager ms | ORT ms | .pte fp32 ms | .pte int8 ms "
           "| int8 vs fp32 .pte | int8 drop (pt) |\n|---|---|---|---|---|---|---|---|---|---|")
     for r in results:

@@ -27,6 +27,7 @@ from torchcls.checkpoint.files import load_model
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
 from torchcls.evaluation.evaluator import predict_logits
+from torchcls.machine import machine_line
 from torchcls.options import add_config_flags, config_from_args
 from torchcls.recipes import recipe_evaluation
 from torchcls.training import train
@@ -56,8 +57,9 @@ def test_top1(run_dir: Path, cfg: Config, tta: str) -> float:
     return (logits.argmax(1) == targets).float().mean().item()
 
 
-def run(cfg: Config, tta: str) -> tuple[list[dict], float]:
-    """Train; the test top-1 and the training seconds so far after every epoch; the total training seconds."""
+def run(cfg: Config, tta: str) -> tuple[list[dict], float, dict]:
+    """Train; the test top-1 and the training seconds so far after every epoch; the total training seconds;
+    the run's machine.json."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.out_dir, cfg.run.name, cfg.train.progress = tmp, "fashion", False
         run_dir = Path(tmp) / "fashion"
@@ -88,29 +90,35 @@ def run(cfg: Config, tta: str) -> tuple[list[dict], float]:
             # Speed from this benchmark's clock: the trainer's own img_per_s includes the test pass above.
             e |= {"train_top1": round(r["train_top1"], 4), "img_per_s": round(TRAIN_IMAGES / (e["train_s"] - previous))}
             previous = e["train_s"]
-        return per_epoch, total
+        # What it ran on: CPU model and SIMD level, cores and quota, threads, the precision auto chose.
+        machine = json.loads((run_dir / "machine.json").read_text())
+        return per_epoch, total, machine
 
 
 def main() -> None:
     cfg, tta, args = parse()
     if cfg.data.source != "fashion-mnist" or cfg.data.val_fraction != 0.0:
         raise SystemExit("this benchmark trains on all of fashion-mnist: --data fashion-mnist --val-fraction 0")
-    per_epoch, total = run(cfg, tta)
+    per_epoch, total, machine = run(cfg, tta)
     reached = next((e for e in per_epoch if e["test_top1"] >= TARGET), None)
     best = max(e["test_top1"] for e in per_epoch)
     detail = {"benchmark": "fashion_mnist", "recipe": args.recipe, "tta": tta, "config": cfg.to_dict(),
-              "torch_threads": torch.get_num_threads(), "per_epoch": per_epoch}
+              "torch_threads": torch.get_num_threads(), "machine": machine, "per_epoch": per_epoch}
     print(json.dumps(detail, indent=2))
+    print(f"\nMachine: {machine_line(machine)}")
     print(f"\n| epoch | training seconds | images/s | test top-1 ({'flip TTA' if tta == 'flip' else 'no TTA'}) |")
     print("|---|---|---|---|")
     for e in per_epoch:
         print(f"| {e['epoch']} | {e['train_s']} | {e['img_per_s']:,} | {e['test_top1']:.2%} |")
     verdict = f"reached {TARGET:.0%} after {reached['train_s']} s" if reached else f"did not reach {TARGET:.0%}"
     print(f"\n{verdict} (recipe {args.recipe}: {cfg.model.name}, {cfg.train.epochs} epochs, batch "
-          f"{cfg.data.batch_size}, {cfg.precision.precision}, {cfg.train.threads or torch.get_num_threads()} threads)")
+          f"{cfg.data.batch_size}, precision {cfg.precision.precision} -> {machine['precision']}, "
+          f"{machine['torch_threads']} threads)")
     print(json.dumps({"target": TARGET, "reached": reached is not None,
                       "seconds_to_target": reached["train_s"] if reached else None, "best_top1": best,
-                      "seconds": round(total, 1), "epochs": len(per_epoch), "recipe": args.recipe, "tta": tta}))
+                      "seconds": round(total, 1), "epochs": len(per_epoch), "recipe": args.recipe, "tta": tta,
+                      "cpu": machine["cpu"], "simd": machine["simd"], "precision": machine["precision"],
+                      "threads": machine["torch_threads"]}))
 
 
 if __name__ == "__main__":

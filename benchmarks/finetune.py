@@ -34,6 +34,7 @@ from PIL import Image
 
 from torchcls.config import Config
 from torchcls.data.sources import open_source
+from torchcls.machine import describe_machine, machine_line
 from torchcls.training import train
 from torchcls.training.rundir import read_metrics
 
@@ -222,6 +223,14 @@ def plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
+def ran_in_auto() -> str:
+    import torch
+
+    from torchcls.precision.hardware import choose_precision
+
+    return choose_precision("auto", torch.device("cpu")).precision
+
+
 def main() -> None:
     args = parse()
     with tempfile.TemporaryDirectory() as tmp:
@@ -233,7 +242,10 @@ def main() -> None:
     plot(rows, plot_path)
     settings = {k: getattr(args, k) for k in ("sizes", "seeds", "steps", "batch_size", "lr", "pretrain_epochs",
                                                "pretrain_images", "quick")}
-    print(json.dumps({"benchmark": "finetune", "settings": settings, "runs": results, "summary": rows}, indent=2))
+    machine = describe_machine(f"auto -> {ran_in_auto()}")  # every run trains at the default precision
+    print(json.dumps({"benchmark": "finetune", "settings": settings, "machine": machine, "runs": results,
+                      "summary": rows}, indent=2))
+    print(f"\nMachine: {machine_line(machine)}")
     print("\n| labelled images | from scratch | fine-tuned from Fashion-MNIST | gain |\n|---|---|---|---|")
     for r in rows:
         s, f = r["scratch"]["mean"], r["finetuned"]["mean"]

@@ -67,8 +67,12 @@ def main() -> None:
                    __file__, "--worker", "--model", args.model, "--out", str(out)] + ["--from-rank0"] * from_rank0
             subprocess.run(cmd, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True)
             results.append({"mode": mode, "ranks": json.loads(out.read_text())})
-    print(json.dumps({"model": args.model, "world": args.world, "results": results}, indent=2))
+    from torchcls.machine import describe_machine, machine_line
+
+    machine = describe_machine("fp32 weights (no training step)") | {"rank_threads": 1}  # OMP_NUM_THREADS=1 ranks
+    print(json.dumps({"model": args.model, "world": args.world, "machine": machine, "results": results}, indent=2))
     mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    print(f"\nMachine: {machine_line(machine)}, 1 thread per rank")
     print(f"\n| mode | rank | shard MiB | {results[0]['ranks'][0]['measure']} while building + sharding MiB |")
     print("|---|---|---|---|")
     for r in results:

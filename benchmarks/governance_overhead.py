@@ -23,6 +23,7 @@ from pathlib import Path
 from torchcls.config import Config
 from torchcls.governance import hook
 from torchcls.governance.manifest import build_manifest, save_manifest
+from torchcls.machine import describe_machine, machine_line
 from torchcls.training import train
 from torchcls.training.rundir import read_metrics
 
@@ -125,6 +126,15 @@ def scenario(data: str, args, out: Path, file_hooks: bool) -> dict:
     return res
 
 
+def ran_in_auto() -> str:
+    """What the runs' default precision (auto) is on this machine."""
+    import torch
+
+    from torchcls.precision.hardware import choose_precision
+
+    return choose_precision("auto", torch.device("cpu")).precision
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=2)
@@ -133,7 +143,8 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="gov-bench-") as tmp:
         out = Path(tmp)
-        figures = {"machine": "shared 2-core CPU (7 other developers): numbers are noisy",
+        figures = {"machine": describe_machine(f"auto -> {ran_in_auto()}") | {
+                       "note": "shared 2-core CPU (7 other developers): numbers are noisy"},
                    "manifest_fashion_mnist": manifest_figures(args.rounds, out),
                    "train_mnist_5k": scenario("mnist-5k", args, out / "runs", file_hooks=False)}
         folder = shapes_folder(out / "shapes", args.folder_per_class)
@@ -141,6 +152,7 @@ def main() -> None:
         figures["train_png_folder_strip_exif"] = scenario(str(folder), args, out / "runs", file_hooks=True)
     print(json.dumps(figures, indent=2))
     m = figures["manifest_fashion_mnist"]
+    print(f"\nMachine: {machine_line(figures['machine'])}")
     print(f"\n| what | plain | governed | slowdown |\n|---|---|---|---|\n"
           f"| Fashion-MNIST manifest ({m['records']:,} sample hashes + Merkle root) | | "
           f"{m['hash_s']:.2f} s (+{m['write_s']:.2f} s to write {m['json_mb']:.1f} MB JSON) | |")

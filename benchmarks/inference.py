@@ -217,6 +217,22 @@ def markdown(rows: list[dict], peaks: dict[str, float]) -> str:
     return "\n".join(lines)
 
 
+def machine_record(configs: list[str]) -> dict:
+    """torchcls.machine's record, with the precisions measured and whether bf16 was native or emulated."""
+    from torchcls.machine import describe_machine
+    from torchcls.precision.hardware import cpu_bf16_here
+
+    native, why = cpu_bf16_here()
+    precisions = ", ".join(sorted({"bf16" if c.endswith("bf16") else "fp32" for c in configs}))
+    return describe_machine(precisions) | {"bf16_native": native, "bf16_reason": why}
+
+
+def machine_line(machine: dict) -> str:
+    from torchcls.machine import machine_line as line
+
+    return line(machine) + ("" if machine["bf16_native"] else "; bf16 emulated")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
@@ -246,9 +262,9 @@ def main() -> None:
             add_ratios(model_rows, model_gflop(m), peaks)
             rows += model_rows
     result = {"size": SIZE, "batches": list(BATCHES), "rounds": rounds, "iters": iters, "peaks_gflops": peaks,
-              "threads": os.cpu_count(), "rows": rows}
+              "threads": os.cpu_count(), "machine": machine_record(configs), "rows": rows}
     print(json.dumps(result, indent=2))
-    table = markdown(rows, peaks)
+    table = f"Machine: {machine_line(result['machine'])}\n\n" + markdown(rows, peaks)
     print(table)
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps(result, indent=2))

@@ -26,7 +26,9 @@ from torch import nn
 
 from torchcls.artifacts.parity import compare
 from torchcls.config import PrecisionConfig
+from torchcls.machine import describe_machine, machine_line
 from torchcls.models import ModelSpec, create_model
+from torchcls.precision.hardware import cpu_bf16_here
 from torchcls.precision.inference import apply_inference_precision
 from torchcls.precision.training import apply_precision
 
@@ -130,7 +132,10 @@ def main() -> None:
         rows = [r for name in args.models.split(",") for r in bench_model(name, args)]
     result = {"benchmark": "precision-cpu", "batch_size": args.batch_size, "img_size": args.img_size,
               "threads": args.threads, "rounds": args.rounds, "torch": torch.__version__, "rows": rows}
+    native, why = cpu_bf16_here()  # bf16 figures are the emulation's where the CPU lacks it
+    result["machine"] = describe_machine("fp32, bf16, int8") | {"bf16_native": native, "bf16_reason": why}
     print(json.dumps(result, indent=2))
+    print(f"\nMachine: {machine_line(result['machine'])}" + ("" if native else f" (bf16 emulated: {why})"))
     print("\n| model | phase | variant | ms / step (median) | vs fp32 | max abs Δlogit | top-1 agree |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

@@ -135,8 +135,11 @@ def table(levels: list[dict], raw: float) -> str:
 
 
 def markdown(result: dict) -> str:
+    from torchcls.machine import machine_line
+
     raw = result["raw_images_per_s"]
-    text = (f"{result['model']} ({result['target']}, {result['input_shape']}): raw artifact at batch "
+    text = (f"Machine: {machine_line(result['machine'])}\n\n"
+            f"{result['model']} ({result['target']}, {result['input_shape']}): raw artifact at batch "
             f"{result['max_batch']}: {raw:.0f} images/s\n\n" + table(result["levels"], raw))
     if "model_process" in result:
         text += "\n\nThe model in a process of its own (--model-process):\n\n" + table(
@@ -181,6 +184,7 @@ def main() -> None:
     args = p.parse_args()
 
     from torchcls.artifacts.artifact import load_artifact
+    from torchcls.machine import describe_machine
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -216,6 +220,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(), "raw_images_per_s": statistics.median(raws),
         "raw_batch_ms": args.max_batch / statistics.median(raws) * 1e3,  # the p99 goal is stated against it
         "levels": summary(runs["default"], levels),
+        "machine": describe_machine(info.precision),  # a checkpoint runs in what --precision auto picks here
     }
     result["best_fraction_of_raw"] = best_fraction(result["levels"], result["raw_images_per_s"])
     result["half_load_p99"] = half_load_p99(result["levels"], result["raw_batch_ms"])

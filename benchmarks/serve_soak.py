@@ -273,7 +273,10 @@ def markdown(r: dict) -> str:
         codes = ", ".join(f"{s}: {n}" for s, n in v["statuses"].items())
         rows.append(f"| {kind} | {'yes' if v['hostile'] else ''} | {v['sent']} | {v['lost']} | {codes} | "
                     f"{v['wrong_status']} | {v['p50_ms']:.1f} | {v['p99_ms']:.1f} |")
-    return (f"{r['model']} ({r['input_shape']}), {r['sent']} requests ({r['hostile_sent']} hostile) from "
+    from torchcls.machine import machine_line
+
+    return (f"Machine: {machine_line(r['machine'])}, server threads {r['machine']['server_threads']}\n\n"
+            f"{r['model']} ({r['input_shape']}), {r['sent']} requests ({r['hostile_sent']} hostile) from "
             f"{r['concurrency']} clients in {r['seconds']:.0f} s\n\n"
             f"| 5xx (not 503) | lost | 503 | wrong status | p50 ms | p99 ms | probe p99 ms | RSS before MB | "
             f"RSS peak MB | RSS after MB |\n|---|---|---|---|---|---|---|---|---|---|\n"
@@ -305,6 +308,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     from torchcls.artifacts.artifact import load_artifact
+    from torchcls.machine import describe_machine
 
     with tempfile.TemporaryDirectory(prefix="serve-soak-") as tmp:
         path = args.artifact or str(make_checkpoint(args.model, args.img_size, args.classes, Path(tmp)))
@@ -335,7 +339,8 @@ def main() -> int:
               "input_shape": [1, pre.channels, pre.img_size, pre.img_size], "concurrency": args.concurrency,
               "requests": args.requests, "max_batch": args.max_batch, "cpu_count": psutil.cpu_count(),
               **summarise(state, requests, good), "rss_before_mb": rss_before, "rss_after_mb": rss_after,
-              "server_exit_code": exit_code}
+              "server_exit_code": exit_code,
+              "machine": describe_machine(info.precision) | {"server_threads": args.threads}}
     print(json.dumps(result, indent=2))
     print()
     print(markdown(result))

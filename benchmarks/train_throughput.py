@@ -5,16 +5,26 @@ optimizer and threads. Rounds are interleaved (torchcls, plain, torchcls, plain,
 because this machine's speed drifts; the figure is the median images/s of the
 training epochs (validation excluded on both sides). torchcls runs twice: with its NaN/Inf check
 deferred (`--nonfinite-check deferred`: no host synchronisation per step, the CUDA default) and read
-on the host every step (the CPU default). Prints JSON, then a Markdown table.
+on the host every step (the CPU default). Prints JSON, then a Markdown table; both name the machine
+(CPU model, SIMD level, usable cores and quota, torch threads, precision).
 
     python benchmarks/train_throughput.py --rounds 3 --epochs 1
+
+--threads-study instead compares torchcls's intra-op thread counts: the default (OMP_NUM_THREADS, else
+the affinity- and quota-aware rule of torchcls.machine), --threads 1 and --threads 2, each alone and
+beside a competing process (a Python busy loop pinned to one of this process's cores, as another job
+on a shared machine). Interleaved per round, medians:
+
+    python benchmarks/train_throughput.py --threads-study --rounds 3 --epochs 1
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +35,7 @@ from torch import nn
 
 from torchcls.config import Config
 from torchcls.data import build_data, make_loader
+from torchcls.machine import describe_machine, machine_line
 from torchcls.models import ModelSpec, create_model
 from torchcls.training import train
 from torchcls.training.rundir import read_metrics
@@ -35,8 +46,20 @@ def bench_config(args: argparse.Namespace, out: Path, name: str) -> Config:
     cfg.data.source, cfg.data.batch_size, cfg.data.workers = args.data, args.batch_size, args.workers
     cfg.model.name, cfg.train.epochs, cfg.train.progress = "smallnet", args.epochs, False
     cfg.train.channels_last, cfg.train.threads = args.channels_last, args.threads
+    cfg.precision.precision = args.precision
     cfg.run.out_dir, cfg.run.name = str(out), name
     return cfg
+
+
+def ran_in(precision: str) -> str:
+    """What --precision runs as here (auto: bf16 where the CPU has it natively), for the machine record."""
+    from torchcls.precision.hardware import choose_precision
+
+    return choose_precision(precision, torch.device("cpu")).precision
+
+
+def epoch_rate(run_dir: Path) -> float:
+    return statistics.median(r["img_per_s"] for r in read_metrics(run_dir) if r["kind"] == "epoch")
 
 
 def torchcls_round(args, out: Path, i: int, check: str = "deferred") -> float:
@@ -44,8 +67,7 @@ def torchcls_round(args, out: Path, i: int, check: str = "deferred") -> float:
     the loss read on the host each step (the default on the CPU, where it costs no device round trip)."""
     cfg = bench_config(args, out, f"torchcls-{check}-{i}")
     cfg.precision.nonfinite_check = check
-    result = train(cfg)
-    return statistics.median(r["img_per_s"] for r in read_metrics(result.run_dir) if r["kind"] == "epoch")
+    return epoch_rate(train(cfg).run_dir)
 
 
 def plain_round(args, out: Path, i: int) -> float:
@@ -71,6 +93,52 @@ def plain_round(args, out: Path, i: int) -> float:
     return statistics.median(rates)
 
 
+THREAD_SETTINGS = {"default": 0, "--threads 1": 1, "--threads 2": 2}
+
+
+def busy_core() -> subprocess.Popen:
+    """A competing process: a Python busy loop pinned to the last core this process may use."""
+    cpu = max(os.sched_getaffinity(0))
+    return subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+
+
+def threads_study(args, out: Path) -> dict:
+    """torchcls training at each THREAD_SETTINGS value, alone and beside busy_core(), interleaved per round."""
+    rates: dict[str, list[float]] = {}
+    used: dict[str, int] = {}
+    train(bench_config(args, out, "warm-up"))  # not measured: the process's first run pays one-time costs
+    for i in range(args.rounds):
+        for competing in (False, True):
+            rival = busy_core() if competing else None
+            try:
+                for name, threads in THREAD_SETTINGS.items():
+                    key = f"{name}{' + busy core' if competing else ''}"
+                    cfg = bench_config(args, out, f"threads-{threads}-{int(competing)}-{i}")
+                    cfg.train.threads = threads
+                    run_dir = train(cfg).run_dir
+                    rates.setdefault(key, []).append(epoch_rate(run_dir))
+                    used[key] = json.loads((run_dir / "machine.json").read_text())["torch_threads"]
+            finally:
+                if rival is not None:
+                    rival.kill()
+                    rival.wait()
+    med = {k: statistics.median(v) for k, v in rates.items()}
+    return {"benchmark": "train_threads", "model": "smallnet", "data": args.data, "batch_size": args.batch_size,
+            "workers": args.workers, "rounds": args.rounds, "machine": describe_machine(ran_in(args.precision)),
+            "threads_used": used, "img_per_s": {k: [round(r, 1) for r in v] for k, v in rates.items()},
+            "median_img_per_s": {k: round(v, 1) for k, v in med.items()}}
+
+
+def print_study(result: dict) -> None:
+    print(json.dumps(result, indent=2))
+    print(f"\nMachine: {machine_line(result['machine'])}\n\n| threads | competing process | torch threads | "
+          "median images/s | rounds |\n|---|---|---|---|---|")
+    for key, rounds in result["img_per_s"].items():
+        name, _, busy = key.partition(" + ")
+        print(f"| {name} | {busy or 'none'} | {result['threads_used'][key]} | "
+              f"{result['median_img_per_s'][key]:.0f} | {', '.join(f'{r:.0f}' for r in rounds)} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="mnist-5k")
@@ -80,7 +148,14 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--precision", default="fp32", choices=("auto", "fp32", "bf16"),
+                   help="torchcls's training precision (the plain loop is fp32: compare them at fp32)")
+    p.add_argument("--threads-study", action="store_true", help="compare default / --threads 1 / --threads 2, "
+                   "alone and beside a competing busy process")
     args = p.parse_args()
+    if args.threads_study:
+        with tempfile.TemporaryDirectory() as tmp:
+            return print_study(threads_study(args, Path(tmp)))
     torch.set_num_threads(args.threads)
     rates: dict[str, list[float]] = {"torchcls": [], "torchcls-sync-every-step": [], "plain": []}
     with tempfile.TemporaryDirectory() as tmp:
@@ -90,6 +165,7 @@ def main() -> None:
             rates["plain"].append(plain_round(args, Path(tmp), i))
     med = {k: statistics.median(v) for k, v in rates.items()}
     result = {"benchmark": "train_throughput", "model": "smallnet", "data": args.data,
+              "machine": describe_machine(ran_in(args.precision)),
               "batch_size": args.batch_size, "threads": args.threads, "workers": args.workers,
               "channels_last": args.channels_last, "rounds": args.rounds,
               "img_per_s": {k: [round(r, 1) for r in v] for k, v in rates.items()},
@@ -97,7 +173,7 @@ def main() -> None:
               "ratio_torchcls_over_plain": round(med["torchcls"] / med["plain"], 3),
               "ratio_no_sync_over_sync": round(med["torchcls"] / med["torchcls-sync-every-step"], 3)}
     print(json.dumps(result, indent=2))
-    print("\n| loop | median images/s | rounds |\n|---|---|---|")
+    print(f"\nMachine: {machine_line(result['machine'])}\n\n| loop | median images/s | rounds |\n|---|---|---|")
     for k in rates:
         print(f"| {k} | {med[k]:.0f} | {', '.join(f'{r:.0f}' for r in rates[k])} |")
     print(f"\ntorchcls / plain = {result['ratio_torchcls_over_plain']:.3f}; without / with the per-step host "

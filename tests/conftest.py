@@ -72,5 +72,8 @@ def tiny_config(data: Path, out: Path, name: str = "run", epochs: int = 2):
     cfg = Config()
     cfg.data.source, cfg.data.workers, cfg.data.batch_size, cfg.data.img_size = str(data), 0, 8, 32
     cfg.train.epochs, cfg.train.progress = epochs, False
+    # fp32, not the default auto (bf16 on a CPU with native bf16): tests compare runs of different shapes
+    # (ranks, micro-batches) to 1e-4, and must behave alike on every CPU kind. auto: tests/test_hardware.py.
+    cfg.precision.precision = "fp32"
     cfg.run.out_dir, cfg.run.name = str(out), name
     return cfg

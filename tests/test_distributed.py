@@ -25,7 +25,8 @@ from torchcls.errors import UserError
 pytestmark = pytest.mark.slow
 SRC = Path(__file__).resolve().parents[1] / "src"
 COMMON = ["--model", "test_vit", "--img-size", "32", "--batch-size", "8", "--workers", "0", "--val-fraction",
-          "0.25", "--augment", "none", "--no-progress", "--dist-timeout", "120"]
+          "0.25", "--augment", "none", "--no-progress", "--dist-timeout", "120",
+          "--precision", "fp32"]  # compared with one process to 1e-4 (auto may pick bf16); fp8 jobs override it
 
 
 EMA = ("--ema", "0.5", "--accum-steps", "2")

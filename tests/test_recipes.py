@@ -1,5 +1,6 @@
 """Named recipes (`torchcls train --recipe NAME`) and FastNet, the fmnist-fast recipe's model."""
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -10,6 +11,7 @@ import torch
 
 from torchcls.cli import build_parser, main
 from torchcls.options import config_from_args
+from torchcls.precision.hardware import choose_precision
 from torchcls.recipes import describe, load_recipe, names, recipe_evaluation
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,7 +25,7 @@ def test_fmnist_fast_recipe_loads():
     assert "fmnist-fast" in names()
     cfg = load_recipe("fmnist-fast")
     assert (cfg.data.source, cfg.data.val_fraction, cfg.model.name) == ("fashion-mnist", 0.0, "fastnet")
-    assert (cfg.optim.optimizer, cfg.precision.precision, cfg.train.channels_last) == ("sgd", "bf16", True)
+    assert (cfg.optim.optimizer, cfg.precision.precision, cfg.train.channels_last) == ("sgd", "auto", True)
     assert cfg.data.batch_size == 256 and cfg.optim.lr > 0.01  # the recipe's values, not the defaults
     assert recipe_evaluation("fmnist-fast") == {"tta": "flip"}
     assert "fmnist-fast" in describe() and "94%" in describe()
@@ -37,7 +39,7 @@ def test_recipe_is_the_base_config_and_flags_override_it(tmp_path):
     (tmp_path / "c.toml").write_text("[optim]\nlr = 0.01\n[train]\nepochs = 2\n[data]\nbatch_size = 64\n")
     cfg = train_config("--recipe", "fmnist-fast", "--config", tmp_path / "c.toml", "--epochs", 4)
     assert (cfg.optim.lr, cfg.train.epochs, cfg.data.batch_size) == (0.01, 4, 64)
-    assert (cfg.model.name, cfg.precision.precision) == ("fastnet", "bf16")
+    assert (cfg.model.name, cfg.precision.precision) == ("fastnet", "auto")
     # Without --recipe nothing changes: the defaults.
     assert train_config().model.name == "smallnet"
 
@@ -76,7 +78,7 @@ def test_fastnet_shape_size_and_downsampling():
 
 @pytest.mark.slow
 def test_recipe_trains_end_to_end_with_overrides(tmp_path, shapes_dir):
-    """The recipe's whole setup (fastnet, SGD, bf16, channels_last, in-memory batches) on a tiny set."""
+    """The recipe's whole setup (fastnet, SGD, precision auto, channels_last, in-memory batches) on a tiny set."""
     r = subprocess.run([sys.executable, "-m", "torchcls", "train", "--recipe", "fmnist-fast", "--data",
                         str(shapes_dir), "--val-fraction", "0.25", "--epochs", "1", "--batch-size", "8",
                         "--img-size", "28", "--out-dir", str(tmp_path), "--name", "r", "--no-progress"],
@@ -84,4 +86,20 @@ def test_recipe_trains_end_to_end_with_overrides(tmp_path, shapes_dir):
     assert r.returncode == 0, r.stderr
     saved = tomllib.loads((tmp_path / "r" / "config.toml").read_text())
     assert saved["model"]["name"] == "fastnet" and saved["optim"]["optimizer"] == "sgd"
-    assert saved["data"]["batch_size"] == 8 and saved["precision"]["precision"] == "bf16"
+    assert saved["data"]["batch_size"] == 8 and saved["precision"]["precision"] == "auto"  # as asked
+    ran = json.loads((tmp_path / "r" / "precision.json").read_text())  # what auto chose on this machine
+    assert ran["requested"] == "auto" and ran["precision"] == choose_precision("auto", torch.device("cpu")).precision
+
+
+@pytest.mark.parametrize("cpu, expected", [((True, "avx512_bf16 here"), "bf16"), ((False, "AVX2 only"), "fp32")])
+def test_fmnist_fast_resolves_auto_from_the_cpu(cpu, expected, monkeypatch):
+    """bf16 where the CPU has it natively; fp32 on an AVX2-only CPU, where bf16 trained ~12x slower."""
+    from torchcls.models.registry import ModelSpec, create_model
+    from torchcls.precision import hardware
+    from torchcls.precision.training import apply_precision
+
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: cpu)
+    recipe = load_recipe("fmnist-fast")
+    model = create_model(ModelSpec("fastnet", num_classes=10, in_chans=1, img_size=28))
+    plan = apply_precision(model, recipe.precision, torch.device("cpu"))
+    assert (plan.name, plan.report["requested"], plan.report["reason"]) == (expected, "auto", cpu[1])

@@ -141,7 +141,9 @@ class TrainConfig:
     channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")
     compile: bool = opt(False, "torch.compile the model for training (reports graph breaks)")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
-    threads: int = opt(0, "intra-op CPU threads (0 = torch default)")
+    threads: int = opt(0, "intra-op CPU threads (0 = OMP_NUM_THREADS if set, else the CPUs this process may use "
+                       "(affinity, cgroup quota) less up to half of them for DataLoader workers; recorded in "
+                       "machine.json)")
     tensorboard: bool = opt(False, "also log scalars to TensorBoard (needs the 'tensorboard' package)")
     log_every: int = opt(0, "write a step record (loss averaged over ranks, learning rate) every N optimizer "
                          "steps (0 = ten times an epoch)")
@@ -165,10 +167,12 @@ class TrainConfig:
 class PrecisionConfig:
     """Training precision (autocast, FP8) and what to do with a non-finite step."""
 
-    precision: str = opt("fp32", "training precision: fp32; bf16 autocast (CPU and GPU); fp16 autocast with a "
-                         "gradient scaler (CUDA); fp8 linears via torchao/TransformerEngine (GPU with compute "
-                         "capability >= 8.9, or --fp8-emulate); master weights stay fp32",
-                         choices=("fp32", "bf16", "fp16", "fp8"))
+    precision: str = opt("auto", "training precision: auto = bf16 where the hardware computes it natively (a CPU "
+                         "with AVX-512-bf16 or AMX, a GPU of compute capability >= 8.0), else fp32 (the run says "
+                         "which and why); fp32; bf16 autocast (CPU and GPU; emulated, so much slower, on CPUs without "
+                         "native bf16); fp16 autocast with a gradient scaler (CUDA); fp8 linears via "
+                         "torchao/TransformerEngine (GPU with compute capability >= 8.9, or --fp8-emulate); master "
+                         "weights stay fp32", choices=("auto", "fp32", "bf16", "fp16", "fp8"))
     fp8_recipe: str = opt("tensorwise", "FP8 scaling recipe: one scale per tensor (fastest) or per row (more "
                           "accurate)", choices=("tensorwise", "rowwise"))
     fp8_backend: str = opt("torchao", "FP8 implementation: torchao float8, or NVIDIA TransformerEngine (te; "

@@ -11,21 +11,23 @@ from torchcls.console import console
 from torchcls.options import DemoOptions as _D  # the defaults, declared once
 
 
-def demo_config(out_dir: str = "runs", name: str = "demo", epochs: int | None = None) -> Config:
+def demo_config(out_dir: str = "runs", name: str = "demo", epochs: int | None = None, threads: int = 0) -> Config:
     cfg = Config()
     cfg.data.source = "mnist-5k"
     cfg.model.name = "smallnet"
     cfg.train.epochs = epochs or 8
     cfg.train.channels_last = True  # faster CPU convolutions
+    cfg.train.threads = threads
     cfg.run.out_dir, cfg.run.name = out_dir, name
     return cfg
 
 
-def demo(out_dir: str = _D.out_dir, name: str = _D.name, epochs: int | None = None) -> dict[str, Any]:
+def demo(out_dir: str = _D.out_dir, name: str = _D.name, epochs: int | None = None,
+         threads: int = _D.threads) -> dict[str, Any]:
     from torchcls.evaluation import evaluate
     from torchcls.training import train
 
-    cfg = demo_config(out_dir, name, epochs)
+    cfg = demo_config(out_dir, name, epochs, threads)
     shutil.rmtree(Path(out_dir) / name, ignore_errors=True)  # the demo always starts fresh
     console.print(f"[bold]torchcls demo[/]: training {cfg.model.name} on {cfg.data.source} "
                   f"({cfg.train.epochs} epochs, 80/20 seeded split)")

@@ -141,6 +141,8 @@ class DemoOptions:
     out_dir: str = opt("runs", "parent of the run dir")
     name: str = opt("demo", "run name (an old demo run is replaced)")
     epochs: int | None = opt(None, "override the demo's epoch count (default: 8)")
+    threads: int = opt(0, "intra-op CPU threads (0 = OMP_NUM_THREADS if set, else the CPUs this process may use: "
+                       "affinity and cgroup quota); on a machine shared with other work, 1 may be much faster")
 
 
 @dataclass

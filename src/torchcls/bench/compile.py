@@ -100,6 +100,8 @@ def bench_compile(cfg: BenchCompileConfig, out_dir: str | Path) -> dict[str, Any
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     results: list[dict[str, Any]] = []
+    if note := emulated_bf16_note(cfg):
+        console.print(f"[yellow]{note}[/]", highlight=False)
     for model, batch, precision, mode in itertools.product(cfg.models, cfg.batches, cfg.precisions, cfg.modes):
         console.print(f"bench compile: {model} b{batch} {precision} {mode} ...")
         r = run_config(model, batch, precision, mode, cfg)
@@ -112,14 +114,29 @@ def bench_compile(cfg: BenchCompileConfig, out_dir: str | Path) -> dict[str, Any
     return data
 
 
+def emulated_bf16_note(cfg: BenchCompileConfig) -> str:
+    """Said (console, JSON, Markdown) when bf16 is measured on a CPU that emulates it: its figures are then
+    the emulation's, many times slower than fp32, not what bf16 gives where it is native."""
+    if "bf16" not in cfg.precisions or cfg.device != "cpu":
+        return ""
+    from torchcls.precision.hardware import cpu_bf16_here
+
+    native, why = cpu_bf16_here()
+    return "" if native else f"bf16 is emulated on this machine ({why}): its figures are not bf16's on native hardware"
+
+
 def _write(out: Path, cfg: BenchCompileConfig, results: list[dict[str, Any]]) -> dict[str, Any]:
     import torch
 
+    from torchcls.machine import describe_machine
+
     done = {r["model"] for r in results}
-    data = {"machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                        "device": cfg.device, "cuda": torch.cuda.get_device_name() if cfg.device.startswith("cuda")
-                        and torch.cuda.is_available() else None, "threads": torch.get_num_threads(),
-                        "note": f"{cfg.repeats} interleaved repeats per configuration, medians (min–max)"},
+    data = {"machine": describe_machine(",".join(cfg.precisions)) | {
+                "platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                "device": cfg.device, "cuda": torch.cuda.get_device_name() if cfg.device.startswith("cuda")
+                and torch.cuda.is_available() else None, "threads": torch.get_num_threads(),
+                "bf16_note": emulated_bf16_note(cfg),
+                "note": f"{cfg.repeats} interleaved repeats per configuration, medians (min–max)"},
             "results": results,
             "verdicts": {m: verdict([r for r in results if r["model"] == m]) for m in cfg.models if m in done}}
     (out / "bench_compile.json").write_text(json.dumps(data, indent=2))
@@ -131,7 +148,13 @@ def _write(out: Path, cfg: BenchCompileConfig, results: list[dict[str, Any]]) ->
 
 
 def to_markdown(data: dict[str, Any]) -> str:
-    lines = ["| model | batch | precision | mode | eager ms | compiled ms | speedup | cold compile s | graphs | "
+    from torchcls.machine import machine_line
+
+    m = data["machine"]  # results written before the machine record have no "cores"
+    head = ([f"Machine: {machine_line(m)}"] if "cores" in m else []) + \
+        ([f"**{m['bf16_note']}**"] if m.get("bf16_note") else [])
+    lines = [*head, *([""] if head else []),
+             "| model | batch | precision | mode | eager ms | compiled ms | speedup | cold compile s | graphs | "
              "breaks | recompiles | max abs diff | top-1 agree | peak RSS MiB |", "|---" * 14 + "|"]
     for r in data["results"]:
         if r["status"] != "ok":

@@ -11,7 +11,8 @@ SHOWN_NAMES = 6  # per group in the console; precision.json and report.html list
 
 
 def headline(report: dict[str, Any]) -> str:
-    parts = [f"precision {report['precision']}", f"device {report['device']}",
+    chosen = f" ({report['requested']}: {report['reason']})" if report.get("requested", "") == "auto" else ""
+    parts = [f"precision {report['precision']}{chosen}", f"device {report['device']}",
              f"autocast {report['autocast_dtype'] or 'off'}", f"master weights {report['master_weights']}"]
     if report["grad_scaler"]:
         parts.append("grad scaler on")
@@ -56,6 +57,12 @@ def print_precision(report: dict[str, Any]) -> None:
 
 def html_section(report: dict[str, Any]) -> str:
     parts = [f"<h2>Precision</h2><p>{html.escape(headline(report))}</p>"]
+    if report.get("warning"):
+        parts.append(f"<p>warning: {html.escape(report['warning'])}</p>")
+    if report.get("machine"):
+        from torchcls.machine import machine_line
+
+        parts.append(f"<p>machine: {html.escape(machine_line(report['machine']))}</p>")
     fp8 = report.get("fp8")
     if fp8:
         parts.append(f"<p>{html.escape(fp8_lines(fp8)[0])}</p>")

@@ -25,7 +25,7 @@ from torchcls.errors import UserError
 from torchcls.precision.dtypes import DTYPES
 from torchcls.precision.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
 from torchcls.precision.fp8_layers import summary
-from torchcls.precision.hardware import describe_device, require_bf16, require_fp16
+from torchcls.precision.hardware import PrecisionChoice, choose_precision, describe_device, require_bf16, require_fp16
 
 if TYPE_CHECKING:
     from torchcls.config import PrecisionConfig
@@ -223,9 +223,10 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     caller compiles the model (torchcls.training.compile.should_compile decides): reported, not decided here.
     `example_shape`: one training batch on this rank (N, C, H, W); FP8 measures each layer's tokens from it.
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
-    name = cfg.precision
-    if name not in PRECISIONS:
-        raise UserError(f"--precision {name}: choose one of {', '.join(PRECISIONS)}")
+    if cfg.precision not in ("auto", *PRECISIONS):
+        raise UserError(f"--precision {cfg.precision}: choose auto or one of {', '.join(PRECISIONS)}")
+    choice = choose_precision(cfg.precision, device)  # auto: bf16 where the hardware has it, else fp32
+    name = choice.precision
     if name != "fp8" and cfg.fp8_emulate:
         raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
     check_fsdp_all_gather(cfg, parallel)
@@ -236,7 +237,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     scaler = torch.amp.GradScaler("cuda") if name == "fp16" else None  # fp16's narrow range needs loss scaling
     fp8 = convert_fp8(model, cfg, device, parallel, example_shape) if name == "fp8" else None
     plan = PrecisionPlan(name, device.type, cfg.nonfinite, scaler, fp8, compile)
-    plan.report = _report(plan, cfg, device, compile_note)
+    plan.report = _report(plan, cfg, device, compile_note, choice)
     if run is not None:
         plan.log, plan.run_path = run.log, run.path
         (run.path / "precision.json").write_text(json.dumps(plan.report, indent=2))
@@ -246,10 +247,12 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     return plan
 
 
-def _report(plan: PrecisionPlan, cfg: PrecisionConfig, device: torch.device, compile_note: str) -> dict[str, Any]:
+def _report(plan: PrecisionPlan, cfg: PrecisionConfig, device: torch.device, compile_note: str,
+            choice: PrecisionChoice) -> dict[str, Any]:
     autocast = AUTOCAST[plan.name]
     report: dict[str, Any] = {
-        "precision": plan.name, "device": describe_device(device),
+        "precision": plan.name, "requested": choice.requested, "reason": choice.reason, "warning": choice.warning,
+        "device": describe_device(device),
         "autocast_dtype": None if autocast is None else str(autocast).removeprefix("torch."),
         "master_weights": "float32", "grad_scaler": plan.scaler is not None, "nonfinite": plan.nonfinite,
         "compile": plan.compile, "compile_note": compile_note if plan.compile else "", "fp8": None,

@@ -26,11 +26,12 @@ def samples(run_dir: Path) -> str | None:
     return img(grid) if grid.is_file() else None
 
 
-@section("precision", "Precision", "torchcls train --precision bf16|fp16|fp8", 12)
+@section("precision", "Precision and machine", "torchcls train (--precision auto|fp32|bf16|fp16|fp8)", 12)
 def precision(run_dir: Path) -> str | None:
     report = read_json(run_dir / "precision.json")
     if not report:
         return None
+    report["machine"] = read_json(run_dir / "machine.json")  # CPU, cores, quota and threads of the run
     from torchcls.precision.report import html_section
 
     return _body(html_section(report))

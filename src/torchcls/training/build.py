@@ -28,6 +28,7 @@ from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
+from torchcls.machine import ThreadChoice, apply_threads, choose_threads, describe_machine
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
@@ -124,6 +125,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
                                     compile_model, compile_note, source)
     optimizer = build_optimizer(model, cfg.optim)
     feed = build_feed(cfg, data, session, device)
+    _record_machine(run, session, precision, _set_threads(cfg, feed))
     steps_per_epoch = _optimizer_steps_per_epoch(len(feed), cfg.optim.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
     ema = WeightEma(model, cfg.optim.ema) if cfg.optim.ema else None
@@ -167,6 +169,21 @@ def _check_options(cfg: Config) -> None:
     if cfg.train.early_stop < 0:
         raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
                         "--epochs")
+
+
+def _set_threads(cfg: Config, feed) -> ThreadChoice:
+    """--threads, or the quota-aware default once the feed says whether DataLoader workers share the CPUs
+    (the in-memory feed has none)."""
+    return apply_threads(choose_threads(cfg.train.threads, 0 if feed.kind == "memory" else cfg.data.workers))
+
+
+def _record_machine(run: RunDir, session: Session, precision: PrecisionPlan, threads: ThreadChoice) -> None:
+    """machine.json: the CPU, cores and quota, threads and precision this run ran with (benchmarks record the
+    same fields)."""
+    if session.is_main:
+        console.print(f"threads {threads.threads}: {threads.reason}", highlight=False)
+        machine = describe_machine(precision.name, threads)
+        (run.path / "machine.json").write_text(json.dumps(machine, indent=2))
 
 
 def _choose_nonfinite_check(when: str, precision: PrecisionPlan, optimizer, device: torch.device) -> None:

@@ -1,0 +1,236 @@
+"""Defaults chosen from the hardware: --precision auto (bf16 only where the CPU or GPU computes it natively),
+the warning for an explicit bf16 that the CPU emulates, the intra-op thread count from affinity and the
+cgroup quota, and the machine record of a run. The detection functions are fed the flags, the cgroup folder
+and the environment, so the native and the emulated case both run on any machine."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchcls.config import PrecisionConfig
+from torchcls.errors import UserError
+from torchcls.machine import CpuBudget, cgroup_cpu_limit, choose_threads, cpu_budget, machine_line, simd_level
+from torchcls.precision import hardware
+from torchcls.precision.hardware import choose_precision, cpu_bf16_native, require_fp16
+
+CPU = torch.device("cpu")
+SRC = Path(__file__).resolve().parents[1] / "src"
+EPYC_AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c"}  # the AMD EPYC where bf16 ran ~12x slower than fp32
+ZEN4 = EPYC_AVX2 | {"avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"}
+SAPPHIRE_RAPIDS = ZEN4 | {"amx_bf16", "amx_tile", "amx_int8"}
+SKYLAKE_X = EPYC_AVX2 | {"avx512f", "avx512bw"}
+NATIVE = (True, "fake CPU with avx512_bf16")
+EMULATED = (False, "fake AVX2 CPU")
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(hardware, "_warned", set())
+
+
+@pytest.mark.parametrize("flags, level, native", [
+    (EPYC_AVX2, "AVX2", False), (SKYLAKE_X, "AVX-512", False), (ZEN4, "AVX-512-bf16", True),
+    (SAPPHIRE_RAPIDS, "AMX", True),
+    ({"avx2", "avx512_f", "avx512_bf16"}, "AVX-512-bf16", True),  # torch's capability names
+])
+def test_auto_picks_bf16_only_where_the_cpu_computes_it(flags, level, native):
+    assert simd_level(flags) == level
+    ok, why = cpu_bf16_native(flags, "AVX512", {})
+    assert ok is native
+    choice = choose_precision("auto", CPU, cpu=(ok, why))
+    assert (choice.requested, choice.precision, choice.reason) == ("auto", "bf16" if native else "fp32", why)
+    if native:
+        assert "native" in why and "avx512_bf16" in why
+    else:
+        assert f"({level})" in why and "emulated" in why
+
+
+@pytest.mark.parametrize("capability, env, fragment", [
+    ("AVX2", {"ATEN_CPU_CAPABILITY": "avx2"}, "ATEN_CPU_CAPABILITY=avx2"),
+    ("DEFAULT", {}, "limited to DEFAULT"),
+    ("AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX2"}, "ONEDNN_MAX_CPU_ISA=AVX2"),
+    ("AVX512", {"DNNL_MAX_CPU_ISA": "avx512_core"}, "DNNL_MAX_CPU_ISA=AVX512_CORE"),
+])
+def test_a_capability_forced_down_counts_as_emulated(capability, env, fragment):
+    ok, why = cpu_bf16_native(SAPPHIRE_RAPIDS, capability, env)
+    assert not ok and fragment in why and "emulated" in why
+    assert cpu_bf16_native(SAPPHIRE_RAPIDS, "AVX512", {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"})[0]
+
+
+@pytest.mark.parametrize("asked", ["fp32", "bf16", "fp16", "fp8"])
+def test_an_explicit_precision_runs_as_given(asked, fresh_warnings, capsys):
+    choice = choose_precision(asked, CPU, cpu=NATIVE)
+    assert (choice.requested, choice.precision, choice.warning) == (asked, asked, "")
+    assert capsys.readouterr().out == ""
+
+
+def test_explicit_bf16_without_native_bf16_runs_and_warns_once_with_the_cost(fresh_warnings, capsys):
+    first = choose_precision("bf16", CPU, cpu=EMULATED)
+    again = choose_precision("bf16", CPU, cpu=EMULATED)
+    assert first.precision == again.precision == "bf16"  # it runs: the user asked for it
+    out = capsys.readouterr().out
+    assert out.count("warning: --precision bf16") == 1
+    assert "fake AVX2 CPU" in out and "12x slower than fp32" in out and "picks fp32 here" in out
+    assert "12x" in first.warning
+    inference = choose_precision("bf16", CPU, kind="inference", cpu=EMULATED)
+    assert "9-11x slower" in inference.warning
+
+
+def test_fp16_refusal_recommends_bf16_only_where_it_is_native(monkeypatch):
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: EMULATED)
+    with pytest.raises(UserError, match=r"use --precision fp32 or auto \(fake AVX2 CPU\)") as e:
+        require_fp16(CPU)
+    assert "bf16 (or auto)" not in str(e.value)
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: NATIVE)
+    with pytest.raises(UserError, match=r"use --precision bf16 \(or auto\) on this CPU"):
+        require_fp16(CPU)
+
+
+def test_auto_on_a_gpu_follows_its_bf16_hardware(monkeypatch):
+    monkeypatch.setattr(hardware, "describe_device", lambda d: "a GPU")
+    for supported, expected in ((True, "bf16"), (False, "fp32")):
+        seen = {}
+
+        def is_bf16_supported(including_emulation=True, supported=supported):
+            seen["including_emulation"] = including_emulation
+            return supported
+
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+        choice = choose_precision("auto", torch.device("cuda"))
+        assert choice.precision == expected and seen == {"including_emulation": False}  # emulated bf16 is not bf16
+
+
+def test_an_avx2_machine_emulated_in_a_subprocess(tmp_path):
+    """ATEN_CPU_CAPABILITY=avx2 and ONEDNN_MAX_CPU_ISA=AVX2 make this machine choose as an AVX2-only one does."""
+    code = ("import torch\n"
+            "from torchcls.errors import UserError\n"
+            "from torchcls.precision.hardware import choose_precision, require_fp16\n"
+            "cpu = torch.device('cpu')\n"
+            "print('AUTO', choose_precision('auto', cpu).precision, choose_precision('auto', cpu).reason)\n"
+            "choose_precision('bf16', cpu)\n"
+            "try:\n    require_fp16(cpu)\nexcept UserError as e:\n    print('FP16', e)\n")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+           "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    auto = next(line for line in out.stdout.splitlines() if line.startswith("AUTO"))
+    assert auto.startswith("AUTO fp32 ") and "emulated" in auto
+    assert out.stdout.count("warning: --precision bf16 on this CPU runs") == 1
+    fp16 = next(line for line in out.stdout.splitlines() if line.startswith("FP16"))
+    assert "use --precision fp32 or auto" in fp16
+
+
+# ---------------------------------------------------------------- threads from affinity and quota
+
+def test_cgroup_v2_quota_of_this_cgroup_and_its_ancestors(tmp_path):
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_limit(tmp_path, "0::/\n") is None
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    assert cgroup_cpu_limit(tmp_path, "0::/\n") == 2.0
+    pod = tmp_path / "kubepods" / "pod1"
+    pod.mkdir(parents=True)
+    (pod / "cpu.max").write_text("150000 100000\n")
+    assert cgroup_cpu_limit(tmp_path, "0::/kubepods/pod1\n") == 1.5  # the tightest on the way up
+    (tmp_path / "kubepods" / "cpu.max").write_text("50000 100000\n")
+    assert cgroup_cpu_limit(tmp_path, "0::/kubepods/pod1\n") == 0.5
+    assert cgroup_cpu_limit(tmp_path, "0::/elsewhere/on/the/host\n") == 2.0  # no cgroup namespace: the root
+
+
+def test_cgroup_v1_cfs_quota(tmp_path):
+    cpu = tmp_path / "cpu,cpuacct"
+    cpu.mkdir()
+    (cpu / "cpu.cfs_period_us").write_text("100000\n")
+    (cpu / "cpu.cfs_quota_us").write_text("-1\n")
+    assert cgroup_cpu_limit(tmp_path, "4:cpu,cpuacct:/\n") is None
+    (cpu / "cpu.cfs_quota_us").write_text("300000\n")
+    assert cgroup_cpu_limit(tmp_path, "4:cpu,cpuacct:/\n") == 3.0
+
+
+def test_threads_follow_the_quota_and_the_affinity_mask(tmp_path):
+    (tmp_path / "cpu.max").write_text("200000 100000\n")
+    pod = cpu_budget(tmp_path, "0::/\n", affinity=set(range(64)))  # a 2-CPU pod on a 64-core node
+    assert (pod.logical, pod.affinity, pod.quota, pod.usable) == (os.cpu_count(), 64, 2.0, 2)
+    choice = choose_threads(0, 0, pod, env={})
+    assert choice.threads == 2 and "cgroup quota 2 CPUs" in choice.reason
+    assert choose_threads(0, 0, CpuBudget(64, 64, 1.5), env={}).threads == 1  # floor: 1.5 CPUs is one thread
+    assert choose_threads(0, 0, CpuBudget(64, 3, None), env={}).threads == 3  # taskset -c 0-2
+    assert choose_threads(0, 0, CpuBudget(8, 8, 0.2), env={}).threads == 1
+
+
+def test_threads_leave_room_for_loader_workers_and_obey_what_is_asked():
+    two, eight = CpuBudget(2, 2, None), CpuBudget(8, 8, None)
+    assert choose_threads(0, 0, two, env={}).threads == 2  # in-memory feed: no worker processes
+    shared = choose_threads(0, 2, two, env={})
+    assert shared.threads == 1 and "1 left to 2 loader worker(s)" in shared.reason
+    assert choose_threads(0, 2, eight, env={}).threads == 6
+    assert choose_threads(0, 16, eight, env={}).threads == 4  # workers get at most half
+    assert choose_threads(0, 0, eight, env={"LOCAL_WORLD_SIZE": "2"}).threads == 4  # torchrun's processes share
+    assert choose_threads(0, 2, eight, env={"OMP_NUM_THREADS": "3"}) == \
+        type(shared)(3, "OMP_NUM_THREADS=3")
+    assert choose_threads(5, 2, two, env={"OMP_NUM_THREADS": "3"}) == type(shared)(5, "--threads 5")
+
+
+def test_demo_takes_threads():
+    from torchcls.cli import build_parser
+    from torchcls.demo import demo_config
+
+    args = build_parser().parse_args(["demo", "--threads", "1"])
+    assert args.threads == 1 and demo_config(threads=1).train.threads == 1 and demo_config().train.threads == 0
+
+
+# ---------------------------------------------------------------- what a run records
+
+def test_a_run_records_what_was_asked_what_ran_and_why(trained_run):
+    expected = choose_precision("auto", CPU)
+    recorded = json.loads((trained_run / "precision.json").read_text())
+    assert (recorded["requested"], recorded["precision"], recorded["reason"]) == \
+        ("auto", expected.precision, expected.reason)
+    assert tomllib.loads((trained_run / "config.toml").read_text())["precision"]["precision"] == "auto"
+    machine = json.loads((trained_run / "machine.json").read_text())
+    assert machine["precision"] == expected.precision and machine["simd"] and machine["cpu"]
+    assert machine["cores"]["usable"] >= 1 and machine["torch_threads"] >= 1
+    assert "usable CPU(s)" in machine["threads_reason"]  # the conftest run sets no --threads
+    from torchcls.report import write_report
+
+    html = write_report(trained_run).read_text()
+    assert f"precision {expected.precision} (auto: " in html and machine_line(machine) in html
+
+
+def test_precision_json_says_why_auto_chose_fp32(tmp_path, monkeypatch, fresh_warnings):
+    from torchcls.models import SmallNet
+    from torchcls.precision.training import apply_precision
+    from torchcls.training.rundir import RunDir
+
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: EMULATED)
+    plan = apply_precision(SmallNet(2, 1), PrecisionConfig(), CPU, RunDir(tmp_path))
+    recorded = json.loads((tmp_path / "precision.json").read_text())
+    assert plan.name == "fp32" and plan.autocast().__class__.__name__ == "nullcontext"
+    assert (recorded["requested"], recorded["precision"], recorded["reason"]) == ("auto", "fp32", "fake AVX2 CPU")
+    plan = apply_precision(SmallNet(2, 1), PrecisionConfig(precision="bf16"), CPU, RunDir(tmp_path))
+    recorded = json.loads((tmp_path / "precision.json").read_text())
+    assert plan.name == "bf16" and "12x slower" in recorded["warning"]
+
+
+# ---------------------------------------------------------------- bench compile
+
+def test_bench_compile_says_when_bf16_is_emulated(monkeypatch):
+    from torchcls.bench.compile import BenchCompileConfig, emulated_bf16_note, to_markdown
+
+    cfg = BenchCompileConfig(["smallnet"], [1], ["fp32", "bf16"], ["default"])
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: EMULATED)
+    note = emulated_bf16_note(cfg)
+    assert note.startswith("bf16 is emulated on this machine (fake AVX2 CPU)")
+    assert emulated_bf16_note(BenchCompileConfig(["smallnet"], [1], ["fp32"], ["default"])) == ""
+    machine = {"cpu": "x", "simd": "AVX2", "torch_cpu_capability": "AVX2", "torch_threads": 2, "precision": "bf16",
+               "cores": {"logical": 2, "affinity": 2, "quota": None, "usable": 2}, "bf16_note": note}
+    assert note in to_markdown({"machine": machine, "results": [], "verdicts": {}})
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: NATIVE)
+    assert emulated_bf16_note(cfg) == ""
