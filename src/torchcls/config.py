@@ -71,6 +71,11 @@ class DataConfig:
                          "--memory-limit-mb; on = always (refused if it does not fit); off = the per-sample loader",
                          choices=("auto", "on", "off"))
     memory_limit_mb: int = opt(4096, "largest in-memory cache (MB, per process) that --in-memory auto/on builds")
+    decode: str = opt("auto", "where the per-sample loader decodes JPEGs: workers = in the DataLoader worker "
+                      "processes (CPU); device = torchvision.io.decode_jpeg on the training device, one call per "
+                      "batch (nvJPEG on CUDA), crops, flips and normalisation there too (presets none, light, flip, "
+                      "standard); auto = device when training on CUDA from JPEG files", choices=("auto", "workers",
+                                                                                                 "device"))
     task: str = opt("multiclass", "multiclass: one label per image (cross-entropy); multilabel: any number of labels "
                     "per image, from a CSV `labels` column separated by ';' (one sigmoid per class, BCE loss)",
                     choices=("multiclass", "multilabel"))

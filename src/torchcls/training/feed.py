@@ -22,6 +22,7 @@ import torch
 
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
+from torchcls.data.device_decode import decode_on_device, device_loader, why_not
 from torchcls.data.inmemory import bundle_loaders
 from torchcls.data.loaders import Transformed, build_transform, needed_side, reseed
 from torchcls.data.sampling import balanced_weights, epoch_seed
@@ -118,11 +119,31 @@ def build_feed(cfg: Config, data, session: Session, device: torch.device) -> Fee
         if d.balanced_sampler:
             train.weights = balanced_weights(train.targets[train.rows], data.classes)
         return Feed("memory", train, val if val.n else None, val.n, seed, bad)
-    train = sharding.train_loader(data.train, d.batch_size, d.workers, seed, session)
+    if decode_on_device(d.decode, data.train, device):  # --decode: JPEGs decoded where the model trains
+        train, val = _device_decoded(cfg, data, session, device)
+    else:
+        train = sharding.train_loader(data.train, d.batch_size, d.workers, seed, session)
+        val = sharding.val_loader(data.val, d.batch_size * 2, d.workers, session) if len(data.val) else None
     if d.balanced_sampler:
         train.sampler.weights = balanced_weights(data.train.images.targets[data.train.indices], data.classes)
-    val = sharding.val_loader(data.val, d.batch_size * 2, d.workers, session) if len(data.val) else None
     return Feed("files", train, val, len(data.val), seed)
+
+
+def _device_decoded(cfg: Config, data, session: Session, device: torch.device):
+    """The map-style loaders with batches decoded on `device` (data/device_decode.py): same order and draws."""
+    from torchcls.console import console
+
+    d, seed, rank, world = cfg.data, cfg.train.seed, session.rank, session.world
+    train = device_loader(data.train, sharding.per_rank_batch(d.batch_size, session), d.workers, seed, True, rank,
+                          world, device)
+    val = None
+    if len(data.val):
+        val = device_loader(data.val, d.batch_size * 2, d.workers, seed, False, rank, world, device) \
+            if why_not(data.val) is None else sharding.val_loader(data.val, d.batch_size * 2, d.workers, session)
+    if session.is_main:
+        console.print(f"decoding JPEGs on {device} (torchvision.io.decode_jpeg, one call per batch; crops, flips and "
+                      "normalisation there too); --decode workers decodes them in the DataLoader workers")
+    return train, val
 
 
 def _shard_feed(cfg: Config, data: ShardBundle, session: Session) -> Feed:
