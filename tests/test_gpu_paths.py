@@ -1,13 +1,10 @@
 """The GPU paths that can be checked without a GPU: device names, the refusals of --device cuda on a CPU
 host, the artifact device check (a .pt2 whose metadata says CUDA is refused here, read the way a real CUDA
-build is read), old artifacts without device metadata, and benchmarks/gpu/check.sh --dry-run."""
+build is read) and old artifacts without device metadata. The device check itself: tests/test_gpu_check.py."""
 
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
@@ -170,98 +167,3 @@ def test_cli_device_cuda_without_gpu(tmp_path, capsys, tiny_run):
 def test_serve_device_cuda_without_gpu_exits_cleanly(tiny_run, capsys):
     code, err = _run_cli(["serve", str(tiny_run), "--device", "cuda", "--port", "0"], capsys)
     assert code != 0 and "needs an NVIDIA GPU" in err and "--device cpu" in err
-
-
-def test_check_dry_run_lists_budgeted_steps():
-    proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu/check.sh"), "--dry-run"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    plan = json.loads(proc.stdout)  # exactly one JSON object on stdout
-    assert set(plan) >= {"steps", "total_budget_s"}
-    names = [s["name"] for s in plan["steps"]]
-    assert len(names) == len(set(names)) >= 8
-    assert all(isinstance(s["budget_s"], int | float) and s["budget_s"] > 0 for s in plan["steps"])
-    assert plan["total_budget_s"] == sum(s["budget_s"] for s in plan["steps"])
-    assert {s["part"] for s in plan["steps"]} == {"both", 1, 2}
-    for part, budget in plan["parts"].items():  # each part fits one 10-minute call, start-up aside
-        assert budget == sum(s["budget_s"] for s in plan["steps"] if s["part"] in ("both", int(part)))
-        assert budget <= plan["part_budget_s"] == 540
-    for needed in ("train_resnet50", "fp8", "memory_report", "ddp_nccl", "fsdp2_nccl_dcp", "export_aoti_cuda",
-                   "bench_compile"):
-        assert needed in names
-
-
-def test_check_refuses_without_gpu_and_records_skips(tmp_path):
-    if not NO_GPU:
-        pytest.skip("checks the no-GPU report")
-    if shutil.which("bash") is None:
-        pytest.skip("needs bash")
-    proc = subprocess.run(["bash", str(REPO / "benchmarks/gpu/check.sh"), "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
-    result = json.loads((tmp_path / "check.json").read_text())
-    assert result["steps"][0]["status"] == "fail"
-    assert all(s["status"] == "skipped" for s in result["steps"][1:])
-    assert "| step |" in (tmp_path / "check.md").read_text()
-
-
-def test_check_commands_parse(tmp_path):
-    """Every torchcls command line of the device check is one the CLI accepts (flags renamed elsewhere would
-    otherwise surface only on a GPU machine)."""
-    from torchcls.cli import build_parser
-
-    check = _load_check()
-    ctx, parser, parsed = check.Ctx(tmp_path, sys.executable), build_parser(), 0
-    for step in check.STEPS:
-        for cmd in step.commands(ctx):
-            if "torchcls" in cmd:
-                parser.parse_args(cmd[cmd.index("torchcls") + 1:])
-                parsed += 1
-            else:
-                assert Path(cmd[1]).is_file(), cmd
-    assert parsed >= 8
-    assert check.with_needs({"inference_bench"}) == {"inference_bench", "export_aoti_cuda", "memory_report"}
-
-
-def _load_check():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks/gpu/check.py")
-    check = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = check  # dataclasses resolve the module by name
-    spec.loader.exec_module(check)
-    return check
-
-
-def test_check_timeouts_and_budget(tmp_path, monkeypatch):
-    """The runner itself, with stand-in steps: an overrunning step is killed at its budget (its whole process
-    group) and fails, a step needing it is skipped, and once the total budget is spent the rest are skipped."""
-    check = _load_check()
-    marker = tmp_path / "orphan"
-    monkeypatch.setattr(check, "STEPS", [
-        check.Step("env", 5, "stand-in", lambda c: [["true"]]),
-        check.Step("slow", 2, "overruns", lambda c: [["bash", "-c", f"(sleep 4; touch {marker}) & sleep 30"]]),
-        check.Step("after_slow", 5, "needs slow", lambda c: [["true"]], needs=("slow",)),
-        check.Step("late", 5, "no time left", lambda c: [["true"]]),
-    ])
-    monkeypatch.setattr(check, "MIN_STEP_S", 10)
-    monkeypatch.setattr(sys, "argv", ["check.py", "--out", str(tmp_path), "--budget", "12"])
-    assert check.main() == 1
-    steps = {s["name"]: s for s in json.loads((tmp_path / "check.json").read_text())["steps"]}
-    assert steps["env"]["status"] == "pass"
-    assert steps["slow"]["status"] == "fail" and "timed out" in steps["slow"]["reason"]
-    assert steps["slow"]["seconds"] < 10
-    assert steps["after_slow"]["status"] == "skipped" and "needs slow" in steps["after_slow"]["reason"]
-    assert steps["late"]["status"] == "skipped" and "total budget spent" in steps["late"]["reason"]
-    import time
-
-    time.sleep(3)
-    assert not marker.exists()  # the background child of the killed step died with it
-
-
-def test_check_parts_split_the_steps_and_only_adds_what_a_step_needs():
-    check = _load_check()
-    one, two = check.selected("1", None), check.selected("2", None)
-    assert one & two == {"env"} and one | two == {s.name for s in check.STEPS} == check.selected("all", None)
-    assert {"export_aoti_cuda", "inference_bench", "memory_report"} <= one and "bench_compile" in two
-    assert check.selected("2", "serve_throughput") == {"env", "serve_throughput", "export_aoti_cuda", "memory_report"}

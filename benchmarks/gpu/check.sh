@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# The one device check of torchcls (issue 18): every CUDA path on one GPU in <= 540 s of wall time, one
-# JSON (check.json) and one Markdown table (check.md) with pass/fail and figures. See check.py.
+# The one device check of torchcls (issues 18, 25): every CUDA path on one GPU, in parts that each fit one call
+# (part 1: 8 minutes, what matters most), one JSON (check.json) and one Markdown table (check.md) with
+# pass/fail and figures. See check.py and check_steps.py.
 #
-#   bash benchmarks/gpu/check.sh --dry-run          # steps and budgets as one JSON object (runs anywhere)
-#   bash benchmarks/gpu/check.sh --out gpu-check    # on a GPU machine
-#   bash benchmarks/gpu/check.sh --only env,export_aoti_cuda,inference_bench   # a subset (dependencies too)
+#   bash benchmarks/gpu/check.sh --dry-run                          # steps, parts and budgets as one JSON object
+#   bash benchmarks/gpu/check.sh --part 1 --out gpu-check --collect "$OUT"   # on a GPU machine
+#   bash benchmarks/gpu/check.sh --only preflight,aoti_smoke        # a subset (and the steps it needs)
+#   PY=/work/t211venv/bin/python bash benchmarks/gpu/check.sh --part 1 --rehearse --out r   # CPU stand-ins
 #
 # It runs from the project's own .venv (PY=... overrides). Without one it builds it with `make` from local
 # files only (pip --no-index: a wheelhouse named by PIP_FIND_LINKS), never from the web; failing that, as a

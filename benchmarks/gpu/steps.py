@@ -70,6 +70,12 @@ def cuda_ms(fn) -> float:
 
 
 def env(args, rec: Record) -> int:
+    if args.device == "cpu":  # the rehearsal: the stack the steps will run under, no GPU expected
+        import platform
+
+        rec.set(gpu=None, torch=torch.__version__, cuda_build=torch.version.cuda, python=platform.python_version(),
+                rehearsal="cpu stand-in")
+        return 0
     if not torch.cuda.is_available():
         rec.set(error="no usable CUDA GPU", torch=torch.__version__, cuda_build=torch.version.cuda)
         print(f"steps.py env: needs a CUDA GPU; torch {torch.__version__} (CUDA build {torch.version.cuda}) sees "

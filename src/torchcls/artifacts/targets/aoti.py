@@ -42,7 +42,7 @@ class AOTIArtifact(LoadedArtifact):
         self.device = compiled_device(built, self.info.compute_capability, self.info.gpu, path, device)
         index = self.device.index if self.device.type == "cuda" else -1
         try:
-            self.runner = torch._inductor.aoti_load_package(str(path), device_index=index)
+            self.runner = load_runner(path, index)
         except Exception as e:  # the loader raises RuntimeError or zipfile errors on foreign or broken files
             raise UserError(f"{path} is not a loadable AOTInductor package ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target aoti`") from None
@@ -50,6 +50,18 @@ class AOTIArtifact(LoadedArtifact):
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = self.runner(x)  # the model's output structure: one tensor, or (logits, exits)
         return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def load_runner(path: Path, device_index: int):
+    """AOTInductor's package loader, called once. torch's aoti_load_package (2.11 to 2.14 at least) treats any
+    RuntimeError of the loader as an outdated package and loads the same package again through its legacy
+    path: for a CUDA package that second load runs after a half-initialised first one in the same process
+    (loading one package twice is a known segfault, pytorch#123280), and the error reported is the second's
+    (pytorch#186943 made CUDA loads fail fast for this reason). Our packages keep their weights inside the
+    shared library (aoti_compile_and_package's default), which is all the modern path adds for them."""
+    from torch._inductor.package.package import AOTICompiledModel
+
+    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, device_index))
 
 
 def package_metadata(path: Path) -> dict[str, str]:
@@ -77,12 +89,13 @@ def cond_safe_inductor(ep: torch.export.ExportedProgram) -> Iterator[None]:
 
 
 def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extra: dict[str, str],
-          autotune: bool = False) -> dict[str, Any]:
+          autotune: bool = False, freezing: bool = True) -> dict[str, Any]:
     """AOTInductor package with frozen weights (constants folded, conv weights prepacked), compiled for the
     device the program was captured on (CPU: C++/OpenMP; CUDA: Triton kernels and cubins for this GPU's
-    compute capability). `autotune`: Inductor's max-autotune (benchmarks GEMM/conv kernel choices)."""
+    compute capability). `autotune`: Inductor's max-autotune (benchmarks GEMM/conv kernel choices).
+    `freezing=False` only for diagnosis (benchmarks/gpu/aoti_diag.py): every export freezes."""
     metadata = {META_KEY: info.to_json(**extra), **info.flat_metadata()}
-    configs: dict[str, Any] = {"freezing": True, "aot_inductor.metadata": metadata}
+    configs: dict[str, Any] = {"freezing": freezing, "aot_inductor.metadata": metadata}
     if autotune:
         configs["max_autotune"] = True
     with cond_safe_inductor(ep), torch.no_grad():
