@@ -15,6 +15,8 @@ from PIL import Image, ImageDraw
 # Keep Inductor's cache and temp files inside one folder that the session removes.
 _SCRATCH = Path(tempfile.mkdtemp(prefix="torchcls-tests-"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
+# What `torchcls export` records as published on this machine (a .pt2 it made loads with no flag): per session.
+os.environ["TORCHCLS_EXPORT_RECORD"] = str(_SCRATCH / "exports.jsonl")
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -64,6 +66,15 @@ def trained_run(tmp_path_factory) -> Path:
     cfg.train.epochs, cfg.train.progress = 8, False
     cfg.run.out_dir, cfg.run.name = str(base / "runs"), "shapes"
     return train(cfg).run_dir
+
+
+@pytest.fixture(scope="session")
+def aoti_export(trained_run, tmp_path_factory):
+    """The trained run exported once per session as an AOTInductor package (max batch 8)."""
+    from torchcls.artifacts import export
+
+    return export(trained_run, target="aoti", max_batch=8, out=tmp_path_factory.mktemp("aoti") / "shapes.pt2",
+                  precision="fp32")  # tests check it against eager fp32 to 1e-4; auto may pick bf16
 
 
 def tiny_config(data: Path, out: Path, name: str = "run", epochs: int = 2):

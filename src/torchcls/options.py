@@ -78,8 +78,14 @@ class PredictOptions(RuntimeOptions):
     tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
                    "mirror (two forward passes, also for exported artifacts)", choices=("none", "flip"))
     json: bool = opt(False, "print JSON instead of a table")
+    precision: str = opt("auto", "a checkpoint runs in: auto = bf16 where the hardware computes it natively (CPU "
+                         "with AVX-512-bf16 or AMX, GPU of compute capability >= 8.0), else fp32; an exported "
+                         "artifact keeps the precision it was exported in", choices=("auto", "fp32", "bf16"))
     expect_sha256: str | None = opt(None, "refuse to load the model unless its file has this SHA-256 (default: "
                                     "the digest governance registered for an exported artifact, if any)")
+    trust_artifact: bool = opt(False, "load a .pt2 that nothing vouches for (not exported on this machine, no "
+                               "--expect-sha256, no registration under your audit key): it is native code, run as "
+                               "soon as it is loaded; only for a file you trust")
 
 
 @dataclass
@@ -108,8 +114,10 @@ class ExportOptions:
     target: str = opt("aoti", "aoti: .pt2 AOTInductor package (runs from Python with torch only, or C++); onnx: "
                       "ONNX Runtime; executorch: .pte program for the ExecuTorch runtime on devices",
                       choices=("aoti", "onnx", "executorch"))
-    precision: str = opt("fp32", "weights and compute inside the artifact; inputs and logits stay float32 (bf16 "
-                         "for aoti only)", choices=("fp32", "bf16"))
+    precision: str = opt("auto", "weights and compute inside the artifact; inputs and logits stay float32. auto = "
+                         "bf16 where the hardware computes it natively (CPU with AVX-512-bf16 or AMX, GPU of compute "
+                         "capability >= 8.0) and the target builds it (aoti), else fp32; parity.json says which and "
+                         "why", choices=("auto", "fp32", "bf16"))
     max_batch: int = opt(64, "largest batch the artifact accepts")
     out: str | None = opt(None, "artifact path (.pt2/.onnx/.pte) or folder (default: "
                           "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from torchcls.artifacts.artifact import load_artifact
+from torchcls.artifacts.artifact import fp32_only, load_artifact
 from torchcls.artifacts.targets import BY_SUFFIX
 from torchcls.checkpoint.files import load_model
 from torchcls.data import build_transform
@@ -18,6 +18,7 @@ from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_probs
 from torchcls.options import PredictOptions as _D  # the defaults, declared once
+from torchcls.precision.inference import eager_for_inference
 from torchcls.tasks import MULTILABEL, labels_above, thresholds_for
 
 ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, run on their own runtime
@@ -50,22 +51,25 @@ def expand_inputs(inputs: list[str | Path]) -> list[Path]:
 @torch.no_grad()
 def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.topk, device: str = _D.device,
             on_bad_file: str = _D.on_bad_file, batch_size: int = 64,
-            expect_sha256: str | None = _D.expect_sha256, tta: str = _D.tta) -> Predictions:
+            expect_sha256: str | None = _D.expect_sha256, tta: str = _D.tta,
+            trust_artifact: bool = _D.trust_artifact, precision: str = _D.precision) -> Predictions:
     """Top-k labels for each image; `tta="flip"` averages the softmax of each image and its mirror.
-    Multilabel models: probabilities are sigmoids, and "labels" lists every label at or above its threshold."""
+    Multilabel models: probabilities are sigmoids, and "labels" lists every label at or above its threshold.
+    `precision`: what a checkpoint runs in (auto = bf16 where the hardware computes it natively, else fp32)."""
     from torchcls.governance.artifacts import check_pinned_sha256, refuse_forbidden_predictions
 
     check_tta(tta)
     refuse_forbidden_predictions(checkpoint, "predict")  # a policy's [outputs] predictions = false
     if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime
         # Host batches in: the artifact moves them to its device (pinned copy) and returns host logits.
-        model = load_artifact(checkpoint, expect_sha256=expect_sha256, device=device)
+        model = load_artifact(checkpoint, expect_sha256=expect_sha256, device=device, trust=trust_artifact,
+                              precision=precision)
         meta, dev, batch_size = model.info, torch.device("cpu"), min(batch_size, model.info.max_batch)
     else:
         check_pinned_sha256(checkpoint, expect_sha256)
         model, meta = load_model(checkpoint)
         dev = resolve_device(device)
-        model.to(dev)
+        model, _ = eager_for_inference(model.to(dev), precision, dev, fp32_only(model))
     transform = build_transform(meta.preprocess, train=False)
     result = Predictions([])
     good: list[tuple[Path, torch.Tensor]] = []

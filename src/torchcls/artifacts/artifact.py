@@ -9,6 +9,8 @@ eagerly from the checkpoint's own metadata (torchcls.checkpoint.files).
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -23,25 +25,37 @@ __all__ = ["META_KEY", "ArtifactInfo", "EagerArtifact", "LoadedArtifact", "load_
 EAGER_MAX_BATCH = 256
 
 
-class EagerArtifact(LoadedArtifact):
-    """The checkpoint itself, run by PyTorch eager (needs the model code)."""
+def fp32_only(model: torch.nn.Module) -> str:
+    """Why `model` runs in fp32 whatever --precision auto would pick ('' = it need not)."""
+    from torchcls.models.early_exit import EarlyExitNet
 
-    def __init__(self, path: str | Path, device: str = "auto"):
+    return "early-exit models run in fp32, as they export" if isinstance(model, EarlyExitNet) else ""
+
+
+class EagerArtifact(LoadedArtifact):
+    """The checkpoint itself, run by PyTorch eager (needs the model code), in `precision` (auto: bf16 where the
+    hardware computes it natively, else fp32; `.choice` says which and why)."""
+
+    def __init__(self, path: str | Path, device: str = "auto", precision: str = "auto"):
         from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
+        from torchcls.precision.inference import eager_for_inference
 
         self.device = portable_device(device)
         ckpt = resolve_checkpoint(path)
-        self.model, meta = load_model(ckpt)
-        self.model.to(self.device)
+        model, meta = load_model(ckpt)
+        self.model, self.choice = eager_for_inference(model.to(self.device), precision, self.device,
+                                                      fp32_only(model))
         run_dir = run_dir_of(ckpt)
         self.info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, "eager", list(meta.classes),
-                                 meta.preprocess, EAGER_MAX_BATCH, "fp32", task=meta.task, thresholds=meta.thresholds)
+                                 meta.preprocess, EAGER_MAX_BATCH, self.choice.precision, task=meta.task,
+                                 thresholds=meta.thresholds)
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return (self.model(x),)
 
 
-def load_artifact(path: str | Path, expect_sha256: str | None = None, device: str = "auto") -> LoadedArtifact:
+def load_artifact(path: str | Path, expect_sha256: str | None = None, device: str = "auto",
+                  trust: bool = False, precision: str = "auto") -> LoadedArtifact:
     """Open an artifact by its suffix: .pt2 (AOTInductor), .onnx (ONNX Runtime), .pte (ExecuTorch),
     .safetensors or a run dir (eager PyTorch), on `device` (auto, cpu, cuda, cuda:N).
 
@@ -49,22 +63,54 @@ def load_artifact(path: str | Path, expect_sha256: str | None = None, device: st
     model on ONNX Runtime's CUDA provider when it and a GPU are here, else the CPU; a checkpoint on a
     GPU when one is visible; a .pte on the CPU. A device the artifact cannot run on is a UserError that
     says what is needed (torchcls.artifacts.placement). Inputs may live on any device; logits come back
-    float32 on the CPU.
+    float32 on the CPU. `precision` (auto, fp32, bf16) is what a checkpoint runs in (auto: bf16 where the
+    hardware computes it natively); an exported artifact's precision was fixed at export: another is refused.
 
     A .pt2 is native code: AOTInductor loads its shared library, whose constructors run before any
-    metadata is read. The file's SHA-256 is checked first against `expect_sha256`, or, when none is
-    given, against the digest governance registered for it at export; a mismatch is refused."""
+    metadata is read. It loads only after a trust decision (torchcls.governance.trust): its SHA-256
+    equals `expect_sha256`, `torchcls export` published it on this machine, its registration verifies
+    under the configured audit key, or `trust=True` (--trust-artifact). What is loaded is a private copy
+    whose digest was checked, so the file cannot be swapped between the check and the load.
+    Other artifacts are checked against `expect_sha256`, or the digest registered at export, when there is one."""
     path = Path(path)
     parse_device(device)  # a bad name is reported before anything is read
+    if precision not in ("auto", "fp32", "bf16"):
+        raise UserError(f"--precision {precision}: choose auto, fp32 or bf16")
     if not path.exists():
         raise UserError(f"artifact {path} does not exist")
+    if path.suffix == ".pt2" and path.is_file():
+        return _as_exported(_load_native(path, expect_sha256, device, trust), precision)
     from torchcls.governance.artifacts import check_pinned_sha256
 
     check_pinned_sha256(path, expect_sha256)
     if path.is_dir() or path.suffix == ".safetensors":
-        return EagerArtifact(path, device)
+        return EagerArtifact(path, device, precision)
     target = BY_SUFFIX.get(path.suffix)
     if target is None:
         raise UserError(f"{path}: unknown artifact type '{path.suffix}'; expected .pt2 (AOTInductor), .onnx, "
                         ".pte (ExecuTorch), .safetensors or a run dir")
-    return target.load(path, device=device)
+    return _as_exported(target.load(path, device=device), precision)
+
+
+def _as_exported(artifact: LoadedArtifact, precision: str) -> LoadedArtifact:
+    if precision not in ("auto", artifact.info.precision):
+        raise UserError(f"--precision {precision}: this {artifact.info.target} artifact was exported in "
+                        f"{artifact.info.precision}, which it keeps; export it again with --precision {precision}, "
+                        "or leave --precision auto")
+    return artifact
+
+
+def _load_native(path: Path, expect_sha256: str | None, device: str, trust: bool) -> LoadedArtifact:
+    from torchcls.governance.digest import sha256_file
+    from torchcls.governance.trust import decide
+
+    decision = decide(path, expect_sha256, trust)
+    with tempfile.TemporaryDirectory(prefix="torchcls-pt2-") as private:  # 0700: only we can swap files here
+        copy = Path(private) / path.name
+        shutil.copyfile(path, copy)
+        if sha256_file(copy) != decision.sha256:
+            raise UserError(f"{path} changed while it was being loaded: refusing it")
+        # AOTInductor extracts the package to a directory of its own; the copy is not needed once loaded.
+        artifact = BY_SUFFIX[".pt2"].load(copy, device=device)
+    artifact.trust = decision.reason
+    return artifact

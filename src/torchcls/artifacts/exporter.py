@@ -30,12 +30,15 @@ from torchcls.artifacts.placement import cpu_only, portable_device
 from torchcls.artifacts.targets import get_target
 from torchcls.artifacts.targets.base import ArtifactInfo, ExportRequest, LoadedArtifact, Plan
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
-from torchcls.console import phase
+from torchcls.console import console, phase
 from torchcls.devices import BuildDevice
 from torchcls.errors import UserError
+from torchcls.governance.digest import sha256_file
+from torchcls.governance.trust import record_export
 from torchcls.models.early_exit import CondEarlyExit, EarlyExitNet
 from torchcls.options import ExportOptions as _D  # the defaults, declared once
 from torchcls.precision.dtypes import DTYPES
+from torchcls.precision.hardware import PrecisionChoice, choose_precision
 from torchcls.precision.inference import CastIO
 
 PARITY_CHUNK = 32
@@ -59,7 +62,8 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package (aoti), an ONNX
     model (onnx) or an ExecuTorch program (executorch); early-exit models export their torch.cond form.
 
-    Default path: <run dir>/export/<target>-<precision>/model.{pt2,onnx,pte}; parity.json goes beside it.
+    `precision` auto: bf16 where the hardware has it natively and the target builds it (aoti), else fp32
+    (parity.json says why). Default path: <run dir>/export/<target>-<precision>/model.{pt2,onnx,pte}.
     Raises UserError (and writes no artifact) when top-1 agreement with eager is below
     `min_agreement` (default 0.999 for fp32, 0.99 for bf16, 0.95 for int8).
     --target executorch takes `quantize` (none|int8), `backend` (xnnpack|portable) and
@@ -68,21 +72,20 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     a CUDA .pt2 runs only on GPUs of this one's compute capability, which its metadata records.
     `autotune`: aoti with Inductor max-autotune.
     """
-    _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend, calibration_images)
+    _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend, calibration_images,
+                   autotune)
     tgt = get_target(target)
-    if autotune and target != "aoti":
-        raise UserError(f"--autotune applies to --target aoti only (got --target {target})")
     # A CUDA device that is not here fails now, before any work; ExecuTorch builds for CPUs (auto = cpu).
     dev = cpu_only(device, "--target executorch programs") if target == "executorch" else portable_device(device)
-    req = ExportRequest(precision, max_batch, quantize, backend, calibration_images, data, root, device=dev.type,
-                        autotune=autotune)
-    tgt.check(req)  # before reading the checkpoint: fail fast
+    choice = choose_precision(precision, dev, kind="inference")  # auto: bf16 where the hardware has it
+    req, choice = _check_request(tgt, ExportRequest(choice.precision, max_batch, quantize, backend, calibration_images,
+                                                    data, root, device=dev.type, autotune=autotune), choice)
     ckpt = resolve_checkpoint(checkpoint)
     model, meta = load_model(ckpt)
     early_exit = isinstance(model, EarlyExitNet)
     if early_exit:
-        req = replace(req, early_exit=True)
-        tgt.check(req)
+        req, choice = _check_request(tgt, replace(req, early_exit=True), choice)
+    precision = _announce(choice)
     plan = tgt.plan(req, meta)
     min_agreement = min_agreement if min_agreement is not None else (
         plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[precision])
@@ -111,7 +114,7 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
         phase(f"parity on {len(images)} held-out images")
         parity = measure_parity(reference, artifact, images, labels, min_agreement)
         parity.update(target=target, precision=precision, checkpoint=str(ckpt.resolve()), artifact=path.name,
-                      device=built.type)
+                      device=built.type, precision_requested=choice.requested, precision_reason=choice.reason)
         if built.type == "cuda":
             parity.update(compute_capability=built.capability, gpu=built.gpu)
         parity.update(report)
@@ -123,13 +126,32 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
         parity_path = path.parent / "parity.json"
         atomic_write(parity_path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
         _make_readable(parity_path)
-        _make_readable(tmp)
-        os.replace(tmp, path)
+        _publish(tmp, path)
     from torchcls.governance.artifacts import register_export  # the checkpoint's run has lineage: record it
 
     register_export(path, ckpt, {"target": target, "precision": plan.label,
                                  "top1_agreement": parity["top1_agreement"]})
     return ExportResult(path, parity_path, parity, info)
+
+
+def _announce(choice: PrecisionChoice) -> str:
+    if choice.requested == "auto":
+        console.print(choice.line(), highlight=False)
+    return choice.precision
+
+
+def _check_request(tgt, req: ExportRequest, choice: PrecisionChoice) -> tuple[ExportRequest, PrecisionChoice]:
+    """The target's check of the request. A precision auto chose that the target cannot build (onnx and
+    executorch build fp32; early-exit models export in fp32) becomes fp32; an explicit one is refused."""
+    try:
+        tgt.check(req)
+    except UserError as e:
+        if choice.requested != "auto" or req.precision == "fp32":
+            raise
+        req = replace(req, precision="fp32")
+        tgt.check(req)
+        return req, PrecisionChoice("auto", "fp32", f"{choice.reason}, but this export builds fp32 only ({e})")
+    return req, choice
 
 
 class OnDevice(nn.Module):
@@ -249,6 +271,13 @@ def _partial_file(path: Path) -> Iterator[Path]:
         Path(name).unlink(missing_ok=True)
 
 
+def _publish(tmp: Path, path: Path) -> None:
+    _make_readable(tmp)
+    digest = sha256_file(tmp)  # of the file built and checked, before it is visible under its name
+    os.replace(tmp, path)
+    record_export(path, digest)  # loading what this machine exported needs no flag (a .pt2 is native code)
+
+
 def _make_readable(path: Path) -> None:
     # Temp files are created 0600; an artifact is meant to be shared like any file the user writes.
     umask = os.umask(0)
@@ -257,14 +286,16 @@ def _make_readable(path: Path) -> None:
 
 
 def _check_options(target: str, precision: str, max_batch: int, min_agreement: float | None, parity_images: int,
-                   quantize: str | None, backend: str | None, calibration: int | None) -> None:
+                   quantize: str | None, backend: str | None, calibration: int | None, autotune: bool) -> None:
+    if autotune and target != "aoti":
+        raise UserError(f"--autotune applies to --target aoti only (got --target {target})")
     if target != "executorch":
         given = [f for f, v in (("--quantize", quantize), ("--backend", backend),
                                 ("--calibration-images", calibration)) if v is not None and v != "none"]
         if given:
             raise UserError(f"{', '.join(given)} apply to --target executorch only (got --target {target})")
-    if precision not in ("fp32", "bf16"):
-        raise UserError(f"--precision {precision}: choose fp32 or bf16")
+    if precision not in ("auto", "fp32", "bf16"):
+        raise UserError(f"--precision {precision}: choose auto, fp32 or bf16")
     if not 1 <= max_batch <= 4096:
         raise UserError(f"--max-batch {max_batch}: must be between 1 and 4096")
     if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:

@@ -19,6 +19,7 @@ from torchvision.transforms import v2
 from torchcls.config import DataConfig
 from torchcls.data.images import BadImage
 from torchcls.data.preprocess import Preprocess, PretrainedInput, resolve_preprocess
+from torchcls.data.refusals import collect
 from torchcls.data.sampling import EpochSampler, epoch_seed
 from torchcls.data.skips import BadSampleError, DropBad, read_skips, record_skip, skip_log_path
 from torchcls.data.sources import ImageSet, apply_size_limits, open_source
@@ -161,6 +162,7 @@ def _separate_val(cfg: DataConfig, channels: int, min_side: int) -> tuple[ImageS
     return None, f"held out: --val-fraction {cfg.val_fraction} of the training data, stratified, seeded"
 
 
+@collect()  # every unreadable file of the train and validation sets in one refusal
 def build_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | None = None) -> DataBundle:
     """`pretrained`: the input a pretrained backbone expects (see data/preprocess.py)."""
     images = _open(cfg, cfg.source, "train", cfg.channels)
@@ -189,6 +191,7 @@ def build_data(cfg: DataConfig, seed: int, pretrained: PretrainedInput | None = 
     return DataBundle(images, pre, train, val, val_images, splits, chosen)
 
 
+@collect()
 def eval_dataset(cfg: DataConfig, pre: Preprocess, split: str, seed: int) -> tuple[Transformed, ImageSet]:
     """The data an evaluation runs on: a test or validation set of its own, a seeded held-out part, or all.
 

@@ -245,7 +245,8 @@ def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: s
         return None
     from torchcls.serve.worker import ModelProcess
 
-    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device)
+    worker = ModelProcess(model_path, cfg.expect_sha256, cfg.threads, cfg.device, cfg.trust_artifact,
+                          precision=cfg.precision)
     batcher.fn = worker
     return worker
 

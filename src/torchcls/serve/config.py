@@ -39,10 +39,17 @@ class ServeConfig:
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")
     threads: int = opt(0, "intra-op CPU threads for the model (0 = torch default)")
+    precision: str = opt("auto", "what a checkpoint (.safetensors or run dir) is served in: auto = bf16 where the "
+                         "hardware computes it natively (CPU with AVX-512-bf16 or AMX, GPU of compute capability "
+                         ">= 8.0), else fp32; an exported artifact keeps the precision it was exported in",
+                         choices=("auto", "fp32", "bf16"))
     model_process: bool = opt(False, "run the model in a process of its own (it never waits for the GIL that "
                               "request parsing holds; costs a second interpreter's memory and a copy per batch)")
     expect_sha256: str | None = opt(None, "refuse to load the artifact unless its file has this SHA-256 (a .pt2 "
                                     "is native code; default: the digest governance registered for it, if any)")
+    trust_artifact: bool = opt(False, "load a .pt2 that nothing vouches for (not exported on this machine, no "
+                               "--expect-sha256, no registration under your audit key): it is native code, run as "
+                               "soon as it is loaded; only for a file you trust")
 
 
 def field_types() -> dict[str, type]:

@@ -87,7 +87,12 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     from torchcls.governance.artifacts import refuse_forbidden_predictions
 
     refuse_forbidden_predictions(artifact_path, "serve")  # a policy's [outputs] predictions = false
-    artifact = load_artifact(artifact_path, expect_sha256=cfg.expect_sha256, device=cfg.device)
+    artifact = load_artifact(artifact_path, expect_sha256=cfg.expect_sha256, device=cfg.device, trust=cfg.trust_artifact,
+                             precision=cfg.precision)
+    if getattr(artifact, "choice", None) is not None:  # a checkpoint: say what --precision chose and why
+        log.info("%s: %s", artifact_path, artifact.choice.line())
+    if artifact.trust:
+        log.info("%s: loading its native code: %s", artifact_path, artifact.trust)
     _check(cfg, artifact.info.max_batch)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -101,8 +106,8 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
 
     def on_ready(error: BaseException | None) -> None:
         if error is None:
-            log.info("model %r (%s on %s, max batch %d) ready on %s/v2/models/%s", name, artifact.info.target,
-                     artifact.runs_on, artifact.info.max_batch, url, name)
+            log.info("model %r (%s %s on %s, max batch %d) ready on %s/v2/models/%s", name, artifact.info.target,
+                     artifact.info.precision, artifact.runs_on, artifact.info.max_batch, url, name)
             return
         failure.append(error)
         server.should_exit = True  # warm-up failed: the artifact cannot serve
@@ -110,8 +115,8 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     app = create_app(artifact, cfg, token=token, on_ready=on_ready, model_path=artifact_path)
     config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
                             timeout_graceful_shutdown=cfg.graceful_timeout,  # seconds, 0 = none
-                            # uvicorn answers 503 from `limit` open connections on: +1 makes it "beyond N"
-                            limit_concurrency=cfg.max_connections + 1, loop="auto", ws="none",
+                            # --max-connections is enforced by serve/protocol.py (probes exempt, evictions)
+                            limit_concurrency=None, loop="auto", ws="none",
                             http=_protocol(cfg, app.state.metrics))
     server = uvicorn.Server(config)
     log.info("warming up %s; listening on %s (auth %s)", artifact_path, url, "on" if token else "off")

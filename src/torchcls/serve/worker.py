@@ -37,19 +37,20 @@ class ModelProcessError(RuntimeError):
     """The model process failed or is gone (answered with a 500; details in the server log)."""
 
 
-def _load(path: str, expect_sha256: str | None, device: str = "auto"):
+def _load(path: str, expect_sha256: str | None, device: str = "auto", trust: bool = False, precision: str = "auto"):
     from torchcls.artifacts.artifact import load_artifact
 
-    return load_artifact(path, expect_sha256=expect_sha256, device=device)
+    return load_artifact(path, expect_sha256=expect_sha256, device=device, trust=trust, precision=precision)
 
 
-def _child(path: str, expect_sha256: str | None, threads: int, conn: Connection, device: str = "auto") -> None:
+def _child(path: str, expect_sha256: str | None, threads: int, conn: Connection, device: str = "auto",
+           trust: bool = False, precision: str = "auto") -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):  # a Ctrl-C reaches the whole process group
         signal.signal(sig, signal.SIG_IGN)
     if threads:
         torch.set_num_threads(threads)
     try:
-        artifact = _load(path, expect_sha256, device)
+        artifact = _load(path, expect_sha256, device, trust, precision=precision)
     except BaseException as e:  # noqa: BLE001 - reported to the server, which stops with the message
         conn.send_bytes(_ERROR + f"loading {path} in the model process failed: {e}".encode())
         return
@@ -76,11 +77,12 @@ def _child(path: str, expect_sha256: str | None, threads: int, conn: Connection,
 class ModelProcess:
     """`model(x)` -> float32 logits, computed in a child process (one batch at a time)."""
 
-    def __init__(self, path: str | Path, expect_sha256: str | None = None, threads: int = 0, device: str = "auto"):
+    def __init__(self, path: str | Path, expect_sha256: str | None = None, threads: int = 0, device: str = "auto",
+                 trust: bool = False, precision: str = "auto"):
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "torchcls.serve.worker", str(path), "--fd", str(theirs.fileno()),
-               "--threads", str(threads), "--device", device] + (["--expect-sha256", expect_sha256] if expect_sha256
-                                                                  else [])
+               "--threads", str(threads), "--device", device, "--precision", precision] + \
+            (["--expect-sha256", expect_sha256] if expect_sha256 else []) + (["--trust-artifact"] if trust else [])
         self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
         self._conn = Connection(ours.detach())
@@ -144,8 +146,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--expect-sha256")
     p.add_argument("--device", default="auto")
+    p.add_argument("--trust-artifact", action="store_true")
+    p.add_argument("--precision", default="auto")
     args = p.parse_args(argv)
-    _child(args.artifact, args.expect_sha256, args.threads, Connection(args.fd), args.device)
+    _child(args.artifact, args.expect_sha256, args.threads, Connection(args.fd), args.device, args.trust_artifact,
+           precision=args.precision)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from torchcls.data import build_data
 from torchcls.data.mixing import build_mixing
 from torchcls.data.preprocess import PretrainedInput
 from torchcls.data.preprocess import describe as describe_preprocess
+from torchcls.data.refusals import collect
 from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
@@ -114,7 +115,9 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
-    data = _open_data(gov.data_config, cfg.train.seed, run, session, source.input if source else None)
+    with collect():  # the unreadable files of every check before training (headers, sizes, decodes) in one refusal
+        data = _open_data(gov.data_config, cfg.train.seed, run, session, source.input if source else None)
+        feed = build_feed(cfg, data, session, device)
     pre = data.preprocess
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
@@ -123,9 +126,8 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     compile_model, compile_note = should_compile(cfg.train, cfg.precision)
     model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
                                     compile_model, compile_note, source)
-    optimizer = build_optimizer(model, cfg.optim)
-    feed = build_feed(cfg, data, session, device)
     _record_machine(run, session, precision, _set_threads(cfg, feed))
+    optimizer = build_optimizer(model, cfg.optim)
     steps_per_epoch = _optimizer_steps_per_epoch(len(feed), cfg.optim.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
     ema = WeightEma(model, cfg.optim.ema) if cfg.optim.ema else None
@@ -261,7 +263,7 @@ def _open_data(data_cfg, seed: int, run: RunDir, session: Session, pretrained: P
             {"preprocess": asdict(data.preprocess), "from": data.preprocess_from}, indent=2))
         if pretrained is not None:
             console.print(describe_preprocess(data.preprocess, data.preprocess_from))
-        if data.skipped:
+        if data.skipped and data_cfg.on_bad_file == "skip":  # under error they are refused below
             console.print(f"[yellow]skipped {len(data.skipped)} unreadable file(s); listed in the report[/]")
     return data
 
