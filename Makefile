@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test fashion-mnist clean
+.PHONY: demo test fashion-mnist chromium clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -23,7 +23,7 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/torchcls demo
 
 # ruff first: a lint error (unused/undefined name, import order, an over-long function) fails fast.
-test: $(VENV)/.installed-test fashion-mnist
+test: $(VENV)/.installed-test fashion-mnist chromium
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
 
@@ -32,6 +32,12 @@ test: $(VENV)/.installed-test fashion-mnist
 fashion-mnist:
 	@if [ ! -d $(FASHION_MNIST) ] && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dataset-fashion-mnist; fi
+
+# Headless Chromium for tests/test_report_browser.py (report.html measured at a 1280 px viewport):
+# installed from Debian when we are root and apt exists; otherwise that test says it was skipped.
+chromium:
+	@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; fi
 
 clean:
 	rm -rf runs .pytest_cache build src/*.egg-info

@@ -7,7 +7,7 @@ import re
 import shutil
 from pathlib import Path
 
-SECTIONS = ("training", "evaluation", "exports", "compile", "memory", "audit", "config")
+SECTIONS = ("misclassified", "training", "evaluation", "exports", "compile", "memory", "audit", "config")
 # Sections of features whose own tests render them with real runs (precision, distributed, bench memory,
 # early-exit, governance tests); here they only have to say "not run" when their data is absent.
 FEATURE_SECTIONS = ("samples", "precision", "early_exit", "rank_memory", "bench_memory", "governance")
@@ -23,6 +23,10 @@ def test_empty_dir_says_not_run_everywhere(tmp_path):
     html = write_report(tmp_path).read_text()
     assert _not_run(html) == set(SECTIONS) | set(FEATURE_SECTIONS)
     assert "torchcls bench compile" in html and "torchcls audit kernels" in html
+    # One closing line for all of them, each with what fills it; no heading apiece.
+    line = re.search(r"<p id='not-run' class='notrun'>Not run: (.*?)</p>", html).group(1)
+    assert _not_run(line) == _not_run(html) and "<h2>" not in html
+    assert "Training samples (<code>torchcls train --sample-grid N" in line
 
 
 def _results(run: Path) -> None:
@@ -89,3 +93,61 @@ def test_cuda_memory_section_renders(tmp_path):
     html = write_report(tmp_path).read_text()
     assert "50.0%" in html and "expandable_segments:True" in html and "memory_snapshot.pickle" in html
     assert "memory" not in _not_run(html)
+
+
+def test_worst_errors_gallery_shows_each_with_its_labels(tmp_path):
+    """The misclassified images the model was surest of, most confident first, with predicted and true labels."""
+    import torch
+
+    from conftest import make_image_folder
+    from torchcls.data.loaders import Transformed
+    from torchcls.data.sources import open_source
+    from torchcls.evaluation.gallery import worst_errors
+    from torchcls.report import write_report
+
+    images = open_source(str(make_image_folder(tmp_path / "shapes", per_class=3, size=120)), None, "train", 3, "error")
+    dataset = Transformed(images, torch.arange(len(images)), lambda x: x)
+    targets = images.targets.clone()  # 0 0 0 1 1 1: circles, then squares
+    logits = torch.zeros(6, 2)
+    logits[torch.arange(6), targets] = 1.0  # right, with little confidence
+    logits[1] = torch.tensor([0.0, 3.0])  # a circle taken for a square, surely
+    logits[4] = torch.tensor([1.0, 0.0])  # a square taken for a circle, barely
+    run = tmp_path / "run"
+    found = worst_errors(logits, targets, dataset, images.classes, run)
+    assert [(e["true"], e["predicted"]) for e in found] == [("circle", "square"), ("square", "circle")]
+    assert found[0]["confidence"] > found[1]["confidence"] and found[0]["file"].endswith("circle_001.png")
+    from PIL import Image
+
+    assert max(Image.open(run / found[0]["thumbnail"]).size) == 96  # 120 px images, shrunk for the page
+    (run / "eval.json").write_text(json.dumps({"data": "shapes", "split": "val", "n": 6, "top1": 4 / 6,
+                                               "misclassified": found}))
+    html = write_report(run).read_text()
+    assert re.search(r"<section id='(\w+)'", html).group(1) == "misclassified"  # first in the page
+    assert "<b class='wrong'>square</b> 95%<br>true: <b>circle</b>" in html and html.count("<figure>") == 2
+    assert html.count('src="data:image/png;base64,') >= 2
+
+
+def test_curves_leave_out_what_draws_nothing():
+    from torchcls.report.plots import curve_lines
+
+    epochs = [{"kind": "epoch", "epoch": e, "step": 2 * e, "train_loss": 1.0, "train_top1": 0.5, "val_loss": 1.0,
+               "val_top1": 0.5, "val_top5": 1.0} for e in (1, 2)]
+    one_step = [{"kind": "step", "epoch": 1, "step": 1, "loss": 1.0}]
+    loss, accuracy = curve_lines(one_step + epochs, classes=3)
+    assert [c["label"] for c in loss] == ["train loss", "val loss"]  # no "step loss" legend for a single point
+    assert [c["label"] for c in accuracy] == ["train top-1", "val top-1"]  # 3 classes: top-5 is always 100%
+    two_steps = one_step + [{"kind": "step", "epoch": 1, "step": 2, "loss": 0.5}]
+    loss, accuracy = curve_lines(two_steps + epochs, classes=10)
+    assert loss[0]["label"] == "step loss" and accuracy[-1]["label"] == "val top-5"
+
+
+def test_governance_values_read_as_text(tmp_path):
+    from torchcls.report import write_report
+
+    (tmp_path / "governance.json").write_text(json.dumps({
+        "lineage_id": "abc", "manifest": {"name": "mnist-5k", "records": 5000, "merkle_root": "f" * 64,
+                                          "license": "CC-BY-SA-3.0", "jurisdiction": None, "tags": ["public"]},
+        "samples": "not requested", "redacted_file_names": 0}))
+    html = write_report(tmp_path).read_text()
+    assert "<td>CC-BY-SA-3.0 / not given</td>" in html and "<td>not requested</td>" in html
+    assert "None" not in html and "&quot;" not in html

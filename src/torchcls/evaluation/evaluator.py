@@ -120,6 +120,10 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
         from torchcls.evaluation.early_exit import exit_report
 
         result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), out, exits)
+    if meta.task != MULTILABEL:  # the report's gallery of the errors the model was surest of
+        from torchcls.evaluation.gallery import worst_errors
+
+        result["misclassified"] = worst_errors(logits, targets, dataset, meta.classes, out)
     (out / "eval.json").write_text(json.dumps(result, indent=2))
     from torchcls.report import plots, write_report
 

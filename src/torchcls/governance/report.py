@@ -20,9 +20,9 @@ def governance_html(run_dir: Path) -> str:
             ("hooks", ", ".join(s.get("hooks") or []) or "none"),
             ("isolated processing path", "yes" if s.get("isolated_processing") else "no"),
             ("data", f"{m.get('name')} — {m.get('records')} records, Merkle root {str(m.get('merkle_root'))[:16]}…"),
-            ("license / jurisdiction", f"{m.get('license')} / {m.get('jurisdiction')}"),
+            ("license / jurisdiction", f"{m.get('license') or 'not given'} / {m.get('jurisdiction') or 'not given'}"),
             ("sensitivity tags", ", ".join(m.get("tags") or []) or "none"),
-            ("sample images", json.dumps(s.get("samples"))),
+            ("sample images", _samples(s.get("samples"))),
             ("file names redacted", s.get("redacted_file_names", 0))]
     if s.get("hash_cache"):
         c = s["hash_cache"]
@@ -32,3 +32,10 @@ def governance_html(run_dir: Path) -> str:
         rows.append(("audit record", f"seq {a['seq']}, hash {a['hash'][:16]}…"))
     body = "".join(f"<tr><td>{html.escape(k)}</td><td>{html.escape(str(v))}</td></tr>" for k, v in rows)
     return f"<h2>Data governance</h2><table>{body}</table>"
+
+
+def _samples(samples) -> str:
+    """governance.json's samples: a sentence ('not requested', 'withheld: ...') or the grid's counts."""
+    if isinstance(samples, dict):
+        return ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in samples.items()) or "none"
+    return str(samples) if samples else "not requested"

@@ -20,7 +20,7 @@ def _body(fragment: str) -> str | None:
     return re.sub(r"^\s*<h2>.*?</h2>", "", fragment, count=1, flags=re.S) or None
 
 
-@section("samples", "Training samples", "torchcls train (a sample grid, as the data policy allows)", 15)
+@section("samples", "Training samples", "torchcls train --sample-grid N (as the data policy allows)", 15)
 def samples(run_dir: Path) -> str | None:
     grid = run_dir / "samples.png"
     return img(grid) if grid.is_file() else None

@@ -1,23 +1,30 @@
 """report.html: the run at a glance, self-contained (images embedded), regenerated from the run dir.
 
 The page is a list of sections (torchcls.report.sections); each renders from the files
-it finds in the run dir and says "not run" otherwise.
+it finds in the run dir. Those without data share one closing line that names the command or
+flag that would fill each, instead of a heading apiece.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from torchcls.report import features, results  # noqa: F401  (they register their sections)
+from torchcls.report import features, gallery, results  # noqa: F401  (they register their sections)
 from torchcls.report.htmlkit import esc
 from torchcls.report.sections import ordered
 
-CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}
-table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}
+# Nothing may widen the page past the viewport (checked at 1280 px in a headless browser, tests/test_report_browser.py):
+# a wide table scrolls inside its own box, and long unbroken words (op names, paths, hashes) wrap.
+CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;margin:.5em 0;display:block;max-width:100%;overflow-x:auto}
+td,th{border:1px solid #ccc;padding:3px 8px;text-align:right;overflow-wrap:anywhere}
 th{background:#f3f3f3}td:first-child,th:first-child{text-align:left}img{max-width:100%}
-.kpi{display:inline-block;margin:0 1.5em 1em 0}.kpi b{display:block;font-size:1.6em}pre{background:#f7f7f7;padding:1em}
+.kpi{display:inline-block;margin:0 1.5em 1em 0}.kpi b{display:block;font-size:1.6em}
+pre{background:#f7f7f7;padding:1em;white-space:pre-wrap;overflow-wrap:anywhere}code{overflow-wrap:anywhere}
 .notrun{color:#888}.st-pass{color:#070}.st-fail{color:#b00;font-weight:bold}.st-warn{color:#b60}.st-skip{color:#888}
-nav a{margin-right:1em}"""
+nav a{margin-right:1em}.gallery{display:flex;flex-wrap:wrap;gap:.8em}.gallery figure{margin:0;width:112px;font-size:.8em}
+.gallery img{width:96px;height:96px;object-fit:contain;image-rendering:pixelated;background:#000}
+.gallery figcaption{overflow-wrap:anywhere}.wrong{color:#b00}"""
 
 
 def render_sections(run_dir: Path) -> list[tuple[str, str, str | None]]:
@@ -43,10 +50,15 @@ def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str | 
     how = {s.key: s.how_to_run for s in ordered()}
     rendered = render_sections(run_dir)
     for key, title, body in rendered:
-        nav.append(f"<a href='#{key}'>{esc(title)}{'' if body is not None else ' (not run)'}</a>")
-        if body is None:
-            body = f"<p class='notrun' data-section='{key}'>not run — <code>{esc(how[key])}</code></p>"
-        parts.append(f"<section id='{key}'><h2>{esc(title)}</h2>{body}</section>")
+        if body is not None:
+            nav.append(f"<a href='#{key}'>{esc(title)}</a>")
+            parts.append(f"<section id='{key}'><h2>{esc(title)}</h2>{body}</section>")
+    missing = [(key, title) for key, title, body in rendered if body is None]
+    if missing:  # one line for every section without data, each with what would fill it
+        nav.append("<a href='#not-run'>Not run</a>")
+        parts.append("<p id='not-run' class='notrun'>Not run: " + "; ".join(
+            f"<span data-section='{key}'>{esc(title)} (<code>{esc(how[key])}</code>)</span>"
+            for key, title in missing) + ".</p>")
     parts.insert(1, f"<nav>{''.join(nav)}</nav>")
     out = run_dir / "report.html"
     out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(run_dir.name)}</title>"

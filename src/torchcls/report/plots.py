@@ -11,28 +11,45 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def training_curves(records: list[dict[str, Any]], path: Path) -> bool:
-    """Loss and accuracy per epoch (and per-step loss); False when there is nothing to plot."""
+def curve_lines(records: list[dict[str, Any]], classes: int | None = None) -> tuple[list[dict], list[dict]]:
+    """The lines of the two training panels, (loss, accuracy): each {label, x, y, style}. A line of one point
+    is left out (it draws nothing, and its legend entry would name nothing visible); with `classes` <= 5,
+    top-5 is 100% by definition and is left out too."""
     epochs = [r for r in records if r.get("kind") == "epoch"]
     steps = [r for r in records if r.get("kind") == "step"]
-    if not epochs and not steps:
-        return False
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
-    if steps:
+    loss, accuracy = [], []
+    if len(steps) > 1:
         spe = max(1, epochs[0]["step"]) if epochs else 1  # steps per epoch, to put steps on the epoch axis
-        ax_loss.plot([s["step"] / spe for s in steps], [s["loss"] for s in steps], alpha=0.35, label="step loss")
+        loss.append({"label": "step loss", "x": [s["step"] / spe for s in steps], "y": [s["loss"] for s in steps],
+                     "style": {"alpha": 0.35}})
+    epoch_style = {"marker": "o"}  # markers: a run of one epoch still shows its point
     for key, label in (("train_loss", "train loss"), ("val_loss", "val loss")):
         if epochs and key in epochs[0]:
-            ax_loss.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], marker="o", label=label)
+            loss.append({"label": label, "x": [e["epoch"] for e in epochs], "y": [e[key] for e in epochs],
+                         "style": epoch_style})
     for key, label in (("train_top1", "train top-1"), ("val_top1", "val top-1"), ("val_top5", "val top-5"),
                        ("val_map", "val mAP (multilabel)"), ("val_f1", "val F1 at 0.5")):
-        if epochs and key in epochs[0]:
-            ax_acc.plot([e["epoch"] for e in epochs], [e[key] for e in epochs], marker="o", label=label)
+        if epochs and key in epochs[0] and not (key == "val_top5" and classes is not None and classes <= 5):
+            accuracy.append({"label": label, "x": [e["epoch"] for e in epochs], "y": [e[key] for e in epochs],
+                             "style": epoch_style})
+    return loss, accuracy
+
+
+def training_curves(records: list[dict[str, Any]], path: Path, classes: int | None = None) -> bool:
+    """Loss and accuracy per epoch (and per-step loss), see curve_lines; False when there is nothing to plot."""
+    loss, accuracy = curve_lines(records, classes)
+    if not loss and not accuracy:
+        return False
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, lines in ((ax_loss, loss), (ax_acc, accuracy)):
+        for line in lines:
+            ax.plot(line["x"], line["y"], label=line["label"], **line["style"])
     ax_loss.set(xlabel="epoch", ylabel="loss", title="Loss")
     ax_acc.set(xlabel="epoch", ylabel="accuracy", title="Accuracy")
-    for ax in (ax_loss, ax_acc):
+    for ax, lines in ((ax_loss, loss), (ax_acc, accuracy)):
         ax.grid(alpha=0.3)
-        ax.legend()
+        if lines:
+            ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

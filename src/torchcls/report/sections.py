@@ -59,11 +59,12 @@ def training(run_dir: Path) -> str | None:
         return None
     last = epochs[-1]
     parts = [f"<p>{len(epochs)} epoch(s), {last['step']} steps, last epoch {last['img_per_s']:.0f} images/s.</p>"]
+    classes = class_count(run_dir)
     cols = [k for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "val_map", "val_f1",
                         "epoch_s")
-            if k in last]
+            if k in last and not (k == "val_top5" and classes is not None and classes <= 5)]  # 100% by definition
     parts.append(table(cols, [[_fmt4(e.get(c)) for c in cols] for e in epochs]))
-    if plots.training_curves(records, run_dir / "curves.png"):
+    if plots.training_curves(records, run_dir / "curves.png", classes):
         parts.append(img(run_dir / "curves.png"))
     parts.append(_skipped(run_dir / "skipped_files.json", "Skipped training files"))
     return "".join(parts)
@@ -90,6 +91,23 @@ def evaluation(run_dir: Path) -> str | None:
 def configuration(run_dir: Path) -> str | None:
     config_file = run_dir / "config.toml"
     return f"<pre>{esc(config_file.read_text())}</pre>" if config_file.is_file() else None
+
+
+def class_count(run_dir: Path) -> int | None:
+    """How many classes the run's model has: from eval.json, else the checkpoint's metadata (None: unknown)."""
+    classes = (read_json(run_dir / "eval.json") or {}).get("classes")
+    if isinstance(classes, list):
+        return len(classes)
+    last = run_dir / "checkpoints" / "last.safetensors"
+    if not last.is_file():
+        return None
+    from torchcls.checkpoint.files import read_meta
+    from torchcls.errors import UserError
+
+    try:
+        return len(read_meta(last).classes)
+    except UserError:
+        return None
 
 
 def _skipped(path: Path, title: str) -> str:

@@ -1,0 +1,27 @@
+"""The report's first section: the misclassified images the model was surest of (torchcls.evaluation.gallery),
+each with its predicted and true label, embedded as thumbnails."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torchcls.report.htmlkit import esc, img
+from torchcls.report.sections import read_json, section
+
+
+@section("misclassified", "Worst errors", "torchcls evaluate RUN_DIR", 5)
+def misclassified(run_dir: Path) -> str | None:
+    ev = read_json(run_dir / "eval.json")
+    if not ev or "misclassified" not in ev:
+        return None
+    items = [e for e in ev["misclassified"] if (run_dir / e["thumbnail"]).is_file()]
+    if not items:
+        return f"<p>No misclassified images in {esc(ev['data'])} [{esc(ev['split'])}] ({ev['n']} images).</p>"
+    figures = "".join(
+        f"<figure>{img(run_dir / e['thumbnail'])}<figcaption><b class='wrong'>{esc(e['predicted'])}</b> "
+        f"{e['confidence']:.0%}<br>true: <b>{esc(e['true'])}</b><br><small>{esc(Path(e['file']).name)}</small>"
+        "</figcaption></figure>" for e in items)
+    wrong = round((1 - ev["top1"]) * ev["n"])
+    return (f"<p>The {len(items)} of {wrong} misclassified images of {esc(ev['data'])} [{esc(ev['split'])}] the model "
+            "was surest of: predicted label (red) with its probability, then the true label.</p>"
+            f"<div class='gallery'>{figures}</div>")
