@@ -168,7 +168,7 @@ def test_predict_accepts_artifacts(aoti_export, onnx_path, trained_run):
     from torchcls.prediction import predict
 
     folder = trained_run.parent.parent / "shapes"
-    eager = predict(trained_run, [folder / "circle"], topk=2)
+    eager = predict(trained_run, [folder / "circle"], topk=2, precision="fp32")  # as the artifacts (auto: bf16?)
     for path in (aoti_export.path, onnx_path):
         preds = predict(path, [folder / "circle"], topk=2)
         assert [i["top"][0]["label"] for i in preds.items] == [i["top"][0]["label"] for i in eager.items]

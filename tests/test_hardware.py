@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -219,7 +220,43 @@ def test_precision_json_says_why_auto_chose_fp32(tmp_path, monkeypatch, fresh_wa
     assert plan.name == "bf16" and "12x slower" in recorded["warning"]
 
 
-# ---------------------------------------------------------------- bench compile
+# ---------------------------------------------------------------- the same rule for inference
+
+def test_export_auto_builds_fp32_where_the_target_cannot_build_bf16():
+    from torchcls.artifacts.exporter import _check_request
+    from torchcls.artifacts.targets import get_target
+    from torchcls.artifacts.targets.base import ExportRequest
+
+    bf16 = choose_precision("auto", CPU, cpu=NATIVE)
+    req, choice = _check_request(get_target("aoti"), ExportRequest("bf16", 8), bf16)
+    assert req.precision == choice.precision == "bf16"
+    for target, early_exit in (("onnx", False), ("aoti", True)):
+        req, choice = _check_request(get_target(target), ExportRequest("bf16", 8, early_exit=early_exit), bf16)
+        assert req.precision == choice.precision == "fp32" and choice.requested == "auto"
+        assert choice.reason.startswith("fake CPU with avx512_bf16, but this export builds fp32 only")
+    with pytest.raises(UserError, match="fp32 only"):  # asked for explicitly: refused as before
+        _check_request(get_target("onnx"), ExportRequest("bf16", 8), choose_precision("bf16", CPU, cpu=NATIVE))
+
+
+def test_eager_inference_follows_the_rule(monkeypatch):
+    from torchcls.artifacts.artifact import _as_exported
+    from torchcls.models import SmallNet
+    from torchcls.precision.inference import CastIO, eager_for_inference
+
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: NATIVE)
+    model, choice = eager_for_inference(SmallNet(2, 1), "auto", CPU)
+    assert isinstance(model, CastIO) and choice.precision == "bf16"
+    assert model(torch.randn(2, 1, 28, 28)).dtype == torch.float32
+    model, choice = eager_for_inference(SmallNet(2, 1), "auto", CPU, fp32_only="it exits early")
+    assert not isinstance(model, CastIO) and choice.reason.endswith("but it exits early")
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: EMULATED)
+    model, choice = eager_for_inference(SmallNet(2, 1), "auto", CPU)
+    assert not isinstance(model, CastIO) and (choice.precision, choice.reason) == ("fp32", "fake AVX2 CPU")
+    exported = SimpleNamespace(info=SimpleNamespace(precision="fp32", target="onnx"))
+    assert _as_exported(exported, "auto") is exported and _as_exported(exported, "fp32") is exported
+    with pytest.raises(UserError, match="exported in fp32, which it keeps"):
+        _as_exported(exported, "bf16")
+
 
 def test_bench_compile_says_when_bf16_is_emulated(monkeypatch):
     from torchcls.bench.compile import BenchCompileConfig, emulated_bf16_note, to_markdown

@@ -58,7 +58,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(trained_run):
-    s = Server(trained_run, "--max-batch", "8", "--max-wait-ms", "100", "--max-body-mb", "1")
+    # fp32: answers are checked against the eager fp32 model to 1e-4 (the default, auto, may serve bf16)
+    s = Server(trained_run, "--max-batch", "8", "--max-wait-ms", "100", "--max-body-mb", "1", "--precision", "fp32")
     yield s
     assert s.stop() == 0
 
@@ -139,7 +140,7 @@ def test_predict_uploads_give_the_right_labels(server, trained_run):
     r = httpx.post(f"{server.url}/predict?topk=2", files=files)
     assert r.status_code == 200, r.text
     got = [p["top"][0]["label"] for p in r.json()["predictions"]]
-    local = predict(trained_run, [f for f, _ in sample], topk=2)
+    local = predict(trained_run, [f for f, _ in sample], topk=2, precision="fp32")
     assert got == [item["top"][0]["label"] for item in local.items]
     assert [p["file"] for p in r.json()["predictions"]] == [f.name for f, _ in sample]
     truth = [label for _, label in sample]
@@ -272,7 +273,7 @@ def test_model_process_serves_the_same_logits_and_stops_with_the_server(trained_
     psutil = pytest.importorskip("psutil")
     from torchcls.checkpoint.files import load_model
 
-    s = Server(trained_run, "--model-process", "--max-batch", "8", "--threads", "1")
+    s = Server(trained_run, "--model-process", "--max-batch", "8", "--threads", "1", "--precision", "fp32")
     try:
         children = psutil.Process(s.proc.pid).children()
         assert [c.cmdline()[1:3] for c in children] == [["-m", "torchcls.serve.worker"]]

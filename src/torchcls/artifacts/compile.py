@@ -26,6 +26,7 @@ from torch import nn
 
 from torchcls.errors import UserError
 from torchcls.precision.dtypes import DTYPES
+from torchcls.precision.hardware import choose_precision
 from torchcls.precision.inference import CastIO
 
 PRECISIONS = ("fp32", "bf16")
@@ -91,12 +92,15 @@ def compile_for_inference(model: nn.Module, example: torch.Tensor, device: str |
     The model is put in eval mode and moved (device, memory format) in place; for bf16 a bf16 copy of it
     is compiled behind CastIO, so the model itself stays fp32. Other buckets compile
     on first use, or ahead with `.warm_up(example)`. `mode` is torch.compile's; "auto" is this
-    policy's choice per device (`torchcls bench compile` sweeps the others)."""
-    if precision not in PRECISIONS:
-        raise UserError(f"--precision {precision}: choose fp32 or bf16")
+    policy's choice per device (`torchcls bench compile` sweeps the others). `precision` auto: bf16 where the
+    hardware computes it natively, else fp32 (torchcls.precision.hardware.choose_precision; `.precision` of
+    the result says which); an explicit bf16 on a CPU that emulates it warns once."""
+    if precision not in ("auto", *PRECISIONS):
+        raise UserError(f"--precision {precision}: choose auto, fp32 or bf16")
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("compile for cuda: no CUDA GPU is available on this machine; use cpu")
+    precision = choose_precision(precision, device, kind="inference").precision
     buckets = tuple(sorted(buckets)) if buckets else default_buckets(max_batch)
     if buckets[-1] < max_batch:
         raise UserError(f"buckets {buckets} do not reach max_batch {max_batch}")

@@ -22,7 +22,14 @@ from torch import nn
 
 from torchcls.errors import UserError
 from torchcls.precision.dtypes import DTYPES
-from torchcls.precision.hardware import describe_device, require_bf16, require_fp8_hardware, require_torchao
+from torchcls.precision.hardware import (
+    PrecisionChoice,
+    choose_precision,
+    describe_device,
+    require_bf16,
+    require_fp8_hardware,
+    require_torchao,
+)
 
 INFERENCE_PRECISIONS = ("fp32", "bf16", "int8", "fp8")
 
@@ -96,6 +103,23 @@ def apply_inference_precision(model: nn.Module, precision: str, device: str | to
     quantize_(inner, Float8DynamicActivationFloat8WeightConfig(granularity=granularity))
     return InferencePrecision(CastIO(inner, DTYPES["bf16"]), precision, str(device), _layers(inner, precision),
                               f"float8 {fp8_recipe} dynamic activations and weights; best under torch.compile")
+
+
+def eager_for_inference(model: nn.Module, requested: str, device: torch.device,
+                        fp32_only: str = "") -> tuple[nn.Module, PrecisionChoice]:
+    """`model` (fp32, on `device`) ready for eager inference in `requested` (auto, fp32 or bf16): auto is bf16
+    where the hardware computes it natively (choose_precision), except where `fp32_only` says why a model must
+    stay fp32 (early-exit models: their exit decisions are checked in fp32). bf16 runs behind CastIO: float32
+    images in, float32 logits out, so callers see no difference but speed and the last digits."""
+    if requested not in ("auto", "fp32", "bf16"):
+        raise UserError(f"--precision {requested}: eager inference runs in auto, fp32 or bf16")
+    choice = choose_precision(requested, device, kind="inference")
+    if choice.precision == "bf16" and fp32_only and requested == "auto":
+        choice = PrecisionChoice("auto", "fp32", f"{choice.reason}, but {fp32_only}")
+    if choice.precision == "bf16":
+        require_bf16(device)
+        model = CastIO(model, DTYPES["bf16"])
+    return model.eval(), choice
 
 
 def _layers(model: nn.Module, precision: str) -> list[dict[str, Any]]:

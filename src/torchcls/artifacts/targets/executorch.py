@@ -237,8 +237,8 @@ def check(req: ExportRequest) -> None:
         raise UserError("--calibration-images applies to --quantize int8 only")
     _require_executorch()
     if req.precision != "fp32":
-        raise UserError("--target executorch takes --precision fp32 (the default); use --quantize int8 for a "
-                        "smaller, faster program")
+        raise UserError("--target executorch takes --precision fp32 (what auto builds for it); use --quantize "
+                        "int8 for a smaller, faster program")
     if quantize == "int8" and backend != "xnnpack":
         raise UserError("--quantize int8 needs --backend xnnpack: portable kernels have no quantized convolutions")
     if quantize == "int8" and req.early_exit:
