@@ -13,10 +13,12 @@ open, however idle they are. This subclass adds, before any byte reaches the par
   fed to the parser in slices of at most the cap, so at most two slices are ever buffered (431);
 - a body deadline (--body-timeout) from the end of the headers to the end of the body (408);
 - admission by age: at --max-connections a new connection closes the one that has waited longest
-  for the rest of its request headers (a slowloris), or else the one idle the longest (a pooled
-  keep-alive client, which reconnects): neither holds anything of value. When none waits, up to
+  for the rest of its request headers (a slowloris), else the one open longest without sending a
+  byte (once it has had FRESH_GRACE_S to send it: a new client's request is on its way), else the
+  keep-alive connection idle longest since its last answer (a pooled client, which reconnects):
+  none of them holds anything of value, and a client that has been served goes last. When none waits, up to
   RESERVE more are let in so that health probes and /metrics, which need no body and no model,
-  are still answered (every other request beyond the cap gets uvicorn's 503).
+  are still answered (every other request beyond the cap gets a 503 at once).
 
 Why a subclass of the httptools protocol and not h11 (`h11_max_incomplete_event_size` caps
 headers): h11 has no header or body timeout either, and parses in Python at several times the
@@ -27,11 +29,13 @@ and tests/test_serve_limits.py drives each bound over real sockets against the p
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import httptools
 import orjson
+from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
 from torchcls.serve.limits import TIMED_OUT
@@ -39,6 +43,7 @@ from torchcls.serve.limits import TIMED_OUT
 PROBE_PATHS = frozenset({b"/v2/health/live", b"/v2/health/ready", b"/metrics"})
 MAX_HEADER_LINES = 100  # Apache's LimitRequestFields: each line costs a tuple of two bytes objects
 RESERVE = 64  # connections beyond --max-connections kept for probes when none can be evicted
+FRESH_GRACE_S = 1.0  # a new connection is not evicted before it had this long to send its request
 
 
 @dataclass(frozen=True)
@@ -50,20 +55,30 @@ class ConnectionLimits:
 
 
 class _Connections:
-    """Open connections of one server, and those waiting for request headers, oldest first: `begun`
-    have sent part of a request, `idle` nothing since they opened or since their last answer."""
+    """Open connections of one server, and those waiting for request headers, oldest first, in the order
+    they are evicted: `begun` have sent part of a request, `fresh` nothing since they opened, `served`
+    nothing since their last answer."""
 
     def __init__(self, limits: ConnectionLimits, record: Callable[[str], None]):
         self.limits, self.record = limits, record
         self.open: set[GuardedProtocol] = set()
         self.begun: dict[GuardedProtocol, None] = {}  # insertion order = since when it waits
-        self.idle: dict[GuardedProtocol, None] = {}
+        self.fresh: dict[GuardedProtocol, float] = {}  # -> when it opened
+        self.served: dict[GuardedProtocol, None] = {}
+
+    def _victim(self) -> GuardedProtocol | None:
+        if self.begun:
+            return next(iter(self.begun))
+        if self.fresh:
+            oldest, since = next(iter(self.fresh.items()))
+            if time.monotonic() - since > FRESH_GRACE_S:
+                return oldest
+        return next(iter(self.served), None)
 
     def admit(self, conn: GuardedProtocol) -> bool:
         if len(self.open) >= self.limits.max_connections:
-            waiting = self.begun or self.idle
-            if waiting:
-                victim = next(iter(waiting))
+            victim = self._victim()
+            if victim is not None:
                 self.drop(victim)
                 victim.transport.close()
                 self.record("evicted")
@@ -73,10 +88,15 @@ class _Connections:
         self.open.add(conn)
         return True
 
+    def busy(self, conn: GuardedProtocol) -> None:
+        """No longer waiting for request headers (not evictable)."""
+        self.begun.pop(conn, None)
+        self.fresh.pop(conn, None)
+        self.served.pop(conn, None)
+
     def drop(self, conn: GuardedProtocol) -> None:
         self.open.discard(conn)
-        self.begun.pop(conn, None)
-        self.idle.pop(conn, None)
+        self.busy(conn)
 
 
 def raw_response(status: int, message: str) -> bytes:
@@ -96,7 +116,7 @@ class GuardedProtocol(HttpToolsProtocol):
         if not self.conns.admit(self):
             transport.close()
             return
-        self._await_headers()
+        self._await_headers(fresh=True)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
@@ -109,8 +129,12 @@ class GuardedProtocol(HttpToolsProtocol):
             self._deadline.cancel()
             self._deadline = None
 
-    def _await_headers(self) -> None:
-        (self.conns.begun if self._header_bytes else self.conns.idle)[self] = None
+    def _await_headers(self, fresh: bool = False) -> None:
+        conns = self.conns
+        if fresh:
+            conns.fresh[self] = time.monotonic()
+        else:
+            (conns.begun if self._header_bytes else conns.served)[self] = None
         self._cancel_deadline()
         self._deadline = self.loop.call_later(self.conns.limits.header_timeout, self._headers_late)
 
@@ -144,9 +168,10 @@ class GuardedProtocol(HttpToolsProtocol):
     # Bytes in: the header cap is checked before each slice reaches the parser
     def data_received(self, data: bytes) -> None:
         self._unset_keepalive_if_required()
-        if self._in_headers and not self._header_bytes and self in self.conns.idle:
-            del self.conns.idle[self]  # its first byte: from idle to begun (a slowloris, if it stays)
-            self.conns.begun[self] = None
+        conns = self.conns
+        if self._in_headers and not self._header_bytes and (self in conns.fresh or self in conns.served):
+            conns.busy(self)  # its first byte: it has begun (a slowloris, if it stays)
+            conns.begun[self] = None
         step = self.conns.limits.max_header_bytes
         for offset in range(0, len(data), step):
             if self.transport.is_closing():
@@ -182,18 +207,23 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
-        self.conns.begun.pop(self, None)
-        self.conns.idle.pop(self, None)
+        self.conns.busy(self)
         self._cancel_deadline()
         self._deadline = self.loop.call_later(self.conns.limits.body_timeout, self._body_late)
-        if self.url.split(b"?", 1)[0] not in PROBE_PATHS:
+        # uvicorn's own check (limit_concurrency) counts connections already closed but not yet gone,
+        # which a stream of evictions keeps above the cap: the count here is the admitted connections.
+        # A probe never counts against it: it needs no body, no model, no thread.
+        limit = self.conns.limits.max_connections
+        over = (self.url.split(b"?", 1)[0] not in PROBE_PATHS
+                and (len(self.conns.open) > limit or len(self.tasks) >= limit))
+        if not over:
             return super().on_headers_complete()
-        # A probe never counts against --max-connections: it needs no body, no model, no thread.
-        limit, self.limit_concurrency = self.limit_concurrency, None
+        self.conns.record("over_capacity")
+        app, self.app = self.app, service_unavailable  # uvicorn's 503 with connection: close
         try:
             super().on_headers_complete()
         finally:
-            self.limit_concurrency = limit
+            self.app = app
 
     def on_message_complete(self) -> None:
         self._cancel_deadline()

@@ -1,0 +1,151 @@
+"""Connection-level attacks for benchmarks/serve_soak.py: each runs against a real server until told to stop.
+
+    slowloris      connections that send a request line, then one header line every --trickle-s
+    slow body      requests whose headers arrive, then a few body bytes every --trickle-s
+    huge headers   an unterminated header line sent until the server closes (up to --huge-header-mb)
+    large bodies   31 MiB JSON bodies, sent whole, by many clients at once
+    parse bombs    31 MiB of `[],[],...` as an infer request's data
+    disconnects    requests that close their connection halfway through the body
+
+Each attacker reopens its connection when the server closes it and counts what it saw: the
+answers by status, connections the server closed ("closed": EOF or reset) and the longest time
+one connection was held open. Loops are bounded: every attacker stops when `stop` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import Callable
+
+MiB = 2**20
+ATTACKS = ("slowloris", "slow body", "huge headers", "large bodies", "parse bombs", "disconnects")
+
+
+def _head(method: str, path: str, length: int | None = None) -> bytes:
+    size = f"Content-Length: {length}\r\n" if length is not None else ""
+    return f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{size}".encode()
+
+
+def _status(head: bytes) -> str:
+    parts = head.split(b" ", 2)
+    return parts[1].decode() if head.startswith(b"HTTP/1.") and len(parts) > 1 else "closed"
+
+
+class Attack:
+    def __init__(self, kind: str):
+        self.kind, self.outcomes, self.connections, self.longest_s = kind, Counter(), 0, 0.0
+
+    def report(self) -> dict:
+        return {"connections": self.connections, "outcomes": dict(sorted(self.outcomes.items())),
+                "longest_open_s": round(self.longest_s, 2)}
+
+
+async def _answer(reader: asyncio.StreamReader, timeout: float) -> str:
+    """The status of the server's answer, or "closed" when it closed without one."""
+    try:
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        return _status(head)
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, OSError):
+        return "closed"
+
+
+async def _trickle(port: int, attack: Attack, stop: asyncio.Event, first: bytes, drip: Callable[[int], bytes],
+                   every: float) -> None:
+    """Open, send `first`, then `drip(i)` every `every` s until the server answers or closes; repeat."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            attack.outcomes["connect failed"] += 1
+            await asyncio.sleep(every)
+            continue
+        attack.connections += 1
+        answer = asyncio.ensure_future(_answer(reader, 3600))
+        try:
+            writer.write(first)
+            i = 0
+            while not stop.is_set() and not answer.done():
+                await asyncio.wait([answer], timeout=every)
+                if not answer.done():
+                    writer.write(drip(i))
+                    await writer.drain()
+                    i += 1
+        except OSError:
+            pass
+        if answer.done():
+            attack.outcomes[answer.result()] += 1
+        else:
+            answer.cancel()
+            attack.outcomes["open at the end"] += 1
+        attack.longest_s = max(attack.longest_s, time.monotonic() - t0)
+        writer.close()
+
+
+async def _send_whole(port: int, attack: Attack, stop: asyncio.Event, payload: bytes, cut: int | None = None,
+                      timeout: float = 120) -> None:
+    """Send `payload` (or its first `cut` bytes, then close) and read the answer; repeat until stopped."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            attack.outcomes["connect failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        attack.connections += 1
+        answer = asyncio.ensure_future(_answer(reader, timeout))
+        end = len(payload) if cut is None else cut
+        try:  # 1 MiB at a time: 48 clients must not hold 48 copies of 31 MiB in this process
+            for i in range(0, end, MiB):
+                if answer.done():
+                    break  # answered (refused) before the whole body was sent
+                writer.write(payload[i:min(i + MiB, end)])
+                await writer.drain()
+        except OSError:
+            pass
+        if cut is not None:
+            writer.close()
+            answer.cancel()
+            attack.outcomes["disconnected"] += 1
+            await asyncio.sleep(0.05)
+            continue
+        attack.outcomes[await answer] += 1
+        attack.longest_s = max(attack.longest_s, time.monotonic() - t0)
+        writer.close()
+
+
+def plan(kinds: list[str], port: int, name: str, shape: list[int], args, stop: asyncio.Event
+         ) -> tuple[dict[str, Attack], list]:
+    """(kind -> its counters, the coroutines to run until `stop` is set) for the chosen attack kinds."""
+    infer = f"/v2/models/{name}/infer"
+    size = 31 * MiB
+    envelope = b'{"inputs": [{"name": "input", "datatype": "FP32", "shape": %s, "data": [' % str(shape).encode()
+    zeros = envelope + b"0," * ((size - len(envelope)) // 2 - 8) + b"0]}]}"
+    bomb = envelope + b"[]," * ((size - len(envelope)) // 3 - 8) + b"[]]}]}"
+    attacks = {k: Attack(k) for k in kinds}
+    jobs = []
+    for kind, attack in attacks.items():
+        if kind == "slowloris":
+            jobs += [_trickle(port, attack, stop, _head("GET", "/v2/health/live"), lambda i: b"X-Slow-%d: 1\r\n" % i,
+                              args.trickle_s) for _ in range(args.slow_connections)]
+        elif kind == "slow body":
+            jobs += [_trickle(port, attack, stop, _head("POST", infer, MiB) + b"\r\n" + envelope,
+                              lambda i: b"0,", args.trickle_s) for _ in range(args.slow_bodies)]
+        elif kind == "huge headers":
+            chunk = b"a" * 65536
+            limit = int(args.huge_header_mb * MiB) // len(chunk)
+            jobs += [_trickle(port, attack, stop, _head("GET", "/v2/health/live") + b"X-Huge: ",
+                              lambda i: chunk if i < limit else b"", 0.001) for _ in range(args.huge_header_clients)]
+        elif kind == "large bodies":
+            jobs += [_send_whole(port, attack, stop, _head("POST", infer, len(zeros)) + b"\r\n" + zeros)
+                     for _ in range(args.large_body_clients)]
+        elif kind == "parse bombs":
+            jobs += [_send_whole(port, attack, stop, _head("POST", infer, len(bomb)) + b"\r\n" + bomb)
+                     for _ in range(args.bomb_clients)]
+        elif kind == "disconnects":
+            body = _head("POST", infer, len(zeros)) + b"\r\n" + zeros
+            jobs += [_send_whole(port, attack, stop, body, cut=len(body) // 2) for _ in range(args.disconnect_clients)]
+    return attacks, jobs
