@@ -17,6 +17,8 @@ _SCRATCH = Path(tempfile.mkdtemp(prefix="torchcls-tests-"))
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(_SCRATCH / "inductor"))
 # What `torchcls export` records as published on this machine (a .pt2 it made loads with no flag): per session.
 os.environ["TORCHCLS_EXPORT_RECORD"] = str(_SCRATCH / "exports.jsonl")
+# The timed choice of a training step's layout and precision (training/step_choice.py): cached per session.
+os.environ["TORCHCLS_CACHE_DIR"] = str(_SCRATCH / "cache")
 
 FASHION_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -83,8 +85,9 @@ def tiny_config(data: Path, out: Path, name: str = "run", epochs: int = 2):
     cfg = Config()
     cfg.data.source, cfg.data.workers, cfg.data.batch_size, cfg.data.img_size = str(data), 0, 8, 32
     cfg.train.epochs, cfg.train.progress = epochs, False
-    # fp32, not the default auto (bf16 on a CPU with native bf16): tests compare runs of different shapes
-    # (ranks, micro-batches) to 1e-4, and must behave alike on every CPU kind. auto: tests/test_hardware.py.
-    cfg.precision.precision = "fp32"
+    # fp32 and NCHW, not the timed choice of --precision auto and an unset --channels-last: tests compare runs
+    # of different shapes (ranks, micro-batches) to 1e-4, and must behave alike on every CPU kind.
+    # auto: tests/test_hardware.py and tests/test_step_choice.py.
+    cfg.precision.precision, cfg.train.channels_last = "fp32", False
     cfg.run.out_dir, cfg.run.name = str(out), name
     return cfg

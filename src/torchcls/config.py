@@ -143,7 +143,10 @@ class TrainConfig:
 
     epochs: int = opt(5, "training epochs")
     seed: int = opt(0, "seed for init, data split, data order and augmentation")
-    channels_last: bool = opt(False, "use channels_last memory format (faster convolutions on CPU and GPU)")
+    channels_last: bool | None = opt(None, "channels_last memory format for the model and its batches "
+                                     "(--no-channels-last: contiguous NCHW). Unset: on a CPU, each layout (and, "
+                                     "with --precision auto, bf16 vs fp32) is timed for a few steps and the faster "
+                                     "one trains; on a GPU, channels_last for convolution nets")
     compile: bool = opt(False, "torch.compile the model for training (reports graph breaks)")
     device: str = opt("auto", "device: auto, cpu, cuda, cuda:N")
     threads: int = opt(0, "intra-op CPU threads (0 = OMP_NUM_THREADS if set, else the CPUs this process may use "

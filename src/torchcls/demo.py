@@ -16,7 +16,6 @@ def demo_config(out_dir: str = "runs", name: str = "demo", epochs: int | None = 
     cfg.data.source = "mnist-5k"
     cfg.model.name = "smallnet"
     cfg.train.epochs = epochs or 8
-    cfg.train.channels_last = True  # faster CPU convolutions
     cfg.train.threads = threads
     cfg.run.out_dir, cfg.run.name = out_dir, name
     return cfg

@@ -215,17 +215,19 @@ def fp8_wants_compile(cfg: PrecisionConfig) -> bool:
 
 def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device, run=None, *,
                     parallel: str = "none", compile: bool = False, compile_note: str = "",
-                    example_shape: tuple[int, ...] | None = None) -> PrecisionPlan:
+                    example_shape: tuple[int, ...] | None = None, choice: PrecisionChoice | None = None,
+                    ) -> PrecisionPlan:
     """Check the precision against the hardware, convert FP8 layers in place, and return the plan.
 
     Call before parallelize(): FP8 swaps nn.Linear modules, which FSDP must see already swapped.
     `parallel` is the parallel mode (none/ddp/fsdp2). `compile` and `compile_note` say whether and why the
     caller compiles the model (torchcls.training.compile.should_compile decides): reported, not decided here.
     `example_shape`: one training batch on this rank (N, C, H, W); FP8 measures each layer's tokens from it.
+    `choice`: what --precision already resolved to (the training step's timing picked it), else the rule's.
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
     if cfg.precision not in ("auto", *PRECISIONS):
         raise UserError(f"--precision {cfg.precision}: choose auto or one of {', '.join(PRECISIONS)}")
-    choice = choose_precision(cfg.precision, device)  # auto: bf16 where the hardware has it, else fp32
+    choice = choice or choose_precision(cfg.precision, device)  # auto: bf16 where the hardware has it, else fp32
     name = choice.precision
     if name != "fp8" and cfg.fp8_emulate:
         raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")

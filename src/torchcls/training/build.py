@@ -8,6 +8,7 @@ mixing, checkpointer, compile. Governance refuses before any data is read.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Sequence
 from dataclasses import asdict
 from functools import partial
@@ -29,10 +30,11 @@ from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
-from torchcls.machine import ThreadChoice, apply_threads, choose_threads, describe_machine
+from torchcls.machine import ThreadChoice, apply_threads, choose_threads, cpu_model, describe_machine
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
+from torchcls.precision.hardware import PrecisionChoice
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
 from torchcls.tasks import multilabel_criterion
 from torchcls.training import rank0_init, sharding
@@ -47,6 +49,8 @@ from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
 from torchcls.training.resume_options import Finished, finished_run, option_changes
 from torchcls.training.rundir import RunDir
+from torchcls.training.step_choice import STATE_FILE as STEP_STATE
+from torchcls.training.step_choice import StepChoice, choose_step
 from torchcls.training.tensorboard import open_writer
 from torchcls.training.tracking import open_tracker
 from torchcls.training.trainer import StepCallback, Trainer, TrainResult
@@ -122,11 +126,13 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
                      drop_path_rate=cfg.model.drop_path)
-    memory_format = torch.channels_last if cfg.train.channels_last else torch.contiguous_format
+    threads = _set_threads(cfg, feed)  # before the step is timed: at the thread count the run trains with
+    step = _choose_step(cfg, spec, session, run, device, threads)
+    memory_format = torch.channels_last if step.channels_last else torch.contiguous_format
     compile_model, compile_note = should_compile(cfg.train, cfg.precision)
     model, precision = _build_model(cfg, spec, gov, data, session, run, device, memory_format,
-                                    compile_model, compile_note, source)
-    _record_machine(run, session, precision, _set_threads(cfg, feed))
+                                    compile_model, compile_note, source, step.precision)
+    _record_machine(run, session, precision, threads)
     optimizer = build_optimizer(model, cfg.optim)
     steps_per_epoch = _optimizer_steps_per_epoch(len(feed), cfg.optim.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
@@ -179,6 +185,25 @@ def _set_threads(cfg: Config, feed) -> ThreadChoice:
     return apply_threads(choose_threads(cfg.train.threads, 0 if feed.kind == "memory" else cfg.data.workers))
 
 
+def _choose_step(cfg: Config, spec: ModelSpec, session: Session, run: RunDir, device: torch.device,
+                 threads: ThreadChoice) -> StepChoice:
+    """The precision and memory layout of the training step (timed on a CPU: training/step_choice.py),
+    recorded in step_choice.json, which a resumed run reads back."""
+    state = run.path / STEP_STATE
+    step = choose_step(
+        cfg.precision.precision, cfg.train.channels_last, device, new_model=partial(create_model, spec),
+        make_optimizer=lambda m: build_optimizer(m, cfg.optim), classes=spec.num_classes,
+        shape=(sharding.per_rank_batch(cfg.data.batch_size, session), spec.in_chans, spec.img_size, spec.img_size),
+        distributed=session.active, state=state if cfg.run.resume else None,
+        describe={"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
+                  "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "threads": threads.threads,
+                  "torch": torch.__version__, "model": spec.name})
+    if session.is_main:
+        state.write_text(json.dumps(step.record(), indent=2))
+        console.print(step.line(), highlight=False)
+    return step
+
+
 def _record_machine(run: RunDir, session: Session, precision: PrecisionPlan, threads: ThreadChoice) -> None:
     """machine.json: the CPU, cores and quota, threads and precision this run ran with (benchmarks record the
     same fields)."""
@@ -206,7 +231,8 @@ def _optimizer_steps_per_epoch(batches: int, accum_steps: int) -> int:
 
 def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run: RunDir, device: torch.device,
                  memory_format: torch.memory_format, compile_model: bool, compile_note: str,
-                 source: PretrainedSource | None = None) -> tuple[nn.Module, PrecisionPlan]:
+                 source: PretrainedSource | None = None, choice: PrecisionChoice | None = None,
+                 ) -> tuple[nn.Module, PrecisionPlan]:
     """The model, with governance hooks, precision and parallelism applied from outside it."""
     from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
     factory = partial(_new_model, spec, source, run if session.is_main else None, data.classes)
@@ -222,7 +248,7 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
     pre = data.preprocess  # FP8 measures each layer's tokens per step from one batch of this shape
     batch = (sharding.per_rank_batch(cfg.data.batch_size, session), pre.channels, pre.img_size, pre.img_size)
     precision = apply_precision(model, cfg.precision, device, run, parallel=cfg.parallel.parallel,
-                                compile=compile_model, compile_note=compile_note, example_shape=batch)
+                                compile=compile_model, compile_note=compile_note, example_shape=batch, choice=choice)
     model = parallelize(model, cfg.parallel, device)
     if from_rank0:
         rank0_init.materialize(model, rank0_weights, device, cfg.parallel)
