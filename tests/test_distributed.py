@@ -44,13 +44,31 @@ class Runs:
         (base / "tmp").mkdir()
         self.done: dict[str, subprocess.CompletedProcess] = {}
 
-    def torchrun(self, name: str, nproc: int, *args: str, env: dict | None = None, restarts: int = 0):
+    def torchrun(self, name: str, nproc: int, *args: str, env: dict | None = None, restarts: int = 0,
+                 ok: bool = True):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                f"--max-restarts={restarts}", "-m", "torchcls", "train", "--data", str(self.data),
                "--out-dir", str(self.out), "--name", name, *COMMON, *args]
         proc = subprocess.run(cmd, env=dict(self.env, **(env or {})), capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        assert (proc.returncode == 0) == ok, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc
+
+    def two_nodes(self, name: str, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+        """The job on two torchrun agents ("nodes", one process each) meeting at a c10d rendezvous on
+        127.0.0.1, as on two machines; each may restart its workers once."""
+        port, logs = _free_port(), [self.base / f"{name}.node{n}.log" for n in (0, 1)]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--max-restarts=1", "-m", "torchcls",
+               "train", "--data", str(self.data), "--out-dir", str(self.out), "--name", name, *COMMON, *args]
+        procs = []
+        for log in logs:
+            with log.open("w") as f:  # a file each: two pipes read one after the other could fill and block
+                procs.append(subprocess.Popen(cmd, env=dict(self.env, **(env or {})), stdout=f,
+                                              stderr=subprocess.STDOUT, text=True))
+        codes = [p.wait(timeout=600) for p in procs]
+        out = "".join(log.read_text() for log in logs)
+        assert codes == [0, 0], out[-6000:]
+        return subprocess.CompletedProcess(cmd, 0, out, out)
 
     def get(self, key: str) -> Path:
         if key not in self.done:
@@ -109,6 +127,10 @@ class Runs:
         return self.torchrun("elastic", 2, "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2",
                              env={"TORCHCLS_FAULT_STEP": "5"}, restarts=1)
 
+    def _twonode(self):  # the same job and fault on two nodes; a short timeout, so that a hang fails soon
+        return self.two_nodes("twonode", "--parallel", "fsdp2", "--epochs", "2", "--save-every", "2",
+                              "--dist-timeout", "60", env={"TORCHCLS_FAULT_STEP": "5"})
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Runs:
@@ -120,6 +142,12 @@ def runs(tmp_path_factory) -> Runs:
 def _epochs(run: Path) -> list[dict]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"epoch"' in x
             and json.loads(x)["kind"] == "epoch"]
+
+
+def _figures(run: Path) -> list[dict]:
+    """metrics.jsonl's records without their timings (the figures a restarted run shares)."""
+    records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if k not in ("img_per_s", "epoch_s")} for r in records]
 
 
 def _weights(run: Path, name: str = "last.safetensors") -> dict[str, torch.Tensor]:
@@ -235,8 +263,35 @@ def test_killed_rank_restarts_and_matches_an_uninterrupted_run(runs):
     assert [e["epoch"] for e in _epochs(run)] == [1, 2]
     steps = [json.loads(x)["step"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 6
-    # restart resumed from the step-4 checkpoint; exact resume => the uninterrupted run's weights
-    _assert_close(_weights(runs.get("fsdp2")), _weights(run), atol=1e-6)
+    # restart resumed from the step-4 checkpoint; exact resume => the uninterrupted run's weights, and
+    # its metrics: epoch 2's figures cover the steps before the checkpoint too
+    _assert_close(_weights(runs.get("fsdp2")), _weights(run), atol=0)
+    assert _figures(run) == _figures(runs.get("fsdp2"))
+
+
+def test_a_node_killed_on_two_nodes_restarts_the_job_and_matches_an_uninterrupted_run(runs):
+    """Each node's torchrun agent counts only its own workers' failures: the ranks of the node whose worker
+    died used to wait in the restart's barrier, the other node's to refuse the run dir in a broadcast, until
+    the gloo timeout ended the job. torchrun sets OMP_NUM_THREADS=1 only for several processes per node:
+    runs.env sets it for every job, so one process per node computes exactly what two on one node do."""
+    run, log = runs.get("twonode"), runs.done["twonode"]
+    assert "TORCHCLS_FAULT_STEP=5: rank 1 kills itself" in log.stdout
+    assert "resuming" in log.stdout and "at epoch 2, step 4 (world size 2)" in log.stdout
+    _assert_close(_weights(runs.get("fsdp2")), _weights(run), atol=0)  # max |dweight| = 0
+    assert _figures(run) == _figures(runs.get("fsdp2"))
+
+
+def test_a_restart_never_resumes_a_run_its_job_did_not_create(runs):
+    """`cp -a runs/fsdp2 runs/keep2`, then a job on it without --resume: its first start is refused ("already
+    exists"), and its restart used to resume runs/keep2 and overwrite its checkpoints, config and metrics."""
+    keep = runs.out / "keep2"
+    shutil.copytree(runs.get("fsdp2"), keep)
+    before = {p: p.read_bytes() for p in keep.rglob("*") if p.is_file()}
+    proc = runs.torchrun("keep2", 2, "--parallel", "fsdp2", "--epochs", "3", restarts=1, ok=False)
+    out = proc.stdout + proc.stderr
+    assert out.count(f"run dir {keep} already exists") >= 2  # both starts refused it
+    assert f"{keep} was not created by this torchrun job" in out
+    assert {p: p.read_bytes() for p in keep.rglob("*") if p.is_file()} == before
 
 
 def test_fsdp2_weights_from_rank0_equal_every_rank_building_the_model(runs):

@@ -89,7 +89,7 @@ def test_every_rank_of_a_start_gets_the_same_fresh_generation(tmp_path: Path) ->
         def rank_main(rank: int) -> None:
             client = dist.TCPStore("127.0.0.1", server.port, is_master=False)
             try:
-                store = _generation_store(client, rank, world, timeout)
+                _, store = _generation_store(client, rank, world, timeout)
                 store.set(f"seen/{rank}", attempt)  # lands under the generation's prefix
                 prefixes[rank] = _prefix_of(client, rank, attempt)
             except (RuntimeError, TimeoutError) as e:

@@ -35,6 +35,7 @@ from torchcls.checkpoint.files import (
 )
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.io_errors import writing
 
 
 @dataclass
@@ -44,6 +45,10 @@ class Progress:
     step: int = 0  # optimizer steps since the start of the run
     step_in_epoch: int = 0
     best_top1: float = -1.0
+    # This rank's running sums of the epoch so far (loss x images, correct, images, seconds): a run
+    # resumed mid-epoch logs the whole epoch's figures, not only those of the steps after its checkpoint.
+    # None: not recorded (a checkpoint written before they were).
+    epoch_sums: tuple[float, float, float, float] | None = None
 
 
 @dataclass
@@ -95,6 +100,18 @@ class Checkpointer:
             console.print(f"[yellow]{self.directory}: {done}[/]")
         return done
 
+    def saved_step(self) -> int | None:
+        """The optimizer step of the state a resume would load (None: there is none). Reads only what
+        a commit writes last (meta.json; the state file, memory-mapped), so a torn write shows as absent."""
+        step = dcp.saved_step(self.last_dcp)
+        if self.ranks.active or not self.last_state.is_file():
+            return step
+        try:
+            state_step = torch.load(self.last_state, map_location="cpu", weights_only=True, mmap=True)["step"]
+        except (OSError, RuntimeError, KeyError):
+            return step
+        return max(state_step, step if step is not None else -1)
+
     def resumes_from_dcp(self) -> bool:
         """Ranks always resume from DCP; a single process does when its DCP state is the newer one."""
         if self.ranks.active:
@@ -122,7 +139,8 @@ class Checkpointer:
             "best_top1": progress.best_top1, "rng": torch.get_rng_state(),
             "precision": precision.state_dict() if precision is not None else {},
             "extras": {k: v.state_dict() for k, v in self.extras.items()},
-        })
+        } | ({"epoch_sums": torch.tensor(progress.epoch_sums, dtype=torch.float64)}
+             if progress.epoch_sums is not None else {}))
 
     def _save_sharded(self, model: nn.Module, optimizer, scheduler, progress: Progress,
                       meta: CheckpointMeta) -> None:
@@ -132,11 +150,13 @@ class Checkpointer:
         state, _ = dcp.training_state(model, optimizer, scheduler, progress, self.extras)
         if self.async_save and self._group is None:
             self._group = dcp.new_group()
-        future = dcp.start_save(self.last_dcp, state, self.ranks, self._group if self.async_save else None)
+        with writing(self.last_dcp):  # a failed write leaves the committed last.dcp as it was
+            future = dcp.start_save(self.last_dcp, state, self.ranks, self._group if self.async_save else None)
+            if future is None:
+                dcp.commit(self.last_dcp, meta.to_json(), self.ranks)
         if future is not None:
             self._pending.append((future, meta.to_json()))
         else:
-            dcp.commit(self.last_dcp, meta.to_json(), self.ranks)
             self.ranks.barrier()
         self.save_weights(self.last_weights, model, meta)
 
@@ -153,9 +173,11 @@ class Checkpointer:
         """Finish the background saves: commit each once every rank's shards are on disk."""
         while self._pending:
             future, meta_json = self._pending.pop(0)
-            getattr(future, "upload_completion", future).result()
+            with writing(self.last_dcp):
+                getattr(future, "upload_completion", future).result()
             dcp.group_barrier(self._group)
-            dcp.commit(self.last_dcp, meta_json, self.ranks)
+            with writing(self.last_dcp):
+                dcp.commit(self.last_dcp, meta_json, self.ranks)
 
     # -- resume -----------------------------------------------------------------------------
     def resume(self, model: nn.Module, optimizer, scheduler, meta: CheckpointMeta,
@@ -182,7 +204,9 @@ class Checkpointer:
                 precision.load_state_dict(state.get("precision", {}))
             for name, part in self.extras.items():
                 part.load_state_dict(state["extras"][name])
-            progress = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"])
+            sums = state.get("epoch_sums")
+            progress = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"],
+                                tuple(sums.tolist()) if sums is not None else None)
             rng = state["rng"]
         return progress, rng if progress.step_in_epoch else None
 

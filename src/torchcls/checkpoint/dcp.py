@@ -94,6 +94,8 @@ def training_state(model: nn.Module, optimizer, scheduler, progress: Any,
     `extras`: further stateful parts of the run (the weights' EMA), saved under their names."""
     osd = get_optimizer_state_dict(model, optimizer)  # creates zero moments on a fresh optimizer
     more = {"extras": {k: v.state_dict() for k, v in extras.items()}} if extras else {}
+    if getattr(progress, "epoch_sums", None) is not None:
+        more["epoch_sums"] = _every_ranks_row(progress.epoch_sums)
     plateau = scheduler.state_dict().get("plateau")
     if plateau:  # --sched plateau: where its patience count stands, not only the rates it reduced
         more["plateau"] = torch.tensor([plateau[k] for k in PLATEAU_KEYS], dtype=torch.float64)
@@ -105,6 +107,30 @@ def training_state(model: nn.Module, optimizer, scheduler, progress: Any,
         "lr": torch.tensor(scheduler.get_last_lr(), dtype=torch.float64),
         "rng": torch.get_rng_state(),
     }, osd["param_groups"]
+
+
+def _every_ranks_row(row: tuple[float, ...]) -> torch.Tensor:
+    """[world, len(row)]: each rank's row (its epoch sums). DCP writes one copy of a plain tensor that
+    every rank holds, so rows that differ between ranks are gathered into one that every rank holds."""
+    mine = torch.tensor([row], dtype=torch.float64)
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(rows, mine)
+    return torch.cat(rows)
+
+
+def _my_row(rows: torch.Tensor) -> tuple[float, ...]:
+    """This rank's epoch sums from the saved rows. Resumed on another world size, rank 0 takes the
+    figures of every saved rank (the sums add up; the seconds are the longest rank's), the others none."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if len(rows) == world:
+        return tuple(rows[rank].tolist())
+    if rank:
+        return (0.0,) * rows.shape[1]
+    total = rows.sum(0)
+    total[-1] = rows[:, -1].max()
+    return tuple(total.tolist())
 
 
 def _tmp(path: Path) -> Path:
@@ -165,13 +191,16 @@ def recover(path: Path) -> str | None:
 
 
 def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta: CheckpointMeta,
-         extras: dict[str, Any] | None = None) -> tuple[tuple[int, int, int, float], torch.Tensor]:
-    """Load `path` into this world size; returns ((epoch, step, step_in_epoch, best_top1), rng).
+         extras: dict[str, Any] | None = None) -> tuple[tuple[int, int, int, float, tuple | None], torch.Tensor]:
+    """Load `path` into this world size; returns ((epoch, step, step_in_epoch, best_top1, epoch_sums), rng).
     `progress`: an empty progress record of the trainer (the shape of what is loaded)."""
     check_same_model(path, meta)
     state, param_groups = training_state(model, optimizer, scheduler, progress, extras)
-    if "plateau" in state and "plateau" not in SafeReader(str(path)).read_metadata().state_dict_metadata:
+    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
+    if "plateau" in state and "plateau" not in saved:
         del state["plateau"]  # written before the counters were saved: the plateau's patience starts again
+    if "epoch_sums" in saved:  # as many rows as the saving world had ranks
+        state["epoch_sums"] = torch.zeros(tuple(saved["epoch_sums"].size), dtype=torch.float64)
     try:
         safe_load(state, path)
     except UserError:
@@ -192,7 +221,8 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
     epoch, step, step_in_epoch = (int(v) for v in state["progress"])
-    return (epoch, step, step_in_epoch, float(state["best_top1"])), state["rng"]
+    sums = _my_row(state["epoch_sums"]) if "epoch_sums" in state else None
+    return (epoch, step, step_in_epoch, float(state["best_top1"]), sums), state["rng"]
 
 
 def check_same_model(path: Path, meta: CheckpointMeta) -> None:

@@ -22,6 +22,7 @@ from torch import nn
 
 from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
+from torchcls.io_errors import RecordingFile, writing
 from torchcls.models.registry import ModelSpec, create_model
 
 META_KEY = "torchcls"
@@ -60,10 +61,16 @@ class CheckpointMeta:
 
 
 def atomic_write(path: Path, write: callable) -> None:
-    """Call write(tmp_path), fsync, then rename over `path`: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
+    """Call write(tmp_path), fsync, then rename over `path`: readers never see half a file. A failure
+    (no permission, disk full) leaves `path` as it was and is raised as a WriteError naming `path`."""
+    with writing(path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.close(fd)
+        _write_and_rename(path, tmp, write)
+
+
+def _write_and_rename(path: Path, tmp: str, write: callable) -> None:
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
@@ -115,7 +122,15 @@ def save_weights(path: Path, model: nn.Module, meta: CheckpointMeta, lineage: di
 
 
 def save_training_state(path: Path, state: dict[str, Any]) -> None:
-    atomic_write(path, lambda tmp: torch.save(state, tmp))
+    def write(tmp: str) -> None:
+        with open(tmp, "wb") as f:
+            sink = RecordingFile(f)
+            try:
+                torch.save(state, sink)
+            except RuntimeError as e:  # torch's writer says "unexpected pos": the OSError says why
+                raise (sink.error or e) from e
+
+    atomic_write(path, write)
 
 
 def load_training_state(path: Path) -> dict[str, Any]:

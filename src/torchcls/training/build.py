@@ -71,10 +71,12 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         if cfg.run.resume:
             t.resume()
         return _run_epochs(t, cfg, session, run)
-    except BaseException:
+    except BaseException as e:
         first_step_not_taken = t is None or t.progress.step == 0
         if session.is_main and not cfg.run.resume and first_step_not_taken and run.discard_failed_start():
             console.print(f"[yellow]removed {run.path}: the run stopped before its first step[/]")
+        if (failure := run.write_failure(e)) is not None:  # the run dir cannot be written: which file, what is intact
+            raise failure from None
         raise
 
 

@@ -5,10 +5,18 @@ LOCAL_RANK, MASTER_ADDR/PORT and TORCHELASTIC_RESTART_COUNT; we never launch pro
 ourselves. `Session` is what the training loop talks to: for `--parallel none` it is an
 inactive session (rank 0 of 1) whose helpers fall back to the single-process behaviour.
 
+Whether a start is a restart is decided for the whole job, never from this node's
+TORCHELASTIC_RESTART_COUNT alone: torchrun's agent counts only the failures of its own
+workers, and restarts healthy ones without counting when another node's agent re-joins the
+rendezvous ("membership changes do not count as retries", torch/distributed/elastic/agent/
+server/api.py). So after one node's worker died, its ranks started with a count of 1 and the
+other node's with 0: one waited in the restart's barrier while the other refused the existing
+run dir in a broadcast, until the gloo timeout ended the job.
+
 Testing aid (fault injection): TORCHCLS_FAULT_STEP=k makes rank TORCHCLS_FAULT_RANK
-(default 1) kill itself with SIGKILL right after optimizer step k, on the first attempt
-only (TORCHELASTIC_RESTART_COUNT=0), so that `torchrun --max-restarts 1` restarts the job
-and it resumes from the last checkpoint. Never set it outside tests.
+(default 1) kill itself with SIGKILL right after optimizer step k, on the job's first start
+only, so that `torchrun --max-restarts 1` restarts the job and it resumes from the last
+checkpoint. Never set it outside tests.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,7 @@ from torchcls.checkpoint.files import CHECKPOINTS
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
-from torchcls.training.rundir import RunDir, created_by_this_job
+from torchcls.training.rundir import RunDir, created_by, default_name, job_id
 
 FAULT_STEP_ENV, FAULT_RANK_ENV = "TORCHCLS_FAULT_STEP", "TORCHCLS_FAULT_RANK"
 
@@ -55,12 +63,20 @@ class Session:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
-    restart_count: int = 0
+    restart_count: int = 0  # the job's: the most restarts any node's torchrun agent counted
     parallel: str = "none"
+    generation: int = 1  # which start of the job this is, where the job's store outlives its starts
+    job: str = field(default_factory=job_id)  # this torchrun job, as recorded in the run dirs it creates
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def restarted(self) -> bool:
+        """An earlier start of this job ran: torchrun restarted the workers (some node counted a
+        failure, or a node re-joined, which no agent counts) or the store has seen a start before."""
+        return self.restart_count > 0 or self.generation > 1
 
     # -- rank-0 helpers ---------------------------------------------------------------
     def prepare_run(self, cfg: Config) -> RunDir:
@@ -70,7 +86,7 @@ class Session:
         outcome: list[Any] = [None]
         if self.is_main:
             try:
-                run = RunDir.prepare(cfg)
+                run = RunDir.prepare(cfg, self.job)
                 outcome[0] = ("ok", str(run.path), cfg.run.name)
             except UserError as e:
                 outcome[0] = ("error", str(e), None)
@@ -79,7 +95,7 @@ class Session:
         if kind == "error":
             raise UserError(value)
         cfg.run.name = name
-        return RunDir(Path(value)) if self.is_main else FollowerRunDir(Path(value))
+        return RunDir(Path(value), self.job) if self.is_main else FollowerRunDir(Path(value), self.job)
 
     def barrier(self) -> None:
         if self.active:
@@ -94,16 +110,13 @@ class Session:
         dist.all_reduce(t)
         return t.item() / self.world
 
-    def reduce_epoch(self, record: dict[str, Any]) -> dict[str, Any]:
-        """Per-rank epoch averages → global ones (ranks see equally many samples); throughput adds up."""
+    def sum(self, values: list[float]) -> list[float]:
+        """Each value added up over the ranks (float64)."""
         if not self.active:
-            return record
-        keys = ["train_loss", "train_top1", "img_per_s"]
-        t = torch.tensor([record[k] for k in keys], dtype=torch.float64)
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
         dist.all_reduce(t)
-        out = dict(record, train_loss=t[0].item() / self.world, train_top1=t[1].item() / self.world,
-                   img_per_s=t[2].item())
-        return out | {"world_size": self.world}
+        return t.tolist()
 
     def gather_objects(self, obj: Any) -> list[Any]:
         if not self.active:
@@ -115,7 +128,7 @@ class Session:
     # -- elastic ---------------------------------------------------------------------------
     def callbacks(self) -> list[Callable[[int], None]]:
         step = os.environ.get(FAULT_STEP_ENV)
-        if not step or not self.active or self.restart_count > 0:
+        if not step or not self.active or self.restarted:
             return []
         fault_step, fault_rank = int(step), int(os.environ.get(FAULT_RANK_ENV, "1"))
 
@@ -165,17 +178,19 @@ def setup(cfg: Config) -> Session:
                         "--parallel fsdp2 and CUDA (here parameters already live in host memory)")
     session = Session(True, int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", "0")),
                       int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), tc.parallel)
-    _init_process_group(session, cfg.train.device, tc.dist_timeout)
+    token = _init_process_group(session, cfg.train.device, tc.dist_timeout)
     if not session.is_main:
         console.quiet = True  # only rank 0 prints (and writes) anything; errors still go to stderr
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - lives as long as the process
-    _agree_on_name(session, cfg)
-    if session.restart_count > 0:
+    _agree_on_start(session, cfg, token)
+    if session.restarted:
         _prepare_restart(session, cfg)
     return session
 
 
-def _init_process_group(s: Session, device: str, timeout_s: int) -> None:
+def _init_process_group(s: Session, device: str, timeout_s: int) -> str | None:
+    """Join the process group under this start's generation (sets s.generation); returns rank 0's
+    job token (None on the other ranks, or where the store does not outlive the start)."""
     use_cuda = torch.cuda.is_available() and device != "cpu"
     if use_cuda:
         # One GPU per process: plain "cuda" then means this rank's GPU everywhere in the loop.
@@ -186,15 +201,16 @@ def _init_process_group(s: Session, device: str, timeout_s: int) -> None:
     timeout = datetime.timedelta(seconds=timeout_s)
     try:
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
-        dist.init_process_group(backend, store=_generation_store(store, s.rank, s.world, timeout_s), rank=s.rank,
-                                world_size=s.world, timeout=timeout)
+        s.generation, prefixed = _generation_store(store, s.rank, s.world, timeout_s)
+        dist.init_process_group(backend, store=prefixed, rank=s.rank, world_size=s.world, timeout=timeout)
+        return _job_token(store) if s.is_main else None
     except (RuntimeError, ValueError, TimeoutError) as e:
         raise UserError(f"rank {s.rank} could not join the process group at {addr} within {timeout_s}s "
                         f"({str(e).splitlines()[0]}): check that the rendezvous endpoint is reachable and all "
                         f"{s.world} processes were started; --dist-timeout changes the wait") from None
 
 
-def _generation_store(store: dist.Store, rank: int, world: int, timeout_s: float) -> dist.Store:
+def _generation_store(store: dist.Store, rank: int, world: int, timeout_s: float) -> tuple[int, dist.Store]:
     """Give every start of the job its own key space in the rendezvous store.
 
     torchrun's agent keeps one TCPStore for the whole job (TORCHELASTIC_USE_AGENT_STORE), so
@@ -206,6 +222,7 @@ def _generation_store(store: dist.Store, rank: int, world: int, timeout_s: float
     one) can promise that. So rank 0 draws the generation and hands it to each rank in answer to
     a nonce that rank made up for this start: an answer meant for a rank of an earlier start can
     never be taken for this one. Every rank of an earlier start is gone before a new one begins.
+    Returns the generation (1: the store's first start) and the store under its prefix.
     """
     deadline = time.monotonic() + timeout_s
     if rank == 0:
@@ -217,7 +234,18 @@ def _generation_store(store: dist.Store, rank: int, world: int, timeout_s: float
         store.wait([f"torchcls/welcome/{nonce}"], datetime.timedelta(seconds=timeout_s))
         generation = int(store.get(f"torchcls/welcome/{nonce}"))
         store.set(f"torchcls/generation_{generation}/joined/{rank}", b"1")
-    return dist.PrefixStore(f"torchcls/generation_{generation}", store)
+    return generation, dist.PrefixStore(f"torchcls/generation_{generation}", store)
+
+
+def _job_token(store: dist.Store) -> str | None:
+    """Rank 0: a token drawn by the job's first start and read back by every later one, where the
+    store is torchrun's agent store (it lives as long as the job). TORCHELASTIC_RUN_ID alone does not
+    tell jobs apart: it is "none" for every multi-node job started without --rdzv-id, so a restart
+    could take a run dir an earlier job made for its own. Where rank 0 hosts a store of its own
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) nothing outlives a start: None, and the run id is the job."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return None
+    return store.compare_set("torchcls/job", "", secrets.token_hex(16)).decode()
 
 
 def _answer_ranks(store: dist.Store, generation: int, world: int, deadline: float) -> None:
@@ -239,35 +267,51 @@ def _answer_ranks(store: dist.Store, generation: int, world: int, deadline: floa
             time.sleep(0.01)
 
 
-def _agree_on_name(s: Session, cfg: Config) -> None:
-    """Rank 0's default run name (it contains the time) is everyone's."""
-    if cfg.run.name is None:
-        from torchcls.training.rundir import default_name
-
-        cfg.run.name = default_name(cfg)
-        if s.restart_count > 0:
-            console.print("[yellow]elastic restart without --name: a new run dir is started; pass --name to "
-                          "resume from the last checkpoint[/]")
-    names = [cfg.run.name]
-    dist.broadcast_object_list(names, src=0)
-    cfg.run.name = names[0]
+def _agree_on_start(s: Session, cfg: Config, token: str | None) -> None:
+    """What every rank must take alike, from one exchange: rank 0's run name (the default one contains
+    the time), the job (run id and rank 0's token) and whether this start is a restart (the most
+    restarts any node counted: see the module's docstring)."""
+    named = cfg.run.name is not None
+    views = s.gather_objects((s.restart_count, cfg.run.name or default_name(cfg), token))
+    s.restart_count = max(v[0] for v in views)
+    cfg.run.name, token = views[0][1], views[0][2]
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    s.job = f"{run_id}/{token}" if run_id and token else run_id or s.job
+    if s.restarted and not named:
+        console.print("[yellow]elastic restart without --name: a new run dir is started; pass --name to "
+                      "resume from the last checkpoint[/]")
 
 
 def _prepare_restart(s: Session, cfg: Config) -> None:
-    """torchrun restarted every rank after one failed: resume from the last checkpoint if there is one."""
+    """torchrun restarted the ranks after one failed: resume this job's run dir from its last checkpoint.
+    Rank 0 decides and every rank follows, so they all take the same collectives next."""
     path = Path(cfg.run.out_dir) / cfg.run.name
-    if cfg.run.resume:
+    if cfg.run.resume:  # the user's own --resume: it says which run to continue
         return
-    checkpointer = Checkpointer(path / CHECKPOINTS)
-    if s.is_main:
-        checkpointer.recover()  # a crash between the two renames of a commit: before has_state looks
-    s.barrier()
-    if checkpointer.has_state():
+    decision = [_restart_decision(path, s.job) if s.is_main else None]
+    dist.broadcast_object_list(decision, src=0)
+    if decision[0] == "resume":
         cfg.run.resume = True
-        console.print(f"[yellow]elastic restart {s.restart_count}: resuming {path} from its last checkpoint[/]")
-    elif s.is_main and created_by_this_job(path):
-        shutil.rmtree(path)  # an earlier attempt of this job made it and left no checkpoint: start again
-    s.barrier()
+        restart = max(s.restart_count, s.generation - 1)  # (a re-join counts in the generation only)
+        console.print(f"[yellow]elastic restart {restart}: resuming {path} from its last checkpoint[/]")
+
+
+def _restart_decision(path: Path, job: str) -> str:
+    """Rank 0: "resume" a run dir this job created and checkpointed; otherwise "start" (after removing
+    a dir an earlier start of this job made and left without a checkpoint). A dir another job (or the
+    user) made is never resumed nor removed: the start then refuses it as it refused the first time."""
+    if not path.exists():
+        return "start"
+    if not created_by(path, job):
+        console.print(f"[yellow]elastic restart: {path} was not created by this torchrun job; it is neither "
+                      "resumed nor changed (pass --resume to continue a run explicitly)[/]")
+        return "start"
+    checkpointer = Checkpointer(path / CHECKPOINTS)
+    checkpointer.recover()  # a crash between the two renames of a commit: before has_state looks
+    if checkpointer.has_state():
+        return "resume"
+    shutil.rmtree(path)  # an earlier start of this job made it and left no checkpoint: start again
+    return "start"
 
 
 def sync_buffers(model: nn.Module, session: Session) -> None:

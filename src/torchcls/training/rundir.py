@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -11,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.checkpoint.checkpointer import Checkpointer
-from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE
+from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE, atomic_write
 from torchcls.config import Config
 from torchcls.errors import UserError
+from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of, writing
+
+NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
 
 # Written into a run dir this job created: only such a dir may be removed again (after a failed
 # start, or by an elastic restart of the same torchrun job). A dir that held anything before, a
@@ -22,13 +26,16 @@ CREATED_BY = ".created-by.json"
 
 
 def job_id() -> str:
-    """The same for every attempt of one torchrun job (torchrun's run id), else this process."""
+    """This process's job when nothing better is known: torchrun's run id, else this process. Under
+    torchrun the session refines it (training/distributed.py): the run id alone is not unique (every
+    multi-node job without --rdzv-id is "none")."""
     return os.environ.get("TORCHELASTIC_RUN_ID") or f"pid-{os.getpid()}"
 
 
-def created_by_this_job(path: Path) -> bool:
+def created_by(path: Path, job: str) -> bool:
+    """Whether the run dir `path` was created by the job `job` (its marker names it)."""
     try:
-        return json.loads((path / CREATED_BY).read_text()).get("job") == job_id()
+        return json.loads((path / CREATED_BY).read_text()).get("job") == job
     except (OSError, ValueError, AttributeError):
         return False
 
@@ -36,6 +43,7 @@ def created_by_this_job(path: Path) -> bool:
 @dataclass
 class RunDir:
     path: Path
+    job: str | None = None  # the job that prepared it (None: this process's, job_id())
 
     @property
     def checkpoints(self) -> Path:
@@ -46,7 +54,8 @@ class RunDir:
         return self.path / "metrics.jsonl"
 
     @classmethod
-    def prepare(cls, cfg: Config) -> RunDir:
+    def prepare(cls, cfg: Config, job: str | None = None) -> RunDir:
+        """Create (or, with --resume, check) the run dir; a dir it creates is marked as `job`'s."""
         name = cfg.run.name or default_name(cfg)
         cfg.run.name = name
         path = Path(cfg.run.out_dir) / name
@@ -61,29 +70,53 @@ class RunDir:
         fresh = not path.exists() or not any(path.iterdir())
         path.mkdir(parents=True, exist_ok=True)
         if fresh:
-            (path / CREATED_BY).write_text(json.dumps({"job": job_id()}))
-        run = cls(path)
+            (path / CREATED_BY).write_text(json.dumps({"job": job or job_id()}))
+        run = cls(path, job)
         run.checkpoints.mkdir(exist_ok=True)
         if not cfg.run.resume:
             run.metrics_file.write_text("")
         return run
 
     def log(self, record: dict[str, Any]) -> None:
-        with self.metrics_file.open("a") as f:
+        with writing(self.metrics_file), self.metrics_file.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def discard_failed_start(self) -> bool:
         """After a start that failed before any checkpoint: remove the dir if this job created it,
         so that the same command can simply be run again. Returns whether it was removed."""
-        if not created_by_this_job(self.path) or Checkpointer(self.checkpoints).has_state():
+        if not created_by(self.path, self.job or job_id()) or Checkpointer(self.checkpoints).has_state():
             return False
         shutil.rmtree(self.path, ignore_errors=True)
-        return True
+        return not self.path.exists()  # (a dir that cannot be written cannot be emptied either)
 
     def truncate_metrics(self, after_step: int) -> None:
         """On resume, drop records logged after the checkpoint so the log reads like one run."""
         kept = [line for line in read_metrics(self.path) if line.get("step", 0) <= after_step]
-        self.metrics_file.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        atomic_write(self.metrics_file, lambda tmp: Path(tmp).write_text("".join(json.dumps(r) + "\n" for r in kept)))
+
+    def write_failure(self, exc: BaseException) -> UserError | None:
+        """The message for a run that stopped because a file of its run dir could not be written (no
+        permission, read-only or full file system), or None when `exc` is something else. Says which
+        path failed and which checkpoint is intact: checkpoint writes are atomic (a temporary file or dir,
+        renamed once complete), so a failed one leaves the previous checkpoint as it was."""
+        err = os_error_of(exc)
+        if err is None or err.errno not in WRITE_ERRNOS:
+            return None
+        if not isinstance(err, WriteError):  # raised by a write that did not say what it wrote
+            if err.filename is not None and not Path(str(err.filename)).resolve().is_relative_to(self.path.resolve()):
+                return None  # a file elsewhere (the data): not the run dir's business
+            if err.filename is None and err.errno not in NO_SPACE:
+                return None
+        what = err.filename if err.filename is not None else f"a file in {self.path}"
+        detail = f" (at {err.detail})" if getattr(err, "detail", None) else ""
+        step = Checkpointer(self.checkpoints).saved_step()
+        if step is None:
+            then = "No checkpoint had been saved yet: start the run again once it can write there."
+        else:
+            then = (f"The last checkpoint ({self.checkpoints}, step {step}) is intact: once the run dir can be "
+                    "written (permissions, space), continue with the same command and --resume.")
+        return UserError(f"could not write {what}{detail}: {err.strerror or os.strerror(err.errno)} "
+                         f"[{errno.errorcode.get(err.errno, err.errno)}]. {then}")
 
 
 def default_name(cfg: Config) -> str:
@@ -94,4 +127,7 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    if text and not text.endswith("\n"):  # a record cut short by a failed write (disk full): never complete
+        text = text[:text.rfind("\n") + 1]
+    return [json.loads(line) for line in text.splitlines() if line.strip()]

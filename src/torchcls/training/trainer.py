@@ -25,6 +25,7 @@ from torchcls.checkpoint.checkpointer import Checkpointer, Progress
 from torchcls.checkpoint.files import CheckpointMeta, read_meta
 from torchcls.config import Config
 from torchcls.console import console
+from torchcls.io_errors import writing
 from torchcls.models import ModelSpec
 from torchcls.models.early_exit import exit_loss
 from torchcls.precision.training import PrecisionPlan
@@ -82,6 +83,10 @@ class Trainer:
     window: int = 1  # micro-batches in the current window
     thresholds: list[float] | None = None  # multilabel: per-label thresholds chosen on the validation set
     tracker: Any = None  # --tracking mlflow (training/tracking.py), rank 0 only
+    # The epoch's running sums on the device (loss x images, correct, images), and (perf_counter at the
+    # epoch's (re)start, seconds it ran before): see epoch_sums(), which checkpoints save.
+    sums: torch.Tensor | None = None
+    clock: tuple[float, float] = (0.0, 0.0)
 
     def __post_init__(self) -> None:
         self.model.train()
@@ -93,7 +98,9 @@ class Trainer:
 
     def save(self) -> None:
         p = self.progress
-        if self.micro:  # interrupted inside an accumulation window: a resume replays its micro-batches
+        p = dataclasses.replace(p, epoch_sums=self.epoch_sums())
+        if self.micro:  # interrupted inside an accumulation window: a resume replays its micro-batches (the
+            # sums hold only applied steps' batches, as the position saved here does)
             p = dataclasses.replace(p, step_in_epoch=p.step_in_epoch - self.micro)
         self.checkpointer.save(self.model, self.optimizer, self.scheduler, p, self.meta(), self.precision)
         self.feed.save_state(self.run.checkpoints, self.session.rank, p.step, p.step_in_epoch)
@@ -158,16 +165,25 @@ class Trainer:
             self.resume_rng = None
         return batches
 
+    def epoch_sums(self) -> tuple[float, float, float, float]:
+        """This rank's figures of the epoch so far: loss x images, correct, images, seconds."""
+        if self.sums is None:
+            return (0.0, 0.0, 0.0, 0.0)
+        return (*self.sums.tolist(), self.clock[1] + time.perf_counter() - self.clock[0])
+
     def run_epoch(self, bar) -> dict[str, Any]:
         """Train one epoch (or its rest); returns the epoch record, validation included."""
         cfg, p, steps = self.cfg, self.progress, len(self.feed)
         task = bar.add_task(f"epoch {p.epoch + 1}/{cfg.train.epochs}", total=steps, completed=p.step_in_epoch)
         log_every, save_every = cfg.train.log_every or max(1, self.steps_per_epoch() // 10), cfg.checkpoint.save_every
         # Sums stay on the device: read at the end of the epoch, not synchronised every step. Each
-        # accumulation window's share is added once its step is known to be applied.
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # loss x n, correct, n
+        # accumulation window's share is added once its step is known to be applied. Resumed mid-epoch,
+        # they start from the checkpoint's, so the record covers the whole epoch as an uninterrupted run's does.
+        before = p.epoch_sums if p.step_in_epoch and p.epoch_sums is not None else (0.0, 0.0, 0.0, 0.0)
+        partial = bool(p.step_in_epoch) and p.epoch_sums is None  # a checkpoint from before the sums were saved
+        self.sums = sums = torch.tensor(before[:3], dtype=torch.float64, device=self.device)
+        self.clock, p.epoch_sums = (time.perf_counter(), before[3]), None
         window = torch.zeros(3, dtype=torch.float64, device=self.device)
-        t0 = time.perf_counter()
         for x, y in self._batches():
             # Every image of this batch failed to decode (--on-bad-file skip). Known limit: under torchrun
             # only this rank skips the batch, and the others wait for it in the gradient all-reduce.
@@ -188,12 +204,17 @@ class Trainer:
             self.micro = 0
             sums += torch.nan_to_num(window) * self.optimizer_step()
         self.precision.check()
-        elapsed = time.perf_counter() - t0
-        loss_sum, correct, seen = sums.tolist()
+        loss_sum, correct, seen, elapsed = self.epoch_sums()
+        self.sums = None
+        # Added up over the ranks (their figures, not their averages: a rank may have skipped a batch)
+        loss_sum, correct, seen, rate = self.session.sum([loss_sum, correct, seen, seen / max(elapsed, 1e-9)])
         record = {"kind": "epoch", "epoch": p.epoch + 1, "step": p.step,
                   "train_loss": loss_sum / max(1, seen), "train_top1": correct / max(1, seen),
-                  "img_per_s": seen / max(elapsed, 1e-9), "epoch_s": elapsed}
-        record = self.session.reduce_epoch(record)
+                  "img_per_s": rate, "epoch_s": elapsed}
+        if self.session.active:
+            record["world_size"] = self.session.world
+        if partial:  # train_loss / train_top1 cover only the steps after the checkpoint
+            record["train_partial"] = True
         return record | self.validate_epoch()
 
     def steps_per_epoch(self) -> int:
@@ -279,7 +300,8 @@ class Trainer:
 
         if self.session.is_main:
             self._write_skipped()
-            write_report(self.run.path)
+            with writing(self.run.path / "report.html"):
+                write_report(self.run.path)
         self.gov.finish(self.result())  # redacted sample outputs, audit record
         if self.tracker is not None:  # report, metrics, config and best checkpoint as MLflow artifacts
             self.tracker.finish(self.result())
