@@ -17,6 +17,8 @@ before a ```bash fence (blank lines between are allowed). GitHub does not render
   written. Each block must exit with code 0.
 - `# expect: TEXT` at the end of a line (or on its own line) in a cheap block: the block's
   combined stdout and stderr must contain TEXT.
+- A cheap block's output must not contain a line that reads as an error on a successful run (ALARMING:
+  a traceback, a library's "ERROR:" or "Failed to open ..." lines; torchcls.noise silences the known ones).
 - Mark cheap only what runs in seconds to about a minute, so that all cheap blocks together stay
   under about four minutes on a 2-core CPU. Examples that need a GPU, several processes, a
   server or a long run stay unmarked; the command/flag check below still covers them.
@@ -44,6 +46,11 @@ VENV_BIN = Path(sys.executable).parent
 TORCHCLS = str(VENV_BIN / "torchcls")
 MARKER = "<!-- test: cheap -->"
 BLOCK_TIMEOUT_S = 600
+# What a successful command must not print (each was printed by one before torchcls.noise, schedule.py or the CLI
+# fixed it): tracebacks, kineto's GPU probe, cpp_extension's CUDA notice, ExecuTorch's cpuinfo probe, the
+# _pytree deprecation at torchao's import, timm's one-step cosine warning.
+ALARMING = ("Traceback (most recent call last)", "ERROR", "gpuGetDeviceCount", "No CUDA runtime is found",
+            "Failed to open midr file", "is an Enum subclass", "will have no effect on the learning rate")
 
 # flags of other programs that the docs show on their own (torchrun, pip, pytest, cmake)
 OTHER_TOOLS_FLAGS = {"--standalone", "--nproc-per-node", "--nnodes", "--max-restarts", "--rdzv-backend",
@@ -95,6 +102,8 @@ def run_block(block: Block, workdir: Path) -> None:
     assert result.returncode == 0, f"{where}: exit code {result.returncode}\n{block.text}\n--- output ---\n{output[-4000:]}"
     for text in expectations(block.text):
         assert text in output, f"{where}: expected {text!r} in the output\n--- output ---\n{output[-4000:]}"
+    alarming = [line for line in output.splitlines() if any(a in line for a in ALARMING)]
+    assert not alarming, f"{where}: a successful run printed lines that read as errors:\n" + "\n".join(alarming)
 
 
 def _cheap_files() -> list[Path]:

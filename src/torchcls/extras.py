@@ -38,17 +38,23 @@ def source_checkout() -> Path | None:
 
 
 def _pip() -> str:
-    """`pip` when the pip on PATH belongs to this Python, else `<this python> -m pip` (relative when shorter)."""
-    on_path = shutil.which("pip")  # a venv's python is a symlink: compare the folders, not their targets
-    if on_path and Path(os.path.abspath(on_path)).parent == Path(os.path.abspath(sys.executable)).parent:
+    """`pip` when the pip on PATH belongs to this Python; else this Python's own pip script (`.venv/bin/pip` from
+    the checkout), or `<this python> -m pip`; relative to the working directory when below it."""
+    here = Path(os.path.abspath(sys.executable)).parent  # a venv's python is a symlink: compare folders, not targets
+    on_path = shutil.which("pip")
+    if on_path and Path(os.path.abspath(on_path)).parent == here:
         return "pip"
-    python = Path(sys.executable)
+    if (here / "pip").is_file():
+        return _short(here / "pip")
+    return f"{_short(Path(sys.executable))} -m pip"
+
+
+def _short(path: Path) -> str:
     try:
-        shown = os.path.relpath(python)
-        python = Path(shown) if not shown.startswith("..") else python
+        shown = os.path.relpath(path)
     except ValueError:  # another drive (Windows)
-        pass
-    return f"{python} -m pip"
+        return str(path)
+    return shown if not shown.startswith("..") else str(path)
 
 
 def install_command(extra: str) -> str:
