@@ -16,6 +16,11 @@ beside a competing process (a Python busy loop pinned to one of this process's c
 on a shared machine). Interleaved per round, medians:
 
     python benchmarks/train_throughput.py --threads-study --rounds 3 --epochs 1
+
+--vs-timm: `torchcls train` against timm's own pipeline (loader, model, optimizer, scheduler, AMP) on one
+recipe (benchmarks/timm_pipeline.py), in fp32 and in what --precision auto picks; images/s and test top-1:
+
+    python benchmarks/train_throughput.py --vs-timm --rounds 2 --epochs 4
 """
 
 from __future__ import annotations
@@ -139,6 +144,41 @@ def print_study(result: dict) -> None:
               f"{result['median_img_per_s'][key]:.0f} | {', '.join(f'{r:.0f}' for r in rounds)} |")
 
 
+def vs_timm(args, out: Path) -> dict:
+    """Both pipelines on the recipe of timm_pipeline.RECIPE, per precision mode, interleaved rounds, medians.
+    In auto, timm's side uses AMP bf16 where the CPU has native bf16 (what a timm user would turn on)."""
+    import timm_pipeline as tp
+    from torchcls.precision.hardware import cpu_bf16_here
+
+    data = tp.folder(Path(args.cache_dir).expanduser(), args.images)
+    native = cpu_bf16_here()[0]
+    runs: dict[str, dict[str, list[dict]]] = {m: {"torchcls": [], "timm": []} for m in ("fp32", "auto")}
+    for i in range(args.rounds):
+        for mode, sides in runs.items():
+            sides["torchcls"].append(tp.torchcls_side(data, out, f"{mode}-{i}", args.epochs, mode))
+            sides["timm"].append(tp.timm_side(data, args.epochs, mode == "auto" and native, seed=i))
+    summary = {}
+    for mode, sides in runs.items():
+        med = {side: statistics.median(r["img_per_s"] for r in rounds) for side, rounds in sides.items()}
+        top1 = {side: statistics.median(r["test_top1"] for r in rounds) for side, rounds in sides.items()}
+        summary[mode] = {"median_img_per_s": {k: round(v, 1) for k, v in med.items()},
+                         "ratio": round(med["torchcls"] / med["timm"], 3),
+                         "test_top1": {k: round(v, 4) for k, v in top1.items()},
+                         "ran": {side: rounds[-1]["ran"] for side, rounds in sides.items()}}
+    return {"benchmark": "train_vs_timm", "recipe": tp.RECIPE, "images": args.images, "epochs": args.epochs,
+            "rounds": args.rounds, "machine": describe_machine("fp32, auto"), "runs": runs, "summary": summary}
+
+
+def print_vs_timm(result: dict) -> None:
+    print(json.dumps(result, indent=2))
+    print(f"\nMachine: {machine_line(result['machine'])}\n\n| precision mode | torchcls ran | timm ran | "
+          "torchcls images/s | timm images/s | ratio | test top-1 torchcls / timm |\n|---|---|---|---|---|---|---|")
+    for mode, s in result["summary"].items():
+        m, t = s["median_img_per_s"], s["test_top1"]
+        print(f"| {mode} | {s['ran']['torchcls']} | {s['ran']['timm']} | {m['torchcls']:.0f} | {m['timm']:.0f} | "
+              f"{s['ratio']:.2f}x | {t['torchcls']:.2%} / {t['timm']:.2%} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="mnist-5k")
@@ -152,9 +192,15 @@ def main() -> None:
                    help="torchcls's training precision (the plain loop is fp32: compare them at fp32)")
     p.add_argument("--threads-study", action="store_true", help="compare default / --threads 1 / --threads 2, "
                    "alone and beside a competing busy process")
+    p.add_argument("--vs-timm", action="store_true", help="torchcls train vs timm's pipeline on one recipe "
+                   "(benchmarks/timm_pipeline.py), in fp32 and in what --precision auto picks")
+    p.add_argument("--images", type=int, default=10_000, help="--vs-timm: Fashion-MNIST training images as PNGs")
+    p.add_argument("--cache-dir", default="~/.cache/torchcls-bench", help="--vs-timm: where the PNG folder is kept")
     args = p.parse_args()
-    if args.threads_study:
+    if args.threads_study or args.vs_timm:
         with tempfile.TemporaryDirectory() as tmp:
+            if args.vs_timm:
+                return print_vs_timm(vs_timm(args, Path(tmp)))
             return print_study(threads_study(args, Path(tmp)))
     torch.set_num_threads(args.threads)
     rates: dict[str, list[float]] = {"torchcls": [], "torchcls-sync-every-step": [], "plain": []}

@@ -6,7 +6,8 @@ an AVX2 CPU but not on AVX-512; MobileNetV3 is 48% faster channels-last in fp32 
 native bf16 (AMX) FastNet's step takes half the time of fp32, MobileNetV3's and ResNet-18-at-32-px's
 longer. No rule of thumb holds across them, so on a CPU the candidates (bf16 only where the CPU has it
 natively: precision.hardware) are timed on a copy of the run's own model at its batch shape, interleaved,
-a few forward + backward + optimizer steps each, and the fastest wins.
+a few forward + backward + optimizer steps each, and the fastest wins (by a margin over the rule's
+choice: bf16 where native, contiguous NCHW).
 
 A choice is cached per machine, model, shape and candidates (TORCHCLS_CACHE_DIR, default
 $XDG_CACHE_HOME/torchcls/step-choices.json): a second run on the same machine makes the same choice,
@@ -34,7 +35,9 @@ from torch import nn
 from torchcls.artifacts.compile import is_convnet
 from torchcls.precision.hardware import PrecisionChoice
 
-TRIAL_ROUNDS = 3  # timed steps per candidate, interleaved (A B A B ...), after one warm-up each
+TRIAL_ROUNDS = (3, 9)  # timed steps per candidate (fewest, most), interleaved (A B A B ...), after one warm-up
+TRIAL_BUDGET_S = 4.0  # the timed rounds of all candidates together, when the steps are fast enough to allow more
+MARGIN = 1.05  # another candidate replaces the rule's only when it is this much faster: noise must not flip it
 TRIAL_STEP_LIMIT_S = 1.5  # a slower step makes the trial cost more than it can save on a short run
 CACHE_ENV = "TORCHCLS_CACHE_DIR"
 STATE_FILE = "step_choice.json"
@@ -81,13 +84,14 @@ def time_steps(model: nn.Module, make_optimizer: Callable, shape: tuple[int, ...
         m = copy.deepcopy(model).train().to(memory_format=fmt)
         runs[label(precision, cl)] = (m, make_optimizer(m), x.contiguous(memory_format=fmt), precision)
     times: dict[str, list[float]] = {k: [] for k in runs}
-    for r in range(TRIAL_ROUNDS + 1):
+    warm = {k: _step(*run, y) for k, run in runs.items()}
+    if max(warm.values()) > TRIAL_STEP_LIMIT_S:
+        return None
+    fewest, most = TRIAL_ROUNDS
+    rounds = max(fewest, min(most, int(TRIAL_BUDGET_S / sum(warm.values()))))
+    for _ in range(rounds):
         for k, run in runs.items():
-            took = _step(*run, y)
-            if r == 0 and took > TRIAL_STEP_LIMIT_S:
-                return None
-            if r:
-                times[k].append(took)
+            times[k].append(_step(*run, y))
     return {k: round(statistics.median(v) * 1000, 1) for k, v in times.items()}
 
 
@@ -177,7 +181,10 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     times = time_steps(model, make_optimizer, shape, classes, options)
     if times is None:
         return StepChoice(rule, bool(channels_last), f"rule: a step takes over {TRIAL_STEP_LIMIT_S} s, not timed")
+    default = label(rule.precision, bool(channels_last))
     best = min(times, key=times.get)
+    if default in times and times[default] <= times[best] * MARGIN:
+        best = default
     precision, cl = next(o for o in options if label(*o) == best)
     reason = rule.reason if precision == rule.precision else \
         f"{rule.reason}, but fp32 trains this model faster here (timed)"
