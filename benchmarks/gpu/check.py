@@ -147,11 +147,12 @@ def _safe(fn: Callable[[Ctx], dict[str, Any]], ctx: Ctx) -> dict[str, Any]:
 
 def _short(figures: dict[str, Any]) -> str:
     """One table cell: the compile rows as 'model bN: gain (timm's)', other figures as compact JSON."""
-    if "rows" in figures:
+    if figures.get("rows") and {"model", "speedup"} <= set(figures["rows"][0]):  # bench compile's rows
         return "; ".join(f"{r['model']} b{r['batch']}: " + (f"{r['speedup']}x (timm {r['timm_published']})"
                                                           if r.get("speedup") else str(r.get("error"))[:80])
                          for r in figures["rows"])
-    shown = _without(figures, ("advice", "levels", "losses"))
+    shown = _without(figures, ("advice", "levels", "losses", "fp8_layers", "package_files", "output_tail",
+                               "child_tail", "headers", "libcuda"))
     return json.dumps(shown, separators=(",", ":"))[:600] if shown else ""
 
 
@@ -173,7 +174,10 @@ def markdown(result: dict[str, Any]) -> str:
     rows = []
     for s in result["steps"]:
         figures = s.get("reason", "") if s["status"] != "pass" else ""
-        figures = (figures + " " + _short(s.get("figures") or {})).strip()
+        try:
+            figures = (figures + " " + _short(s.get("figures") or {})).strip()
+        except (KeyError, TypeError, ValueError) as e:  # a figure of an unexpected shape: check.json has it whole
+            figures = f"{figures} (figures in check.json; not shown here: {e!r})".strip()
         rows.append(f"| {s['name']} | {s['status']} | {s.get('seconds', '-')} | {s['budget_s']} | "
                     f"{figures.replace('|', '/')} |")
     return "\n".join(head + rows) + "\n"

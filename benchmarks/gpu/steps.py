@@ -143,7 +143,10 @@ def fp8(args, rec: Record) -> int:
     g = torch.Generator(device=DEVICE).manual_seed(0)
     batches = [(torch.randn(args.batch, 3, size, size, device=DEVICE, generator=g),
                 torch.randint(0, 1000, (args.batch,), device=DEVICE, generator=g)) for _ in range(2)]
-    rec.set(model=args.model, depth=args.depth, batch=args.batch, img_size=size, tokens_per_step=None,
+    from torchcls.precision.fp8_layers import linear_tokens
+
+    tokens = max(linear_tokens(base, (args.batch, 3, size, size)).values())  # M of the widest GEMMs: the blocks'
+    rec.set(model=args.model, depth=args.depth, batch=args.batch, img_size=size, tokens_per_step=tokens,
             compiled="whole model, every arm", fp8_table=args.fp8_table, emulated=args.fp8_emulate, train={})
     for name in variants:
         precision, _, recipe = name.partition("-")
