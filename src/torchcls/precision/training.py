@@ -213,6 +213,16 @@ def fp8_wants_compile(cfg: PrecisionConfig) -> bool:
             and bool(cfg.fp8_compile))
 
 
+def check_precision_options(cfg: PrecisionConfig, parallel: str) -> None:
+    """The --precision options that are wrong whatever the data and hardware (train refuses them before any
+    data is read). auto never resolves to fp8, so the FP8 flags need --precision fp8 itself."""
+    if cfg.precision not in ("auto", *PRECISIONS):
+        raise UserError(f"--precision {cfg.precision}: choose auto or one of {', '.join(PRECISIONS)}")
+    if cfg.precision != "fp8" and cfg.fp8_emulate:
+        raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
+    check_fsdp_all_gather(cfg, parallel)
+
+
 def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device, run=None, *,
                     parallel: str = "none", compile: bool = False, compile_note: str = "",
                     example_shape: tuple[int, ...] | None = None, choice: PrecisionChoice | None = None,
@@ -225,13 +235,9 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     `example_shape`: one training batch on this rank (N, C, H, W); FP8 measures each layer's tokens from it.
     `choice`: what --precision already resolved to (the training step's timing picked it), else the rule's.
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""
-    if cfg.precision not in ("auto", *PRECISIONS):
-        raise UserError(f"--precision {cfg.precision}: choose auto or one of {', '.join(PRECISIONS)}")
+    check_precision_options(cfg, parallel)
     choice = choice or choose_precision(cfg.precision, device)  # auto: bf16 where the hardware has it, else fp32
     name = choice.precision
-    if name != "fp8" and cfg.fp8_emulate:
-        raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
-    check_fsdp_all_gather(cfg, parallel)
     if name == "fp16":
         require_fp16(device)
     if name in ("bf16", "fp8"):

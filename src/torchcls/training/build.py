@@ -35,7 +35,7 @@ from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
 from torchcls.precision.hardware import PrecisionChoice
-from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision
+from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision, check_precision_options
 from torchcls.tasks import multilabel_criterion
 from torchcls.training import rank0_init, sharding
 from torchcls.training.class_weights import loss_weights
@@ -179,6 +179,7 @@ def _check_options(cfg: Config) -> None:
     if cfg.train.early_stop < 0:
         raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
                         "--epochs")
+    check_precision_options(cfg.precision, cfg.parallel.parallel)
 
 
 def _set_threads(cfg: Config, feed) -> ThreadChoice:
