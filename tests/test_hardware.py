@@ -18,7 +18,15 @@ import torch
 
 from torchcls.config import PrecisionConfig
 from torchcls.errors import UserError
-from torchcls.machine import CpuBudget, cgroup_cpu_limit, choose_threads, cpu_budget, machine_line, simd_level
+from torchcls.machine import (
+    CpuBudget,
+    cgroup_cpu_limit,
+    choose_threads,
+    cpu_budget,
+    machine_line,
+    other_work,
+    simd_level,
+)
 from torchcls.precision import hardware
 from torchcls.precision.hardware import choose_precision, cpu_bf16_native, require_fp16
 
@@ -177,6 +185,47 @@ def test_threads_leave_room_for_loader_workers_and_obey_what_is_asked():
     assert choose_threads(0, 2, eight, env={"OMP_NUM_THREADS": "3"}) == \
         type(shared)(3, "OMP_NUM_THREADS=3")
     assert choose_threads(5, 2, two, env={"OMP_NUM_THREADS": "3"}) == type(shared)(5, "--threads 5")
+
+
+def _stat(ticks: dict[int, tuple[int, int]]) -> str:
+    """A /proc/stat text whose per-CPU lines have `ticks[cpu] = (busy, idle)` (user and idle columns)."""
+    return "cpu  0 0 0 0 0 0 0 0\n" + "".join(f"cpu{c} {b} 0 0 {i} 0 0 0 0 0 0\n" for c, (b, i) in ticks.items())
+
+
+def test_other_work_is_what_keeps_cpus_busy_besides_this_process():
+    tck = os.sysconf("SC_CLK_TCK")
+    before = _stat({0: (0, 0), 1: (0, 0)})
+    after = _stat({0: (tck, 0), 1: (tck // 2, tck // 2)})  # 1.5 CPUs busy over one second
+    assert other_work({0, 1}, before, after, own_cpu_s=1.5) == (0, "")  # all of it ours (the data loading)
+    n, line = other_work({0, 1}, before, after, own_cpu_s=0.5)
+    assert n == 1 and "other work kept 1.0 of 2 CPU(s) busy" in line
+    assert other_work({0, 1}, before, _stat({0: (tck, 0), 1: (tck, 0)}), own_cpu_s=0.0)[0] == 1  # one thread left
+    two = CpuBudget(2, 2, None)
+    busy = choose_threads(0, 0, two, env={}, busy=(1, line))
+    assert busy.threads == 1 and line in busy.reason
+
+
+@pytest.mark.slow
+def test_a_busy_cpu_gets_no_thread_and_a_resume_keeps_the_count(tmp_path):
+    from conftest import make_image_folder, tiny_config
+    from torchcls.training import train
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs two CPUs")
+    cfg = tiny_config(make_image_folder(tmp_path / "shapes", per_class=4), tmp_path / "runs", epochs=1)
+    spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})"
+                             "\nwhile True: pass"])
+    try:
+        run = train(cfg).run_dir
+    finally:
+        spin.kill()
+        spin.wait()
+    machine = json.loads((run / "machine.json").read_text())
+    assert machine["torch_threads"] == len(os.sched_getaffinity(0)) - 1 and "other work kept" in machine["threads_reason"]
+    cfg.train.epochs, cfg.run.resume = 2, True
+    train(cfg)  # quiet now, but the run keeps the count it started with
+    machine = json.loads((run / "machine.json").read_text())
+    assert machine["torch_threads"] == len(os.sched_getaffinity(0)) - 1 and "(resume)" in machine["threads_reason"]
 
 
 def test_demo_takes_threads():

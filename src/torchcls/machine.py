@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -134,6 +135,55 @@ def cpu_budget(root: Path = CGROUP_ROOT, self_cgroup: str | None = None,
     return CpuBudget(logical, len(affinity) or logical, cgroup_cpu_limit(root, self_cgroup))
 
 
+MIN_WINDOW_S = 0.1  # /proc/stat counts in 10 ms ticks: a shorter window says little
+STAT = Path("/proc/stat")
+
+
+def _cpu_times(stat: str) -> dict[int, tuple[int, int]]:
+    """{cpu: (idle + iowait ticks, all ticks)} from /proc/stat's per-CPU lines."""
+    out = {}
+    for line in stat.splitlines():
+        name, *fields = line.split() or [""]
+        if name.startswith("cpu") and name[3:].isdigit():
+            values = [int(v) for v in fields[:8]]
+            out[int(name[3:])] = (values[3] + values[4], sum(values))
+    return out
+
+
+def other_work(cpus: set[int], before: str, after: str, own_cpu_s: float) -> tuple[int, str]:
+    """How many of `cpus` other processes kept busy between two /proc/stat readings (this process's own CPU
+    time `own_cpu_s` over the window taken out), rounded to whole CPUs, and a line saying so."""
+    t0, t1 = _cpu_times(before), _cpu_times(after)
+    seen = [c for c in cpus if c in t0 and c in t1]
+    ticks = max((t1[c][1] - t0[c][1] for c in seen), default=0)
+    if not seen or ticks <= 0:
+        return 0, ""
+    busy_ticks = sum((t1[c][1] - t0[c][1]) - (t1[c][0] - t0[c][0]) for c in seen)
+    other = max(0.0, busy_ticks / ticks - own_cpu_s * os.sysconf("SC_CLK_TCK") / ticks)  # in CPUs
+    n = min(len(seen) - 1, int(other + 0.5))
+    return (n, f"other work kept {other:.1f} of {len(seen)} CPU(s) busy as the run started") if n else (0, "")
+
+
+class CpuActivity:
+    """Other processes' CPU use from `start()` (the run's start) to `busy()` (when its threads are chosen): the
+    window covers the run's own data loading, whose CPU time is taken out, so measuring costs no extra time."""
+
+    def __init__(self, stat: Path = STAT):
+        self.stat = stat
+        try:
+            self.before = stat.read_text()
+        except OSError:
+            self.before = ""
+        self.own, self.t0 = time.process_time(), time.monotonic()
+
+    def busy(self) -> tuple[int, str]:
+        if not self.before:
+            return 0, ""
+        time.sleep(max(0.0, MIN_WINDOW_S - (time.monotonic() - self.t0)))
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+        return other_work(cpus, self.before, self.stat.read_text(), time.process_time() - self.own)
+
+
 @dataclass(frozen=True)
 class ThreadChoice:
     threads: int
@@ -141,7 +191,7 @@ class ThreadChoice:
 
 
 def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudget | None = None,
-                   env: Mapping[str, str] | None = None) -> ThreadChoice:
+                   env: Mapping[str, str] | None = None, busy: tuple[int, str] | None = None) -> ThreadChoice:
     """The intra-op thread count: `requested` (--threads) when given, else OMP_NUM_THREADS when set (by you,
     or by torchrun for several processes per node), else the rule below on the CPUs this process may use.
 
@@ -149,22 +199,30 @@ def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudge
     less one CPU per DataLoader worker process but never more than half of them. Why: OpenMP's threads meet
     at a barrier after every op, so one thread whose core is taken (by a decoding worker, or by a quota that
     has run out) stalls all the others; on a shared 2-core machine 2 threads trained at 94 images/s against
-    509 with 1. Workers are not busy all the time (they prefetch ahead), so they get at most half."""
+    509 with 1. Workers are not busy all the time (they prefetch ahead), so they get at most half. For the
+    same reason, CPUs that other processes keep busy when the run starts are left out (`busy`: (count, line),
+    from a CpuActivity started with the run; measured here only for this machine's own budget): SmallNet
+    trained at 179 images/s with 2 threads beside a busy core, ~1,000 with 1. Training records the choice
+    (machine.json) and a resume keeps it."""
     env = os.environ if env is None else env
     if requested > 0:
         return ThreadChoice(requested, f"--threads {requested}")
     if env.get("OMP_NUM_THREADS", "").strip().isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         return ThreadChoice(int(env["OMP_NUM_THREADS"]), f"OMP_NUM_THREADS={env['OMP_NUM_THREADS']}")
-    budget = budget or cpu_budget()
+    own, budget = budget is None, budget or cpu_budget()  # busy CPUs are sampled on this machine's budget only
     local = max(1, int(env.get("LOCAL_WORLD_SIZE", "1") or 1))
     per_process = max(1, budget.usable // local)
     reserved = min(max(0, loader_workers), per_process // 2)
-    threads = max(1, per_process - reserved)
+    if busy is None:
+        busy = CpuActivity().busy() if own and local == 1 and per_process - reserved > 1 else (0, "")
+    threads = max(1, per_process - reserved - busy[0])
     why = budget.describe()
     if local > 1:
         why += f", shared by {local} processes on this node"
     if reserved:
         why += f", {reserved} left to {loader_workers} loader worker(s)"
+    if busy[0]:
+        why += f", {busy[1]}"
     return ThreadChoice(threads, why)
 
 

@@ -30,7 +30,14 @@ from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
-from torchcls.machine import ThreadChoice, apply_threads, choose_threads, cpu_model, describe_machine
+from torchcls.machine import (
+    CpuActivity,
+    ThreadChoice,
+    apply_threads,
+    choose_threads,
+    cpu_model,
+    describe_machine,
+)
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
 from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
@@ -111,6 +118,7 @@ def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> Train
 
 def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCallback] = ()) -> Trainer:
     """Everything a run needs, in dependency order; governance refuses before any data is read."""
+    activity = CpuActivity()  # other processes' CPU use while the data loads: the threads leave their CPUs
     source = _resolve_pretrained(cfg)  # before config.toml is written: it may name the weights' architecture
     saved = run.path / "config.toml"  # before it is overwritten: what a resume may change
     changes = option_changes(saved, cfg) if cfg.run.resume and saved.is_file() else {}
@@ -128,7 +136,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
                      drop_path_rate=cfg.model.drop_path)
-    threads = _set_threads(cfg, feed)  # before the step is timed: at the thread count the run trains with
+    threads = _set_threads(cfg, feed, activity, run)  # before the step is timed: at the run's thread count
     step = _choose_step(cfg, spec, session, run, device, threads)
     memory_format = torch.channels_last if step.channels_last else torch.contiguous_format
     compile_model, compile_note = should_compile(cfg.train, cfg.precision)
@@ -182,10 +190,17 @@ def _check_options(cfg: Config) -> None:
     check_precision_options(cfg.precision, cfg.parallel.parallel)
 
 
-def _set_threads(cfg: Config, feed) -> ThreadChoice:
-    """--threads, or the quota-aware default once the feed says whether DataLoader workers share the CPUs
-    (the in-memory feed has none)."""
-    return apply_threads(choose_threads(cfg.train.threads, 0 if feed.kind == "memory" else cfg.data.workers))
+def _set_threads(cfg: Config, feed, activity: CpuActivity, run: RunDir) -> ThreadChoice:
+    """--threads, or the quota- and load-aware default once the feed says whether DataLoader workers share the
+    CPUs (the in-memory feed has none). A resume keeps the run's count: results depend on it, bit for bit."""
+    recorded = run.path / "machine.json"
+    if cfg.run.resume and not cfg.train.threads and recorded.is_file():
+        threads = json.loads(recorded.read_text()).get("torch_threads")
+        if isinstance(threads, int) and threads > 0:
+            return apply_threads(ThreadChoice(threads, "the count this run started with (resume)"))
+    workers = 0 if feed.kind == "memory" else cfg.data.workers
+    busy = activity.busy() if not cfg.train.threads else (0, "")
+    return apply_threads(choose_threads(cfg.train.threads, workers, busy=busy))
 
 
 def _choose_step(cfg: Config, spec: ModelSpec, session: Session, run: RunDir, device: torch.device,
