@@ -2,6 +2,8 @@
 
     slowloris      connections that send a request line, then one header line every --trickle-s
     slow body      requests whose headers arrive, then a few body bytes every --trickle-s
+    slow-body-flood  --flood-bodies connections (default 1,100: more than --max-connections) whose
+                   headers arrive with a Content-Length, then their body one byte every --trickle-s
     huge headers   an unterminated header line sent until the server closes (up to --huge-header-mb)
     large bodies   31 MiB JSON bodies, sent whole, by many clients at once
     parse bombs    31 MiB of `[],[],...` as an infer request's data
@@ -20,7 +22,7 @@ from collections import Counter
 from collections.abc import Callable
 
 MiB = 2**20
-ATTACKS = ("slowloris", "slow body", "huge headers", "large bodies", "parse bombs", "disconnects")
+ATTACKS = ("slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs", "disconnects")
 
 
 def _head(method: str, path: str, length: int | None = None) -> bytes:
@@ -134,6 +136,9 @@ def plan(kinds: list[str], port: int, name: str, shape: list[int], args, stop: a
         elif kind == "slow body":
             jobs += [_trickle(port, attack, stop, _head("POST", infer, MiB) + b"\r\n" + envelope,
                               lambda i: b"0,", args.trickle_s) for _ in range(args.slow_bodies)]
+        elif kind == "slow-body-flood":
+            jobs += [_trickle(port, attack, stop, _head("POST", infer, MiB) + b"\r\n", lambda i: b"0", args.trickle_s)
+                     for _ in range(args.flood_bodies)]
         elif kind == "huge headers":
             chunk = b"a" * 65536
             limit = int(args.huge_header_mb * MiB) // len(chunk)

@@ -11,7 +11,8 @@ wrong shape, a binary header that lies, a body above the size limit, an unknown 
 are good OIP infer requests (JSON and binary) and /predict uploads.
 
 Meanwhile connection-level attacks run (--attacks, benchmarks/serve_attacks.py): slowloris headers,
-slow bodies, huge headers, many 31 MiB bodies at once, 31 MiB parse bombs and mid-body
+slow bodies, a slow-body flood (more connections than --max-connections, each trickling a body a
+byte at a time), huge headers, many 31 MiB bodies at once, 31 MiB parse bombs and mid-body
 disconnects, each reopening its connections for as long as the soak runs. They are reported apart
 (what each attacker saw) with the server's own counts from /metrics (499, 408, connections closed
 by reason); the headline figures (5xx, lost, probe p99, RSS) are those of the server under attack.
@@ -24,7 +25,8 @@ every request waits at most --request-timeout for its answer. Prints JSON, then 
 exits 1 if any 5xx, lost request, wrong status or failed health probe.
 
 The measurement for the README, with nothing else running (the issue's sizes: 1,100 slowloris
-connections against the default --max-connections 1024, 48 large bodies, 4 x 256 MiB headers):
+connections and 1,100 trickled bodies against the default --max-connections 1024, 48 large bodies,
+4 x 256 MiB headers):
 
     python benchmarks/serve_soak.py --requests 10000 --concurrency 32 --json-out soak.json
 """
@@ -307,11 +309,14 @@ def summarise(state: dict, requests: dict, good: dict) -> dict:
     }
 
 
-def start_server(artifact: str, port: int, args: argparse.Namespace) -> subprocess.Popen:
+def start_server(artifact: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    """The server, its log in `log`: a pipe that nobody reads while the soak runs would fill, and the
+    server would block on its next log line."""
     cmd = [sys.executable, "-m", "torchcls", "serve", artifact, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms), "--max-body-mb", str(args.max_body_mb),
            "--threads", str(args.threads), *shlex.split(args.serve_args)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:
         try:
@@ -321,7 +326,7 @@ def start_server(artifact: str, port: int, args: argparse.Namespace) -> subproce
         except OSError:
             time.sleep(0.25)
     proc.kill()
-    raise SystemExit(f"the server did not become ready: {proc.stderr.read()[-2000:]}")
+    raise SystemExit(f"the server did not become ready: {log.read_text()[-2000:]}")
 
 
 def markdown(r: dict) -> str:
@@ -388,6 +393,8 @@ def parse_args() -> argparse.Namespace:
                    help=f"attack kinds run during the soak, comma-separated, or 'none' (default: all of {ATTACKS})")
     p.add_argument("--slow-connections", type=int, default=1100, help="slowloris connections (header trickle)")
     p.add_argument("--slow-bodies", type=int, default=64, help="connections trickling a body after its headers")
+    p.add_argument("--flood-bodies", type=int, default=1100,
+                   help="connections of the slow-body flood (each trickles its body one byte every --trickle-s)")
     p.add_argument("--trickle-s", type=float, default=5.0, help="seconds between a slow client's sends")
     p.add_argument("--huge-header-clients", type=int, default=4)
     p.add_argument("--huge-header-mb", type=float, default=256.0, help="bytes of one unterminated header, at most")
@@ -411,7 +418,7 @@ def main() -> int:
         requests = {**good, **hostile, **heavy}
         kinds = schedule(args.requests, good, hostile, heavy, args.heavy_every)
         port = free_port()
-        server = start_server(path, port, args)
+        server = start_server(path, port, args, Path(tmp) / "server.log")
         try:
             asyncio.run(soak(port, server.pid, [next(iter(good))] * args.concurrency, requests, args.concurrency,
                              60, args.request_timeout))  # warm the connections and the batcher

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import select
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -127,8 +130,8 @@ def test_slow_and_idle_clients_are_cut_off(bounded):
     assert lines < 150, "the slow client was never cut off"
     assert status_of(read_all(slow)) in (408, 0)
     assert read_all(idle) == b""  # closed without a word: it had begun no request
-    slow_body = connect(bounded)  # a body that stops after its first bytes: 408 at --body-timeout
-    slow_body.sendall(post_head(100_000) + b"[" * 100)
+    slow_body = connect(bounded)  # a body that stops after 8 KiB (8 s of credit at 1 KiB/s): 408 at --body-timeout
+    slow_body.sendall(post_head(100_000) + b"[" * 8192)
     answer = read_all(slow_body)
     assert status_of(answer) == 408 and b"--body-timeout" in answer
     assert bounded.metric("torchcls_connections_closed_total", reason="header_timeout") >= before + 2
@@ -223,9 +226,9 @@ def test_parse_bombs_are_refused_cheaply_while_infer_works(bounded, trained_run)
 def test_probes_are_answered_at_the_connection_cap_and_slow_clients_make_room(bounded, trained_run):
     holders = []
     try:
-        for _ in range(8):  # 8 requests in their body phase: the cap, and none can be evicted
+        for _ in range(8):  # 8 bodies ahead of the minimum rate (16 KiB: 16 s of credit): the cap, none evictable
             h = connect(bounded)
-            h.sendall(post_head(1000) + b"[")
+            h.sendall(post_head(1_000_000) + b"[" * 16384)
             holders.append(h)
         time.sleep(0.3)
         for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
@@ -246,6 +249,102 @@ def test_probes_are_answered_at_the_connection_cap_and_slow_clients_make_room(bo
     assert bounded.metric("torchcls_connections_closed_total", reason="evicted") > evicted
     for s in slow:
         s.close()
+
+
+class BodyFlood:
+    """Connections that send an infer request's headers (Content-Length 1 MB) and then one body byte every
+    0.1 s, each reopened as soon as the server answers or closes it: a slow-body flood that takes back every
+    slot it loses. `seen` counts the statuses of the answers its connections got, `named` those that name
+    --min-body-rate-kb."""
+
+    def __init__(self, server: LoggedServer, n: int):
+        self.server, self.seen, self.named, self.stop = server, Counter(), 0, threading.Event()
+        self.socks = [self._open() for _ in range(n)]
+        self.thread = threading.Thread(target=self._trickle, daemon=True)
+        self.thread.start()
+
+    def _open(self) -> socket.socket:
+        sock = connect(self.server, timeout=5)
+        sock.sendall(post_head(1_000_000) + b"[")
+        return sock
+
+    def _trickle(self) -> None:
+        while not self.stop.wait(0.1):
+            for i, sock in enumerate(self.socks):
+                try:
+                    if not select.select([sock], [], [], 0)[0]:
+                        sock.sendall(b"0")
+                        continue
+                    sock.settimeout(1)
+                    answer = sock.recv(65536)
+                    self.seen[status_of(answer)] += 1  # answered (or closed: status 0)
+                    self.named += b"--min-body-rate-kb" in answer
+                except OSError:
+                    self.seen[0] += 1
+                sock.close()
+                self.socks[i] = self._open()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        for sock in self.socks:
+            sock.close()
+
+
+def test_a_slow_body_flood_cannot_starve_infer(bounded, trained_run):
+    """8 trickling bodies hold the cap (--max-connections 8) and take back each slot they lose at once: every
+    probe and infer sent meanwhile is answered on its first try, the infer with 200 within httpx's 3 s (the old
+    server: 503 at once for the flood's whole --body-timeout), because a body below --min-body-rate-kb is
+    closed (408) to make room for a new connection."""
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    evicted = bounded.metric("torchcls_connections_closed_total", reason="evicted_body")
+    flood = BodyFlood(bounded, 8)
+    try:
+        for _ in range(3):
+            time.sleep(0.3)  # the flood holds all 8 slots again
+            r = httpx.post(f"{bounded.url}{INFER}", json=infer_body(x), timeout=3)
+            assert r.status_code == 200, r.text
+            for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
+                assert httpx.get(f"{bounded.url}{path}", timeout=3).status_code == 200, path
+    finally:
+        flood.close()
+    # Each infer found the cap full and made room by closing a flood connection, which was told why
+    assert bounded.metric("torchcls_connections_closed_total", reason="evicted_body") >= evicted + 3
+    assert flood.seen[408] >= 3 and flood.named >= 3, flood.seen
+
+
+def test_a_burst_beyond_the_cap_is_served_up_to_the_cap(bounded, trained_run):
+    """10 connections opened at once against --max-connections 8, then a real infer on each: the 8 that hold
+    a slot are answered 200 (the old server answered all 10 with 503: each saw 10 open > 8)."""
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    body = httpx.Request("POST", "/", json=infer_body(x)).content
+    socks = [connect(bounded) for _ in range(10)]
+    time.sleep(0.3)  # all 10 admitted: 8 slots and 2 on the reserve, none has sent a byte yet
+    for sock in socks:
+        sock.sendall(post_head(len(body)) + body)
+    statuses = Counter(status_of(sock.recv(65536)) for sock in socks)
+    for sock in socks:
+        sock.close()
+    assert statuses[200] >= 8 and set(statuses) <= {200, 503}, statuses
+
+
+def test_a_body_below_the_minimum_rate_gets_408_and_a_stalled_honest_body_does_not(bounded, trained_run):
+    """Below the cap: a body that stops after its first byte is closed with 408 after the 2 s grace, before
+    --body-timeout (4 s); a body that sent half of itself at once and then stalls for 2.5 s has earned that
+    pause (a second per KiB at the default 1 KiB/s) and is answered 200."""
+    too_slow = bounded.metric("torchcls_connections_closed_total", reason="body_too_slow")
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    body = httpx.Request("POST", "/", json=infer_body(x)).content
+    trickle, stalled = connect(bounded), connect(bounded)
+    trickle.sendall(post_head(100_000) + b"[")
+    stalled.sendall(post_head(len(body)) + body[:len(body) // 2])
+    time.sleep(2.5)
+    stalled.sendall(body[len(body) // 2:])
+    answer = read_all(trickle)
+    assert status_of(answer) == 408 and b"--min-body-rate-kb" in answer, answer
+    assert status_of(stalled.recv(65536)) == 200
+    stalled.close()
+    assert bounded.metric("torchcls_connections_closed_total", reason="body_too_slow") == too_slow + 1
 
 
 def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(bounded):

@@ -20,7 +20,7 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     # The 16-bit 8000x8000 PNG (seconds of decoding each) stays out of the small version: --heavy-every 0.
     r = subprocess.run([sys.executable, str(SOAK), "--model", "smallnet", "--img-size", "28", "--requests", "300",
                         "--concurrency", "8", "--heavy-every", "0", "--timeout", "120", "--json-out", str(out),
-                        "--slow-connections", "40", "--slow-bodies", "4", "--trickle-s", "0.5",
+                        "--slow-connections", "40", "--slow-bodies", "4", "--flood-bodies", "40", "--trickle-s", "0.5",
                         "--huge-header-clients", "2", "--huge-header-mb", "8", "--large-body-clients", "4",
                         "--bomb-clients", "2", "--disconnect-clients", "2",
                         "--serve-args", "--max-connections 32 --header-timeout 1 --body-timeout 2"],
@@ -38,12 +38,15 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     assert kinds["body above limit"]["statuses"].get("413") and kinds["unknown model"]["statuses"].get("404")
     assert result["probes_failed"] == 0 and result["rss_after_mb"] > 0
     attacks, counts = result["attacks"], result["server_counts"]
-    assert set(attacks) == {"slowloris", "slow body", "huge headers", "large bodies", "parse bombs", "disconnects"}
-    for kind in ("slowloris", "slow body", "huge headers"):  # each cut off by the server, none held to the end
+    assert set(attacks) == {"slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs",
+                            "disconnects"}
+    for kind in ("slowloris", "slow body", "slow-body-flood", "huge headers"):  # each cut off, none held to the end
         seen = attacks[kind]["outcomes"]
         assert sum(n for k, n in seen.items() if k in ("408", "431", "closed")) >= 1, (kind, seen)
     assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "503", "closed"}, attacks["parse bombs"]
     assert attacks["parse bombs"]["outcomes"].get("400"), attacks["parse bombs"]
     assert counts.get("status 499", 0) >= 1 and not any(k.startswith("status 5") and k != "status 503" for k in counts)
     assert counts.get("closed header_timeout", 0) + counts.get("closed evicted", 0) >= 1
+    # The flood's bodies (more of them than --max-connections) were closed for their rate, not held for --body-timeout
+    assert counts.get("closed body_too_slow", 0) + counts.get("closed evicted_body", 0) >= 40, counts
     assert "| 5xx (not 503) | lost | 503 |" in r.stdout and "PASS" in r.stdout

@@ -35,6 +35,10 @@ class ServeConfig:
                                 "connection or its previous answer; then 408 (or a silent close when idle)")
     body_timeout: float = opt(60.0, "seconds a client has to send a request's whole body once its headers are "
                               "in; then 408 and the connection closes")
+    min_body_rate_kb: float = opt(1.0, "slowest request body accepted, in KiB/s averaged since its headers (time "
+                                  "the server was not reading does not count): after a 2 s grace, a body that "
+                                  "fell behind it gets 408; at --max-connections, a body below it is the first "
+                                  "closed (408) to make room for a new connection. 0 = no minimum")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")

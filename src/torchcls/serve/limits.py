@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import orjson
 
-TIMED_OUT = "torchcls.timed_out"  # scope key: serve/protocol.py closed this request at its --body-timeout
+TIMED_OUT = "torchcls.timed_out"  # scope key: why serve/protocol.py closed this request mid-body (-> 408)
 
 
 async def send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:

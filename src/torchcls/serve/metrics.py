@@ -12,6 +12,9 @@ from torchcls.serve.limits import TIMED_OUT, ClientGone
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CLIENT_GONE = 499  # nginx's "client closed request": the client left before its body was in; no 5xx
+# A flood of cut or abandoned requests (a slow-body flood: thousands a second) must not become a flood
+# of log lines filling the disk, or a pipe nobody reads: /metrics counts every one of them anyway.
+LOG_LINES_PER_S = 10  # of each kind
 log = logging.getLogger("torchcls.serve")
 
 
@@ -43,15 +46,38 @@ class ServeMetrics:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
+class LogBudget:
+    """At most LOG_LINES_PER_S lines a second of each kind; the next line logged says how many were left out."""
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.used: dict[str, int] = {}  # lines logged in this second, by kind
+        self.left_out: dict[str, int] = {}  # lines not logged since the last one of that kind
+
+    def take(self, kind: str) -> str | None:
+        """None: leave this line out; else a suffix for it."""
+        now = int(time.monotonic())
+        if now != self.second:
+            self.second = now
+            self.used.clear()
+        if self.used.get(kind, 0) >= LOG_LINES_PER_S:
+            self.left_out[kind] = self.left_out.get(kind, 0) + 1
+            return None
+        self.used[kind] = self.used.get(kind, 0) + 1
+        n = self.left_out.pop(kind, 0)
+        return f" ({n:,} more like it not logged)" if n else ""
+
+
 class MetricsMiddleware:
     """Counts every request by route template and status, and times it (pure ASGI: cheap).
 
     A client that left before its body was complete (ClientGone from limits.py, or Starlette's
-    ClientDisconnect from a multipart upload) is no server fault: one log line, status 499 (408 when
-    --body-timeout closed it), and no traceback."""
+    ClientDisconnect from a multipart upload) is no server fault: one log line (at most LOG_LINES_PER_S a
+    second of a kind), status 499 (408 when serve/protocol.py closed it: --body-timeout,
+    --min-body-rate-kb), and no traceback."""
 
     def __init__(self, app, metrics: ServeMetrics):
-        self.app, self.metrics = app, metrics
+        self.app, self.metrics, self.log_budget = app, metrics, LogBudget()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -67,11 +93,12 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_record)
         except (ClientGone, ClientDisconnect) as e:
-            timed_out = scope.get(TIMED_OUT, False)
-            status = 408 if timed_out else CLIENT_GONE
-            client = "%s:%s" % tuple(scope["client"]) if scope.get("client") else "client"
-            log.info("%s %s from %s: %s %s", scope["method"], scope["path"], client,
-                     "body deadline passed" if timed_out else "client went away", str(e) or "before the body was complete")
+            cut = scope.get(TIMED_OUT)  # why the server closed it, if it did
+            status = 408 if cut else CLIENT_GONE
+            if (suffix := self.log_budget.take(cut or "gone")) is not None:
+                client = "%s:%s" % tuple(scope["client"]) if scope.get("client") else "client"
+                log.info("%s %s from %s: %s %s%s", scope["method"], scope["path"], client,
+                         cut or "client went away", str(e) or "before the body was complete", suffix)
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", "unmatched")  # the template: no per-name label explosion

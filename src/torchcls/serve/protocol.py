@@ -11,14 +11,14 @@ open, however idle they are. This subclass adds, before any byte reaches the par
   5 s keep-alive timer still closes idle connections sooner;
 - a cap on the bytes of a request line + headers (--max-header-kb) and on their count: bytes are
   fed to the parser in slices of at most the cap, so at most two slices are ever buffered (431);
-- a body deadline (--body-timeout) from the end of the headers to the end of the body (408);
-- admission by age: at --max-connections a new connection closes the one that has waited longest
-  for the rest of its request headers (a slowloris), else the one open longest without sending a
-  byte (once it has had FRESH_GRACE_S to send it: a new client's request is on its way), else the
-  keep-alive connection idle longest since its last answer (a pooled client, which reconnects):
-  none of them holds anything of value, and a client that has been served goes last. When none waits, up to
-  RESERVE more are let in so that health probes and /metrics, which need no body and no model,
-  are still answered (every other request beyond the cap gets a 503 at once).
+- a body deadline (--body-timeout) from the end of the headers to the end of the body (408), and a
+  minimum body rate (--min-body-rate-kb, serve/pace.py): a body that has not kept up with it after a
+  2 s grace gets 408 without waiting for the deadline;
+- admission (serve/admission.py): at --max-connections a new connection closes one that holds its
+  slot without using it (a slowloris, a body behind the minimum rate, a connection silent since it
+  opened, an idle keep-alive one); when none can be closed, up to RESERVE more are let in so that
+  health probes and /metrics are still answered, and a request on one of them gets a slot when its
+  headers are in (closing one then if it can) or a 503 at once.
 
 Why a subclass of the httptools protocol and not h11 (`h11_max_incomplete_event_size` caps
 headers): h11 has no header or body timeout either, and parses in Python at several times the
@@ -31,72 +31,19 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import httptools
 import orjson
 from uvicorn.protocols.http.flow_control import service_unavailable
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol
 
+from torchcls.serve.admission import ConnectionLimits, Connections
 from torchcls.serve.limits import TIMED_OUT
+from torchcls.serve.pace import GRACE_S, BodyPace, TimedFlow
 
 PROBE_PATHS = frozenset({b"/v2/health/live", b"/v2/health/ready", b"/metrics"})
 MAX_HEADER_LINES = 100  # Apache's LimitRequestFields: each line costs a tuple of two bytes objects
-RESERVE = 64  # connections beyond --max-connections kept for probes when none can be evicted
-FRESH_GRACE_S = 1.0  # a new connection is not evicted before it had this long to send its request
-
-
-@dataclass(frozen=True)
-class ConnectionLimits:
-    max_connections: int
-    max_header_bytes: int
-    header_timeout: float
-    body_timeout: float
-
-
-class _Connections:
-    """Open connections of one server, and those waiting for request headers, oldest first, in the order
-    they are evicted: `begun` have sent part of a request, `fresh` nothing since they opened, `served`
-    nothing since their last answer."""
-
-    def __init__(self, limits: ConnectionLimits, record: Callable[[str], None]):
-        self.limits, self.record = limits, record
-        self.open: set[GuardedProtocol] = set()
-        self.begun: dict[GuardedProtocol, None] = {}  # insertion order = since when it waits
-        self.fresh: dict[GuardedProtocol, float] = {}  # -> when it opened
-        self.served: dict[GuardedProtocol, None] = {}
-
-    def _victim(self) -> GuardedProtocol | None:
-        if self.begun:
-            return next(iter(self.begun))
-        if self.fresh:
-            oldest, since = next(iter(self.fresh.items()))
-            if time.monotonic() - since > FRESH_GRACE_S:
-                return oldest
-        return next(iter(self.served), None)
-
-    def admit(self, conn: GuardedProtocol) -> bool:
-        if len(self.open) >= self.limits.max_connections:
-            victim = self._victim()
-            if victim is not None:
-                self.drop(victim)
-                victim.transport.close()
-                self.record("evicted")
-            elif len(self.open) >= self.limits.max_connections + RESERVE:
-                self.record("refused")
-                return False
-        self.open.add(conn)
-        return True
-
-    def busy(self, conn: GuardedProtocol) -> None:
-        """No longer waiting for request headers (not evictable)."""
-        self.begun.pop(conn, None)
-        self.fresh.pop(conn, None)
-        self.served.pop(conn, None)
-
-    def drop(self, conn: GuardedProtocol) -> None:
-        self.open.discard(conn)
-        self.busy(conn)
+MIN_CHECK_S = 0.1  # a body's pace is checked at most this often (as its slack nears 0 before a 408)
 
 
 def raw_response(status: int, message: str) -> bytes:
@@ -106,13 +53,17 @@ def raw_response(status: int, message: str) -> bytes:
 
 
 class GuardedProtocol(HttpToolsProtocol):
-    conns: _Connections  # set on the subclass that protocol_class() makes, one per server
+    conns: Connections  # set on the subclass that protocol_class() makes, one per server
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         self._deadline: asyncio.TimerHandle | None = None
         self._in_headers, self._header_bytes, self._header_lines = True, 0, 0
         self._refusal: tuple[int, str, str] | None = None
+        self.pace: BodyPace | None = None  # of the body being received
+        self._body_end, self._task = 0.0, None
         super().connection_made(transport)
+        self.flow = TimedFlow(transport)  # before any request uses uvicorn's
+        self._app, self.app = self.app, self._tracked
         if not self.conns.admit(self):
             transport.close()
             return
@@ -120,6 +71,9 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_deadline()
+        cycle, task = self.cycle, self._task
+        if cycle is not None and not cycle.more_body and not cycle.response_complete and task and not task.done():
+            self.conns.orphan(task)  # its client left after sending the whole request, which still runs
         self.conns.drop(self)
         super().connection_lost(exc)
 
@@ -145,16 +99,54 @@ class GuardedProtocol(HttpToolsProtocol):
                     f"the request headers did not arrive within {self.conns.limits.header_timeout:g} s "
                     "(--header-timeout)")
 
-    def _body_late(self) -> None:
+    def _arm_body_check(self, now: float) -> None:
+        wait = self._body_end - now
+        if self.pace is not None:
+            wait = min(wait, max(self.pace.slack_s(now, self.conns.limits.min_body_rate), MIN_CHECK_S))
+        self._deadline = self.loop.call_later(max(wait, 0.0), self._check_body)
+
+    def _check_body(self) -> None:
         self._deadline = None
+        now = time.monotonic()
+        if now >= self._body_end:
+            self._cut_body("body_timeout", "body deadline passed",
+                           f"the request body did not arrive within {self.conns.limits.body_timeout:g} s "
+                           "of its headers (--body-timeout)")
+        elif self.pace is not None and self.pace.slack_s(now, self.conns.limits.min_body_rate) <= 0:
+            self._cut_body("body_too_slow", "body below the minimum rate",
+                           f"{self._pace_words(now)} after its first {GRACE_S:g} s")
+        else:
+            self._arm_body_check(now)
+
+    def _pace_words(self, now: float) -> str:
+        return (f"the request body arrived at {self.pace.rate(now):,.0f} bytes/s, below the server's minimum of "
+                f"{self.conns.limits.min_body_rate / 1024:g} KiB/s (--min-body-rate-kb)")
+
+    def evict(self) -> None:
+        """Close this connection to make room for another (serve/admission.py chose it)."""
+        if self in self.conns.bodies:
+            self._cut_body("evicted_body", "body below the minimum rate, closed to make room",
+                           f"{self._pace_words(time.monotonic())}, while all {self.conns.limits.max_connections} "
+                           "connections (--max-connections) were in use: closed to make room for another")
+            self.conns.drop(self)  # also when it was closing already: its slot is the new connection's
+            return
+        self.conns.drop(self)
+        self.transport.close()
+        self.conns.record("evicted")
+
+    def _cut_body(self, reason: str, why: str, message: str) -> None:
+        """Close a connection whose request body is not complete: 408 unless an answer has begun."""
         cycle = self.cycle
         if cycle is None or cycle.response_complete or self.transport.is_closing():
-            self._close(None, "body_timeout", "")
+            self._close(None, reason, "")
             return
-        cycle.scope[TIMED_OUT] = True  # type: ignore[typeddict-unknown-key]  # read by MetricsMiddleware
-        self._close(None if cycle.response_started else 408, "body_timeout",
-                    f"the request body did not arrive within {self.conns.limits.body_timeout:g} s "
-                    "of its headers (--body-timeout)")
+        cycle.scope[TIMED_OUT] = why  # type: ignore[typeddict-unknown-key]  # read by MetricsMiddleware
+        self._close(None if cycle.response_started else 408, reason, message)
+
+    async def _tracked(self, scope, receive, send) -> None:
+        """The app, with the task that runs this connection's request known (connection_lost)."""
+        self._task = asyncio.current_task()
+        await self._app(scope, receive, send)
 
     def _close(self, status: int | None, reason: str, message: str) -> None:
         if self.transport.is_closing():
@@ -207,17 +199,25 @@ class GuardedProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
-        self.conns.busy(self)
+        conns = self.conns
+        conns.busy(self)
         self._cancel_deadline()
-        self._deadline = self.loop.call_later(self.conns.limits.body_timeout, self._body_late)
+        now = time.monotonic()
+        self._body_end = now + conns.limits.body_timeout
+        if self.expect_100_continue:
+            self.flow.hold()  # its body comes after our `100 Continue`, sent at the app's first receive()
         # uvicorn's own check (limit_concurrency) counts connections already closed but not yet gone,
-        # which a stream of evictions keeps above the cap: the count here is the admitted connections.
+        # which a stream of evictions keeps above the cap, and every running request, the probes' and
+        # those of a flood's bodies included, so that a keep-alive client's next request was refused on
+        # a connection holding its slot: here a request needs its connection's slot (admission.py).
         # A probe never counts against it: it needs no body, no model, no thread.
-        limit = self.conns.limits.max_connections
-        over = (self.url.split(b"?", 1)[0] not in PROBE_PATHS
-                and (len(self.conns.open) > limit or len(self.tasks) >= limit))
-        if not over:
+        if self.url.split(b"?", 1)[0] in PROBE_PATHS or conns.claim(self):
+            if conns.limits.min_body_rate:
+                self.pace = BodyPace(self.flow, now)
+                conns.bodies[self] = None
+            self._arm_body_check(now)
             return super().on_headers_complete()
+        self._arm_body_check(now)
         self.conns.record("over_capacity")
         app, self.app = self.app, service_unavailable  # uvicorn's 503 with connection: close
         try:
@@ -225,8 +225,15 @@ class GuardedProtocol(HttpToolsProtocol):
         finally:
             self.app = app
 
+    def on_body(self, body: bytes) -> None:
+        if self.pace is not None:
+            self.pace.received += len(body)
+        super().on_body(body)
+
     def on_message_complete(self) -> None:
         self._cancel_deadline()
+        self.pace = None
+        self.conns.bodies.pop(self, None)
         self._in_headers, self._header_bytes, self._header_lines = True, 0, 0
         super().on_message_complete()
 
@@ -241,6 +248,6 @@ def protocol_class(limits: ConnectionLimits, record: Callable[[str], None] = lam
                    ) -> tuple[type[GuardedProtocol], Callable[[], int]]:
     """A protocol class for one server (uvicorn.Config(http=...)), and a function counting its open
     connections. `record(reason)` is called for each connection closed by a bound."""
-    conns = _Connections(limits, record)
+    conns = Connections(limits, record)
     cls = type("GuardedProtocol", (GuardedProtocol,), {"conns": conns})
     return cls, lambda: len(conns.open)

@@ -36,6 +36,8 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
     if cfg.max_body_mb > cfg.max_inflight_mb:
         raise UserError(f"--max-body-mb {cfg.max_body_mb:g} is above --max-inflight-mb {cfg.max_inflight_mb:g}: "
                         "a body that large could never be read; raise --max-inflight-mb or lower --max-body-mb")
+    if cfg.min_body_rate_kb < 0:
+        raise UserError(f"--min-body-rate-kb must be >= 0 (KiB/s; 0 = no minimum), got {cfg.min_body_rate_kb:g}")
     if cfg.max_header_kb < 1:
         raise UserError(f"--max-header-kb must be at least 1 (KiB), got {cfg.max_header_kb:g}")
     if cfg.graceful_timeout < 0:
@@ -45,11 +47,12 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
 
 
 def _protocol(cfg: ServeConfig, metrics):
-    """uvicorn's httptools protocol with header/body deadlines, a header cap and admission by age."""
+    """uvicorn's httptools protocol with header/body deadlines, a minimum body rate, a header cap and
+    admission by age."""
     from torchcls.serve.protocol import ConnectionLimits, protocol_class
 
     limits = ConnectionLimits(cfg.max_connections, int(cfg.max_header_kb * 1024), cfg.header_timeout,
-                              cfg.body_timeout)
+                              cfg.body_timeout, cfg.min_body_rate_kb * 1024)
     cls, count_open = protocol_class(limits, lambda reason: metrics.closed.labels(reason).inc())
     metrics.open_connections.set_function(count_open)
     return cls
