@@ -40,6 +40,11 @@ class DataConfig:
                            "(default: the CSV's folder)")
     val_fraction: float = opt(0.2, "fraction of the training data held out for validation (seeded split)")
     img_size: int | None = opt(None, "input size in pixels (default: 28 for built-in sets, 224 for image files)")
+    resize_schedule: str = opt("", "progressive resizing: the first epochs train on smaller images, "
+                               "'SIZE:EPOCHS,...' (e.g. '16:4,20:2' = 4 epochs at 16 px, 2 at 20 px, the rest at "
+                               "--img-size); each training batch is resized on the device after augmentation; "
+                               "validation, checkpoints and inference use --img-size. For models that accept other "
+                               "input sizes (convolution nets with global pooling); empty = off")
     channels: int | None = opt(None, "input channels, 1 or 3 (default: 1 for built-in sets, 3 for image files); "
                                "images are converted to match")
     augment: str = opt("light", "training augmentation: none; light = small shifts (digits, text); flip = shifts "

@@ -54,6 +54,7 @@ from torchcls.training.freeze import apply_freeze
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
+from torchcls.training.resize import parse_schedule
 from torchcls.training.resume_options import Finished, finished_run, option_changes
 from torchcls.training.rundir import RunDir
 from torchcls.training.step_choice import STATE_FILE as STEP_STATE
@@ -187,6 +188,7 @@ def _check_options(cfg: Config) -> None:
     if cfg.train.early_stop < 0:
         raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
                         "--epochs")
+    parse_schedule(cfg.data.resize_schedule)
     check_precision_options(cfg.precision, cfg.parallel.parallel)
 
 

@@ -33,6 +33,7 @@ from torchcls.tasks import best_score, train_correct
 from torchcls.training.distributed import Session
 from torchcls.training.feed import Feed
 from torchcls.training.parallel import grad_sync
+from torchcls.training.resize import parse_schedule, resize_batch, size_at
 from torchcls.training.resume_options import apply_optim_changes
 from torchcls.training.resume_options import record as resume_record
 from torchcls.training.rundir import RunDir, read_metrics
@@ -184,12 +185,15 @@ class Trainer:
         self.sums = sums = torch.tensor(before[:3], dtype=torch.float64, device=self.device)
         self.clock, p.epoch_sums = (time.perf_counter(), before[3]), None
         window = torch.zeros(3, dtype=torch.float64, device=self.device)
+        size = size_at(parse_schedule(cfg.data.resize_schedule), p.epoch)  # --resize-schedule; None: full size
         for x, y in self._batches():
             # Every image of this batch failed to decode (--on-bad-file skip). Known limit: under torchrun
             # only this rank skips the batch, and the others wait for it in the gradient all-reduce.
             if not len(y):
                 continue
             x, y = x.to(self.device, memory_format=self.memory_format, non_blocking=True), y.to(self.device)
+            if size is not None:
+                x = resize_batch(x, size)
             loss, logits, stepped = self.train_step(x, y)
             window[0] += loss.detach().double() * len(y)  # (a Python number is a kernel argument: no copy, no sync)
             window[1] += train_correct(logits, y).double()
@@ -213,6 +217,8 @@ class Trainer:
                   "img_per_s": rate, "epoch_s": elapsed}
         if self.session.active:
             record["world_size"] = self.session.world
+        if size is not None:
+            record["train_img_size"] = size
         if partial:  # train_loss / train_top1 cover only the steps after the checkpoint
             record["train_partial"] = True
         return record | self.validate_epoch()
