@@ -12,11 +12,16 @@
 Each attacker reopens its connection when the server closes it and counts what it saw: the
 answers by status, connections the server closed ("closed": EOF or reset) and the longest time
 one connection was held open. Loops are bounded: every attacker stops when `stop` is set.
+
+`AttackProcess` runs them in a process and an event loop of their own: thousands of attacking
+connections in the measuring process's loop delayed its clients' and probes' reads by seconds, which
+serve_soak.py then reported as the server's latency.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -154,3 +159,41 @@ def plan(kinds: list[str], port: int, name: str, shape: list[int], args, stop: a
             body = _head("POST", infer, len(zeros)) + b"\r\n" + zeros
             jobs += [_send_whole(port, attack, stop, body, cut=len(body) // 2) for _ in range(args.disconnect_clients)]
     return attacks, jobs
+
+
+def _attack_main(kinds: list[str], port: int, name: str, shape: list[int], args, stop_flag, started, results) -> None:
+    async def main() -> dict:
+        stop = asyncio.Event()
+        attacks, jobs = plan(kinds, port, name, shape, args, stop)
+        tasks = [asyncio.create_task(job) for job in jobs]
+        started.set()
+        while not stop_flag.is_set():
+            await asyncio.sleep(0.2)
+        stop.set()
+        _, pending = await asyncio.wait(tasks, timeout=30) if tasks else (None, [])
+        for task in pending:
+            task.cancel()
+        return {kind: attack.report() for kind, attack in attacks.items()}
+
+    results.put(asyncio.run(main()))
+
+
+class AttackProcess:
+    """The chosen attacks, running in a child process from construction until `finish()` (their reports)."""
+
+    def __init__(self, kinds: list[str], port: int, name: str, shape: list[int], args) -> None:
+        ctx = multiprocessing.get_context("spawn")  # the parent has torch loaded: no fork
+        self.stop_flag, self.started, self.results = ctx.Event(), ctx.Event(), ctx.Queue()
+        self.proc = ctx.Process(target=_attack_main, daemon=True,
+                                args=(kinds, port, name, shape, args, self.stop_flag, self.started, self.results))
+        self.proc.start()
+
+    def wait_started(self, timeout: float = 120.0) -> None:
+        if not self.started.wait(timeout):
+            raise SystemExit(f"the attack process did not start within {timeout:g} s (exit code {self.proc.exitcode})")
+
+    def finish(self) -> dict:
+        self.stop_flag.set()
+        reports = self.results.get(timeout=120)
+        self.proc.join(30)
+        return reports

@@ -54,8 +54,7 @@ import psutil
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_attacks import ATTACKS  # noqa: E402
-from serve_attacks import plan as plan_attacks  # noqa: E402
+from serve_attacks import ATTACKS, AttackProcess  # noqa: E402
 from serve_load import free_port, make_checkpoint  # noqa: E402
 
 OK, REFUSED = {200, 503}, {400, 404, 413, 503}
@@ -245,27 +244,23 @@ async def monitor(port: int, pid: int, state: dict, done: asyncio.Event) -> None
 
 async def soak(port: int, pid: int, kinds: list[str], requests: dict, concurrency: int, timeout: float,
                request_timeout: float, attack=None) -> dict:
-    """`attack(stop)` -> (kind -> counters, coroutines): attackers that run until the soak's clients are done."""
+    """`attack()` -> an AttackProcess (serve_attacks.py): attackers that run until the soak's clients are done."""
     state = {"deadline": time.monotonic() + timeout, "sent": Counter(), "lost": Counter(),
              "lost_reasons": Counter(), "answers": [], "probes": [], "rss_peak_mb": 0.0, "retried_idle_closed": 0,
              "refused_by": Counter()}
     queue = list(reversed(kinds))  # pop() from the end takes them in schedule order
-    done, stop = asyncio.Event(), asyncio.Event()
+    done = asyncio.Event()
     watcher = asyncio.create_task(monitor(port, pid, state, done))
-    attacks, jobs = attack(stop) if attack else ({}, [])
-    attackers = [asyncio.create_task(j) for j in jobs]
+    attackers = attack() if attack else None
     if attackers:
+        await asyncio.get_running_loop().run_in_executor(None, attackers.wait_started)
         await asyncio.sleep(2.0)  # let the attack build up before the measured traffic starts
     t0 = time.perf_counter()
     await asyncio.gather(*(client(port, queue, requests, state, request_timeout) for _ in range(concurrency)))
     state["seconds"] = time.perf_counter() - t0
-    stop.set()
-    _, pending = await asyncio.wait(attackers, timeout=30) if attackers else (None, [])
-    for task in pending:
-        task.cancel()
     done.set()
     await watcher
-    state["attacks"] = {kind: a.report() for kind, a in attacks.items()}
+    state["attacks"] = await asyncio.get_running_loop().run_in_executor(None, attackers.finish) if attackers else {}
     state["unsent"] = len(queue)
     return state
 
@@ -430,7 +425,7 @@ def main() -> int:
             shape = [1, pre.channels, pre.img_size, pre.img_size]
             state = asyncio.run(soak(port, server.pid, kinds, requests, args.concurrency, args.timeout,
                                      args.request_timeout,
-                                     lambda stop: plan_attacks(chosen, port, info.name, shape, args, stop)))
+                                     lambda: AttackProcess(chosen, port, info.name, shape, args) if chosen else None))
             time.sleep(1.0)
             rss_after = tree_rss_mb(server.pid)
             counts = server_counts(port) | {"peak RSS since start (VmHWM) MB": round(peak_rss_mb(server.pid))}
