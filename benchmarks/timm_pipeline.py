@@ -9,6 +9,11 @@ ResNet-18, 1 channel at 32 px, random resized crops (scale 0.35-1) + flips, Adam
 warm-up 0.5 epoch + cosine, label smoothing 0.1, gradient clipping at 1.0, batch 128, 2 workers.
 Each side's images/s is the median of its epochs after the first; top-1 is on the official
 Fashion-MNIST test set, through each side's own normalisation.
+
+What differs is each side's own: torchcls feeds the images from its in-memory uint8 cache when they fit
+(its default; the augmentation then runs batched in the training process, no workers), timm decodes the
+PNGs in its 2 workers every epoch; torchcls times its layout and chooses its threads (machine.py),
+timm runs with the thread count torch started with in this process, as train.py does. Both are recorded.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 
 from data_pipeline import FMNIST_STATS, fmnist_folder, test_top1  # noqa: I001 (a sibling script)
 
+START_THREADS = torch.get_num_threads()  # what timm's train.py runs with: torch's default for this process
 RECIPE = {"model": "resnet18", "img_size": 32, "channels": 1, "batch_size": 128, "lr": 3e-3, "weight_decay": 0.05,
           "warmup_epochs": 0.5, "label_smoothing": 0.1, "grad_clip": 1.0, "scale": (0.35, 1.0), "workers": 2}
 
@@ -48,9 +54,11 @@ def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str)
     rates = [r["img_per_s"] for r in records if r.get("kind") == "epoch"]
     model, meta = load_model(result.last_checkpoint)
     step = json.loads((result.run_dir / "step_choice.json").read_text())
+    machine = json.loads((result.run_dir / "machine.json").read_text())
     return {"img_per_s": statistics.median(rates[1:] or rates), "epochs_img_per_s": [round(r, 1) for r in rates],
             "test_top1": test_top1(model, RECIPE["img_size"], meta.preprocess.mean[0], meta.preprocess.std[0]),
-            "ran": f"{step['precision']['precision']}, {'channels-last' if step['channels_last'] else 'NCHW'}"}
+            "ran": f"{step['precision']['precision']}, {'channels-last' if step['channels_last'] else 'NCHW'}, "
+                   f"{machine['torch_threads']} threads"}
 
 
 def timm_side(data: Path, epochs: int, amp_bf16: bool, seed: int) -> dict:
@@ -62,6 +70,7 @@ def timm_side(data: Path, epochs: int, amp_bf16: bool, seed: int) -> dict:
     from timm.utils import dispatch_clip_grad
 
     torch.manual_seed(seed)
+    torch.set_num_threads(START_THREADS)  # not what the torchcls run before it chose
     size = RECIPE["img_size"]
     loader = create_loader(ImageDataset(str(data), input_img_mode="L"), input_size=(1, size, size),
                            batch_size=RECIPE["batch_size"], is_training=True, use_prefetcher=False,
@@ -89,4 +98,4 @@ def timm_side(data: Path, epochs: int, amp_bf16: bool, seed: int) -> dict:
         rates.append(seen / (time.perf_counter() - t0))
     return {"img_per_s": statistics.median(rates[1:] or rates), "epochs_img_per_s": [round(r, 1) for r in rates],
             "test_top1": test_top1(model, size, FMNIST_STATS[0][0], FMNIST_STATS[1][0]),
-            "ran": "bf16 (AMP), NCHW" if amp_bf16 else "fp32, NCHW"}
+            "ran": f"{'bf16 (AMP)' if amp_bf16 else 'fp32'}, NCHW, {START_THREADS} threads"}

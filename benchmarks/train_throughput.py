@@ -155,8 +155,10 @@ def vs_timm(args, out: Path) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {m: {"torchcls": [], "timm": []} for m in ("fp32", "auto")}
     for i in range(args.rounds):
         for mode, sides in runs.items():
-            sides["torchcls"].append(tp.torchcls_side(data, out, f"{mode}-{i}", args.epochs, mode))
-            sides["timm"].append(tp.timm_side(data, args.epochs, mode == "auto" and native, seed=i))
+            arms = [lambda: sides["torchcls"].append(tp.torchcls_side(data, out, f"{mode}-{i}", args.epochs, mode)),
+                    lambda: sides["timm"].append(tp.timm_side(data, args.epochs, mode == "auto" and native, seed=i))]
+            for arm in arms[::-1] if i % 2 else arms:  # each side goes first in every other round
+                arm()
     summary = {}
     for mode, sides in runs.items():
         med = {side: statistics.median(r["img_per_s"] for r in rounds) for side, rounds in sides.items()}
