@@ -120,3 +120,17 @@ def test_training_with_device_decoding_ends_with_the_same_weights(jpeg_folder, t
         weights[decode] = load_file(result.last_checkpoint)
     assert weights["workers"].keys() == weights["device"].keys()
     assert all(torch.equal(weights["workers"][k], weights["device"][k]) for k in weights["workers"])
+
+
+def test_an_explicit_device_decode_is_never_left_unused(jpeg_folder, tmp_path):
+    """--in-memory auto would cache this small folder and --decode device would never run, without a word."""
+    from torchcls.training.distributed import Session
+    from torchcls.training.feed import build_feed
+
+    cfg = tiny_config(jpeg_folder, tmp_path)
+    cfg.data.decode, cfg.data.on_bad_file, cfg.data.val_fraction = "device", "skip", 0.25
+    data = build_data(cfg.data, 0)
+    assert build_feed(cfg, data, Session(), CPU).kind == "files"
+    cfg.data.in_memory = "on"
+    with pytest.raises(UserError, match="--decode device .* --in-memory on"):
+        build_feed(cfg, data, Session(), CPU)

@@ -203,6 +203,8 @@ def test_other_work_is_what_keeps_cpus_busy_besides_this_process():
     two = CpuBudget(2, 2, None)
     busy = choose_threads(0, 0, two, env={}, busy=(1, line))
     assert busy.threads == 1 and line in busy.reason
+    # ranks on one node (a launcher that sets LOCAL_WORLD_SIZE, not OMP_NUM_THREADS) see each other's loading
+    assert choose_threads(0, 0, CpuBudget(4, 4, None), env={"LOCAL_WORLD_SIZE": "2"}, busy=(1, line)).threads == 2
 
 
 @pytest.mark.slow

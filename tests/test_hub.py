@@ -166,6 +166,22 @@ def test_a_pickle_on_the_hub_is_refused_and_never_run(offline_hub: Path, hf_home
     assert not (hf_home / "pwned").exists()
 
 
+def test_a_repository_of_another_library_or_a_bad_id_is_one_clear_error(offline_hub: Path, tmp_path: Path) -> None:
+    """A transformers repository (config.json with "architectures", not timm's "architecture") and a name the
+    hub refuses are user mistakes of the first hour: a UserError naming the fix, not a traceback."""
+    from torchcls.models.pretrained import resolve_pretrained
+
+    made = tmp_path / "vit"
+    made.mkdir()
+    (made / "config.json").write_text('{"architectures": ["ViTForImageClassification"], "model_type": "vit"}')
+    (made / "model.safetensors").write_bytes(b"")
+    _put_in_cache(offline_hub, "google/vit-base-patch16-224", made)
+    with pytest.raises(UserError, match="is not a timm model config.*hf-hub:timm/"):
+        resolve_pretrained("hf-hub:google/vit-base-patch16-224", "resnet18")
+    with pytest.raises(UserError, match="--pretrained hf-hub:timm/a..b: "):
+        resolve_pretrained("hf-hub:timm/a..b", "resnet18")
+
+
 def test_hub_architecture_and_position_embeddings(offline_hub: Path, tmp_path: Path) -> None:
     """--model of another family is refused before anything is read; a ViT's position embeddings are
     resampled to another input size (timm's checkpoint_filter_fn), as timm's own loader does."""

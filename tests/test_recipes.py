@@ -25,7 +25,7 @@ def test_fmnist_fast_recipe_loads():
     assert "fmnist-fast" in names()
     cfg = load_recipe("fmnist-fast")
     assert (cfg.data.source, cfg.data.val_fraction, cfg.model.name) == ("fashion-mnist", 0.0, "fastnet")
-    assert (cfg.optim.optimizer, cfg.precision.precision, cfg.train.channels_last) == ("sgd", "auto", True)
+    assert (cfg.optim.optimizer, cfg.precision.precision, cfg.train.channels_last) == ("sgd", "auto", None)
     assert cfg.data.batch_size == 256 and cfg.optim.lr > 0.01  # the recipe's values, not the defaults
     assert recipe_evaluation("fmnist-fast") == {"tta": "flip"}
     assert "fmnist-fast" in describe() and "94%" in describe()
@@ -78,7 +78,7 @@ def test_fastnet_shape_size_and_downsampling():
 
 @pytest.mark.slow
 def test_recipe_trains_end_to_end_with_overrides(tmp_path, shapes_dir):
-    """The recipe's whole setup (fastnet, SGD, precision auto, channels_last, in-memory batches) on a tiny set."""
+    """The recipe's whole setup (fastnet, SGD, precision auto, in-memory batches) on a tiny set."""
     r = subprocess.run([sys.executable, "-m", "torchcls", "train", "--recipe", "fmnist-fast", "--data",
                         str(shapes_dir), "--val-fraction", "0.25", "--epochs", "1", "--batch-size", "8",
                         "--img-size", "28", "--out-dir", str(tmp_path), "--name", "r", "--no-progress"],

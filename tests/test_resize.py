@@ -67,3 +67,14 @@ def test_cli_refuses_a_bad_schedule_before_making_a_run_dir(tmp_path: Path) -> N
     with pytest.raises(UserError, match="--resize-schedule '16'"):
         train(cfg)
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_schedule_that_never_reaches_the_full_size_or_upsamples_is_refused() -> None:
+    from torchcls.training.resize import check_schedule
+
+    check_schedule("16:2,20:1", 4, 28)
+    check_schedule("", 1, None)
+    with pytest.raises(UserError, match="covers 3 epoch.*--epochs 3"):
+        check_schedule("16:2,20:1", 3, 28)
+    with pytest.raises(UserError, match="32 px is not smaller than --img-size 28"):
+        check_schedule("32:1", 4, 28)

@@ -59,6 +59,9 @@ def test_given_flags_distributed_runs_and_resumes_are_not_timed(tmp_path: Path) 
                                  "channels_last": True, "how": "measured", "times_ms": {"fp32+cl": 1.0}}))
     resumed = _choose(tmp_path, requested="auto", state=state)
     assert resumed.how == "resumed" and resumed.channels_last and resumed.precision.precision == "fp32"
+    # a resume that asks for another precision or layout gets it (config.toml and metrics.jsonl say it applies)
+    assert _choose(tmp_path, requested="fp32", channels_last=False, state=state).how == "as asked"
+    assert _choose(tmp_path, requested="auto", channels_last=False, state=state).channels_last is False
 
 
 @pytest.mark.slow

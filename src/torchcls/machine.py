@@ -215,6 +215,8 @@ def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudge
     reserved = min(max(0, loader_workers), per_process // 2)
     if busy is None:
         busy = CpuActivity().busy() if own and local == 1 and per_process - reserved > 1 else (0, "")
+    elif local > 1:  # several processes on this node: each would count the others' data loading as other work
+        busy = (0, "")
     threads = max(1, per_process - reserved - busy[0])
     why = budget.describe()
     if local > 1:

@@ -99,10 +99,6 @@ def resolve_preprocess(cfg: DataConfig, images: Any,
     return Preprocess(size, channels, tuple(mean), tuple(std), interpolation, crop_pct), chosen
 
 
-def preprocess_for(cfg: DataConfig, images: Any, pretrained: PretrainedInput | None = None) -> Preprocess:
-    return resolve_preprocess(cfg, images, pretrained)[0]
-
-
 def describe(pre: Preprocess, chosen: dict[str, str]) -> str:
     """One line for the console: what the input is and where each part came from."""
     by_source: dict[str, list[str]] = {}

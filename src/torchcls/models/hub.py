@@ -62,8 +62,6 @@ def fetch(value: str, model_name: str) -> HubWeights:
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise UserError(f"--pretrained {value}: give a hub repository as hf-hub:ORG/NAME[@REVISION], e.g. "
                         "hf-hub:timm/convnext_tiny.fb_in22k_ft_in1k (see `torchcls models --pretrained`)")
-    from timm.models._hub import load_model_config_from_path  # what timm.create_model reads a hub config with
-
     config = _file(value, repo_id, "config.json", revision or None)
     if config is None:
         raise UserError(f"--pretrained {value}: the repository has no config.json, so it is not a timm model "
@@ -71,9 +69,23 @@ def fetch(value: str, model_name: str) -> HubWeights:
                         "--pretrained FILE with --model NAME")
     # Its model_args (num_classes, in_chans, ...) are not used: the data sets those, and one that shapes the
     # weights otherwise makes load_pretrained refuse, naming the tensors that do not fit.
-    pretrained_cfg, architecture, _ = load_model_config_from_path(config.parent)
+    pretrained_cfg, architecture = read_timm_config(config.parent, value)
     weights = _weights(value, repo_id, revision or None, WEIGHT_FILES)
     return HubWeights(repo_id, weights.parent.name, weights, architecture, {**pretrained_cfg, "hf_hub_id": ref})
+
+
+def read_timm_config(folder: Path, value: str) -> tuple[dict, str]:
+    """(pretrained_cfg, architecture) of a timm-format config.json in `folder`, read as timm.create_model
+    reads a hub config; a config of another library (transformers' has "architectures") is refused."""
+    from timm.models._hub import load_model_config_from_path
+
+    try:
+        pretrained_cfg, architecture, _ = load_model_config_from_path(folder)
+    except (KeyError, ValueError, TypeError) as e:  # no "architecture" key, or not JSON / not an object
+        raise UserError(f"--pretrained {value}: {folder / 'config.json'} is not a timm model config ({type(e).__name__}: "
+                        f"{str(e)[:120]}); timm's repositories are under hf-hub:timm/ (`torchcls models --pretrained` "
+                        "lists them); for other weights pass --pretrained FILE with --model NAME") from None
+    return pretrained_cfg, architecture
 
 
 def _fetch_tagged(model_name: str) -> HubWeights:
@@ -115,7 +127,10 @@ def _file(value: str, repo_id: str, name: str, revision: str | None, cached_only
     """`name` of the repository: from the cache, else downloaded; None when the repository has no such file."""
     from huggingface_hub import errors, hf_hub_download, try_to_load_from_cache
 
-    cached = try_to_load_from_cache(repo_id, name, revision=revision)
+    try:
+        cached = try_to_load_from_cache(repo_id, name, revision=revision)
+    except errors.HFValidationError as e:  # e.g. timm/a..b: not a name the hub accepts
+        raise UserError(f"--pretrained {value}: {str(e).splitlines()[0][:200]}") from None
     if isinstance(cached, str):
         return Path(cached)
     if cached is not None or cached_only:  # cached is the hub's earlier "no such file" answer

@@ -27,7 +27,7 @@ from torch import nn
 
 from torchcls.data.preprocess import PretrainedInput
 from torchcls.errors import UserError
-from torchcls.models.hub import OWN_TAG, fetch, is_hub
+from torchcls.models.hub import OWN_TAG, fetch, is_hub, read_timm_config
 
 HUB_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_model.safetensors")
 # Wrappers around a state dict that training scripts write (timm: state_dict / state_dict_ema).
@@ -62,9 +62,7 @@ def resolve_pretrained(value: str, model_name: str) -> PretrainedSource:
     file = weights_file(value)
     folder = Path(value)
     if file.parent == folder and (folder / "config.json").is_file():  # a hub folder (not a run dir)
-        from timm.models._hub import load_model_config_from_path  # what timm.create_model reads a hub config with
-
-        pretrained_cfg, architecture, _ = load_model_config_from_path(folder)
+        pretrained_cfg, architecture = read_timm_config(folder, value)
         return PretrainedSource(value, file, architecture, _pretrained_input(value, pretrained_cfg), timm_format=True)
     return PretrainedSource(value, file)
 

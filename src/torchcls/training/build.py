@@ -54,7 +54,7 @@ from torchcls.training.freeze import apply_freeze
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
-from torchcls.training.resize import parse_schedule
+from torchcls.training.resize import check_schedule
 from torchcls.training.resume_options import Finished, finished_run, option_changes
 from torchcls.training.rundir import RunDir
 from torchcls.training.step_choice import STATE_FILE as STEP_STATE
@@ -126,7 +126,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     if session.is_main:
         cfg.save_toml(run.path / "config.toml")
     device = resolve_device(cfg.train.device)
-    if cfg.train.threads:
+    if cfg.train.threads:  # an explicit count holds for the data loading too; the default waits for the feed
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
     gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
@@ -188,7 +188,7 @@ def _check_options(cfg: Config) -> None:
     if cfg.train.early_stop < 0:
         raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
                         "--epochs")
-    parse_schedule(cfg.data.resize_schedule)
+    check_schedule(cfg.data.resize_schedule, cfg.train.epochs, cfg.data.img_size)
     check_precision_options(cfg.precision, cfg.parallel.parallel)
 
 
@@ -217,7 +217,7 @@ def _choose_step(cfg: Config, spec: ModelSpec, session: Session, run: RunDir, de
         distributed=session.active, state=state if cfg.run.resume else None,
         describe={"cpu": cpu_model(), "capability": torch.backends.cpu.get_cpu_capability(),
                   "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "threads": threads.threads,
-                  "torch": torch.__version__, "model": spec.name})
+                  "torch": torch.__version__, "model": spec.name, "optimizer": cfg.optim.optimizer})
     if session.is_main:
         state.write_text(json.dumps(step.record(), indent=2))
         console.print(step.line(), highlight=False)

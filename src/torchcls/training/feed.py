@@ -113,7 +113,14 @@ def build_feed(cfg: Config, data, session: Session, device: torch.device) -> Fee
             raise UserError("--balanced-sampler needs every training label before the epoch starts; streamed "
                             "WebDataset shards are read in order. Train from the image folder or CSV, or drop it")
         return _shard_feed(cfg, data, session)
-    memory = bundle_loaders(data, d, seed, rank=rank, world=world, device=device, val_batch_size=d.batch_size * 2)
+    if d.decode == "device" and d.in_memory == "on":
+        raise UserError("--decode device decodes each batch's JPEGs where the model trains, --in-memory on decodes "
+                        "them once into a cache: give one of them (--in-memory auto leaves the cache to --decode "
+                        "device)")
+    # An explicit --decode device is the per-sample path: the in-memory cache, which --in-memory auto would
+    # pick for a folder that fits, would leave it unused without a word.
+    memory = None if d.decode == "device" else bundle_loaders(data, d, seed, rank=rank, world=world, device=device,
+                                                              val_batch_size=d.batch_size * 2)
     if memory is not None:
         train, val, bad = memory
         if d.balanced_sampler:

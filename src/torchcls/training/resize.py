@@ -37,6 +37,18 @@ def parse_schedule(spec: str) -> list[tuple[int, int]]:
     return stages
 
 
+def check_schedule(spec: str, epochs: int, img_size: int | None) -> None:
+    """Refuse a schedule that would never train at --img-size (the validated, saved and served size: the last
+    epochs adapt the weights and BatchNorm statistics to it) or that would upsample."""
+    stages = parse_schedule(spec)
+    if stages and sum(n for _, n in stages) >= epochs:
+        raise UserError(f"{FLAG} {spec!r} covers {sum(n for _, n in stages)} epoch(s) of --epochs {epochs}: leave at "
+                        "least the last one at --img-size, which validation, checkpoints and serving use")
+    if img_size is not None and (big := [size for size, _ in stages if size >= img_size]):
+        raise UserError(f"{FLAG} {spec!r}: {big[0]} px is not smaller than --img-size {img_size}; the schedule's "
+                        "sizes are the smaller images of the first epochs")
+
+
 def size_at(stages: list[tuple[int, int]], epoch: int) -> int | None:
     """The training image size of 0-based `epoch`; None past the schedule (the model's own --img-size)."""
     end = 0

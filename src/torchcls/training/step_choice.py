@@ -78,15 +78,16 @@ def time_steps(model: nn.Module, make_optimizer: Callable, shape: tuple[int, ...
     """Median ms of a training step per option, or None when one step is too slow to be worth measuring.
     Draws from the global RNG: callers fork it (choose_step does)."""
     x, y = torch.randn(shape), torch.randint(0, classes, (shape[0],))
-    runs = {}
+    runs, warm = {}, {}
     for precision, cl in options:
         fmt = torch.channels_last if cl else torch.contiguous_format
         m = copy.deepcopy(model).train().to(memory_format=fmt)
-        runs[label(precision, cl)] = (m, make_optimizer(m), x.contiguous(memory_format=fmt), precision)
+        k = label(precision, cl)
+        runs[k] = (m, make_optimizer(m), x.contiguous(memory_format=fmt), precision)
+        warm[k] = _step(*runs[k], y)
+        if warm[k] > TRIAL_STEP_LIMIT_S:  # checked at each warm-up: a slow model pays for one step, not four
+            return None
     times: dict[str, list[float]] = {k: [] for k in runs}
-    warm = {k: _step(*run, y) for k, run in runs.items()}
-    if max(warm.values()) > TRIAL_STEP_LIMIT_S:
-        return None
     fewest, most = TRIAL_ROUNDS
     rounds = max(fewest, min(most, int(TRIAL_BUDGET_S / sum(warm.values()))))
     for _ in range(rounds):
@@ -166,7 +167,10 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     from torchcls.precision.hardware import choose_precision, cpu_bf16_here
 
     if state is not None and state.is_file():
-        return from_record(json.loads(state.read_text()), "resumed")
+        record = json.loads(state.read_text())
+        # The run's own choice, unless this resume asks for another precision or layout: that one then applies.
+        if record["precision"]["requested"] == requested and channels_last in (None, record["channels_last"]):
+            return from_record(record, "resumed")
     rule = choose_precision(requested, device)
     if device.type == "cuda" or distributed or rule.precision not in ("fp32", "bf16"):
         conv = device.type == "cuda" and not distributed and is_convnet(new_model())
@@ -175,7 +179,7 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     options = candidates(rule, cpu_bf16_here()[0], channels_last, model)
     if len(options) == 1 or isinstance(model, EarlyExitNet):
         return StepChoice(rule, bool(channels_last), "as asked" if len(options) == 1 else "rule")
-    key = cache_key(**describe, shape=list(shape), options=[label(*o) for o in options])
+    key = cache_key(**describe, requested=requested, shape=list(shape), options=[label(*o) for o in options])
     if (hit := cached(key)) is not None:
         return from_record(hit, "cached")
     times = time_steps(model, make_optimizer, shape, classes, options)
