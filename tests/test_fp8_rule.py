@@ -129,3 +129,16 @@ def test_apply_precision_chooses_by_shape_at_the_training_batch_and_reports_each
     assert by_size["converted"] == 3 and by_size["size_rule"] == "max(in, out) >= --fp8-min-dim 4096"
     unknown = apply_precision(Wide(), cfg, torch.device("cpu")).report["fp8"]
     assert "torchao's size rule" in unknown["size_rule"] and "not known" in unknown["size_rule"]
+
+
+def test_a_table_that_cannot_apply_is_refused_before_any_data(tmp_path) -> None:
+    from torchcls.config import PrecisionConfig
+    from torchcls.precision.training import check_precision_options
+
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(UserError, match="applies only with --precision fp8 and without --fp8-min-dim"):
+        check_precision_options(PrecisionConfig(precision="bf16", fp8_table=str(tmp_path / "bad.json")), "none")
+    with pytest.raises(UserError, match="applies only with --precision fp8"):
+        check_precision_options(PrecisionConfig(precision="fp8", fp8_min_dim=64, fp8_table="t.json"), "none")
+    with pytest.raises(UserError, match="not a table written by"):
+        check_precision_options(PrecisionConfig(precision="fp8", fp8_table=str(tmp_path / "bad.json")), "none")

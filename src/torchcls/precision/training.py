@@ -220,6 +220,13 @@ def check_precision_options(cfg: PrecisionConfig, parallel: str) -> None:
         raise UserError(f"--precision {cfg.precision}: choose auto or one of {', '.join(PRECISIONS)}")
     if cfg.precision != "fp8" and cfg.fp8_emulate:
         raise UserError("--fp8-emulate applies only with --precision fp8; drop it or add --precision fp8")
+    if cfg.fp8_table:
+        if cfg.precision != "fp8" or cfg.fp8_min_dim:
+            raise UserError(f"--fp8-table {cfg.fp8_table} chooses FP8 layers by measured GEMM speed-ups: it applies "
+                            "only with --precision fp8 and without --fp8-min-dim (a size rule instead of the table)")
+        from torchcls.precision.fp8_rule import MeasuredTable
+
+        MeasuredTable.load(cfg.fp8_table)  # a missing or malformed table refused before any data is read
     check_fsdp_all_gather(cfg, parallel)
 
 
