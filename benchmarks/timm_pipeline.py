@@ -36,7 +36,7 @@ def folder(cache: Path, images: int) -> Path:
     return fmnist_folder(cache, images)
 
 
-def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str) -> dict:
+def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str, seed: int = 0) -> dict:
     """`torchcls train` with the recipe and everything else at its defaults (layout and auto precision timed)."""
     from torchcls.checkpoint.files import load_model
     from torchcls.config import Config
@@ -47,7 +47,7 @@ def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str)
     cfg.data.augment, cfg.data.val_fraction, cfg.data.batch_size = "standard", 0.0, RECIPE["batch_size"]
     cfg.data.workers = RECIPE["workers"]
     cfg.model.name, cfg.train.epochs, cfg.train.progress = RECIPE["model"], epochs, False
-    cfg.precision.precision = precision
+    cfg.precision.precision, cfg.train.seed = precision, seed  # each round its seed, as timm's side
     cfg.run.out_dir, cfg.run.name = str(out), name
     result = train(cfg)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

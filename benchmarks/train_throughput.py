@@ -155,7 +155,7 @@ def vs_timm(args, out: Path) -> dict:
     runs: dict[str, dict[str, list[dict]]] = {m: {"torchcls": [], "timm": []} for m in ("fp32", "auto")}
     for i in range(args.rounds):
         for mode, sides in runs.items():
-            arms = [lambda: sides["torchcls"].append(tp.torchcls_side(data, out, f"{mode}-{i}", args.epochs, mode)),
+            arms = [lambda: sides["torchcls"].append(tp.torchcls_side(data, out, f"{mode}-{i}", args.epochs, mode, seed=i)),
                     lambda: sides["timm"].append(tp.timm_side(data, args.epochs, mode == "auto" and native, seed=i))]
             for arm in arms[::-1] if i % 2 else arms:  # each side goes first in every other round
                 arm()
