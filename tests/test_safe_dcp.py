@@ -121,3 +121,93 @@ def test_consolidate_refuses_a_crafted_metadata_without_running_it(tmp_path: Pat
     assert done.returncode != 0
     assert "Nothing from it was run" in done.stderr and "Traceback" not in done.stderr
     assert not marker.exists()
+
+
+def _str(s: str) -> bytes:
+    return b"X" + len(s.encode()).to_bytes(4, "little") + s.encode()
+
+
+def _global(module: str, name: str) -> bytes:
+    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
+
+
+@pytest.mark.parametrize("payload", [
+    # a dict state on an allowed function: pickle's BUILD would replace _get_layout.cache process-wide
+    _global("torch.serialization", "_get_layout") + b"}" + _str("cache") + b"}" + _str("torch.strided") + b"N" + b"ssb.",
+    # (None, slots) state on an allowed class: pickle's BUILD would setattr on the class itself
+    _global("torch.distributed.checkpoint.metadata", "Metadata") + b"N}" + _str("pwned") + _str("x") + b"s\x86b.",
+    # a field that the dataclass does not have, on an instance
+    _global("torch.distributed.checkpoint.metadata", "StorageMeta") + b")\x81}" + _str("__class__") + b"Nsb.",
+], ids=["build-on-function", "build-on-class", "build-unknown-field"])
+def test_build_only_fills_fields_of_dcp_instances(tmp_path: Path, payload: bytes) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.serialization import _get_layout
+
+    _save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"\x80\x02" + payload)
+    cache = _get_layout.cache
+    before = dict(cache)
+    try:
+        with pytest.raises(UserError, match=r"ckpt: refused to load its \.metadata \(UnpicklingError: BUILD"):
+            safe_load({}, tmp_path / "ckpt")
+        assert _get_layout.cache is cache and _get_layout.cache == before
+        assert "pwned" not in vars(Metadata)
+    finally:  # on a reader without the check, leave the process as it was for the other tests
+        _get_layout.cache = cache
+        if "pwned" in vars(Metadata):
+            delattr(Metadata, "pwned")
+
+
+@pytest.mark.parametrize("payload,error", [
+    (_global("torch.serialization", "_get_layout") + _str("x") + b"\x85R.", "KeyError"),
+    (_global("torch", "Size") + _str("a") + b"\x85R.", "TypeError"),
+    (_global("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING") + b"K\x09\x85R.", "ValueError"),
+    (_global("builtins", "set") + b"K\x01\x85R.", "TypeError"),
+])
+def test_any_error_of_an_allowed_type_is_a_user_error(tmp_path: Path, payload: bytes, error: str) -> None:
+    _save(tmp_path / "ckpt")
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"\x80\x02" + payload)
+    with pytest.raises(UserError, match=rf"ckpt: refused to load its \.metadata \({error}: .*Nothing from it was run"):
+        safe_load({}, tmp_path / "ckpt")
+
+
+def _entries(md) -> list:
+    return [info for index, info in md.storage_data.items() if index.fqn == "model.3.weight"]
+
+
+def _outside(tmp_path: Path) -> str:
+    return str(tmp_path / "other" / "__0_0.distcp")
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda md, tmp: [setattr(i, "relative_path", _outside(tmp)) for i in _entries(md)], "not the name of a file"),
+    (lambda md, tmp: [setattr(i, "relative_path", "../other/__0_0.distcp") for i in _entries(md)],
+     "not the name of a file"),
+    (lambda md, tmp: [setattr(i, "relative_path", "link.distcp") for i in _entries(md)], "not a regular file"),
+    (lambda md, tmp: [setattr(i, "length", 10**12) for i in _entries(md)], "claims bytes"),
+    (lambda md, tmp: [setattr(i, "offset", -5) for i in _entries(md)], "claims bytes"),
+    (lambda md, tmp: [setattr(i, "transform_descriptors", ["zstd"]) for i in _entries(md)], "through transforms"),
+    (lambda md, tmp: setattr(md.state_dict_metadata["model.3.weight"], "size", torch.Size([2, 10**9])),
+     "not covered by its stored chunks"),
+    (lambda md, tmp: [setattr(c, "sizes", torch.Size([2, 10**9])) or setattr(md.state_dict_metadata["model.3.weight"],
+                                                                           "size", torch.Size([2, 10**9]))
+                      for c in md.state_dict_metadata["model.3.weight"].chunks], "needs 8000000000 bytes"),
+], ids=["absolute", "dotdot", "symlink", "length", "offset", "transform", "size", "chunk-size"])
+def test_entries_must_lie_inside_the_checkpoints_own_files(tmp_path: Path, change, message: str) -> None:
+    """A .metadata pointing a tensor at a file elsewhere (torch joins the dir and the name as written) or past
+    a file's end is refused before anything is read: the target keeps its zeros, nothing else is taken in."""
+    import io
+
+    from torchcls.checkpoint.safe_dcp import _MetadataUnpickler
+
+    saved = _save(tmp_path / "ckpt")
+    other = {"model": {k: torch.full_like(v, 7.0) for k, v in saved["model"].items()}}
+    dcp.save(other, checkpoint_id=str(tmp_path / "other"))  # what an attacker would want taken in
+    (tmp_path / "ckpt" / "link.distcp").symlink_to(_outside(tmp_path))
+    md = _MetadataUnpickler(io.BytesIO((tmp_path / "ckpt" / ".metadata").read_bytes())).load()
+    change(md, tmp_path)
+    (tmp_path / "ckpt" / ".metadata").write_bytes(pickle.dumps(md))
+    target = {"model": {k: torch.zeros_like(v) for k, v in saved["model"].items()}}
+    with pytest.raises(UserError, match=rf"ckpt/\.metadata: .*{message}"):
+        safe_load(target, tmp_path / "ckpt")
+    assert all(not v.any() for v in target["model"].values())
