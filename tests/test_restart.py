@@ -184,3 +184,36 @@ def test_plateau_patience_carries_over_a_dcp_resume(tmp_path: Path, shapes_dir: 
     # into a plateau schedule whose patience starts at the resume.
     run("switched", 1, False, sched="cosine")
     assert set(lrs(run("switched", 3, True))) == {1, 2, 3}
+
+
+def test_a_job_without_an_identity_of_its_own_never_takes_a_run_dir_on_restart(tmp_path: Path, monkeypatch) -> None:
+    """Several nodes, no --rdzv-id and TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: every job's run id is "none" and
+    no token tells them apart, so a restart took the run dir another such job created (resumed and overwrote
+    it, or removed it when it held no checkpoint yet). Now such a job marks its dirs as its start's alone and
+    a restart refuses, naming --rdzv-id and --resume, and changes nothing."""
+    from torchcls.config import Config
+    from torchcls.training import distributed
+    from torchcls.training.rundir import CREATED_BY
+
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "none")
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    jobs = []
+    for _ in range(2):  # two jobs started alike: what each records as its job in the run dirs it creates
+        s, cfg = distributed.Session(), Config()
+        cfg.run.name = "r"
+        distributed._agree_on_start(s, cfg, distributed._job_token(None))
+        jobs.append(s.job)
+    assert jobs[0] != jobs[1] and "none" not in jobs
+
+    for checkpointed, marker in ((True, jobs[0]), (False, jobs[0]), (True, "none")):  # "none": an older torchcls's
+        other = tmp_path / f"other-{checkpointed}-{marker[:4]}"  # made by an earlier job started the same way
+        (other / "checkpoints").mkdir(parents=True)
+        if checkpointed:
+            (other / "checkpoints" / "last.state").write_bytes(b"state")
+        (other / CREATED_BY).write_text(json.dumps({"job": marker}))
+        before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+        decision = distributed._restart_decision(other, jobs[1])
+        assert "cannot tell whether it created it" in decision and "--rdzv-id" in decision and "--resume" in decision
+        assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before
+    assert distributed._restart_decision(tmp_path / "new", jobs[1]) == "start"
+    assert distributed.job_of("none", "abc", "n") == "none/abc" and distributed.job_of("job-7", None, "n") == "job-7"

@@ -45,6 +45,7 @@ from torchcls.errors import UserError
 from torchcls.training.rundir import RunDir, created_by, default_name, job_id
 
 FAULT_STEP_ENV, FAULT_RANK_ENV = "TORCHCLS_FAULT_STEP", "TORCHCLS_FAULT_RANK"
+UNIDENTIFIED = "unidentified/"  # a job that nothing tells apart from another (job_of)
 
 
 class FollowerRunDir(RunDir):
@@ -242,7 +243,8 @@ def _job_token(store: dist.Store) -> str | None:
     store is torchrun's agent store (it lives as long as the job). TORCHELASTIC_RUN_ID alone does not
     tell jobs apart: it is "none" for every multi-node job started without --rdzv-id, so a restart
     could take a run dir an earlier job made for its own. Where rank 0 hosts a store of its own
-    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) nothing outlives a start: None, and the run id is the job."""
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) nothing outlives a start: None, and the run id is the job,
+    unless it is "none" (job_of)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
     return store.compare_set("torchcls/job", "", secrets.token_hex(16)).decode()
@@ -267,16 +269,27 @@ def _answer_ranks(store: dist.Store, generation: int, world: int, deadline: floa
             time.sleep(0.01)
 
 
+def job_of(run_id: str | None, token: str | None, nonce: str) -> str | None:
+    """The job as the run dirs it creates record it (None: not under torchrun). torchrun's run id is
+    "none" for every job started without --rdzv-id; with no token to tell such jobs apart (no agent
+    store: TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) the job is named after this start's `nonce`, so no
+    other job can ever claim its run dir, and a restart of it resumes nothing (_restart_decision)."""
+    if run_id and token:
+        return f"{run_id}/{token}"
+    if run_id and run_id != "none":
+        return run_id
+    return f"{UNIDENTIFIED}{nonce}" if run_id else None
+
+
 def _agree_on_start(s: Session, cfg: Config, token: str | None) -> None:
     """What every rank must take alike, from one exchange: rank 0's run name (the default one contains
     the time), the job (run id and rank 0's token) and whether this start is a restart (the most
     restarts any node counted: see the module's docstring)."""
     named = cfg.run.name is not None
-    views = s.gather_objects((s.restart_count, cfg.run.name or default_name(cfg), token))
+    views = s.gather_objects((s.restart_count, cfg.run.name or default_name(cfg), token, secrets.token_hex(8)))
     s.restart_count = max(v[0] for v in views)
     cfg.run.name, token = views[0][1], views[0][2]
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    s.job = f"{run_id}/{token}" if run_id and token else run_id or s.job
+    s.job = job_of(os.environ.get("TORCHELASTIC_RUN_ID"), token, views[0][3]) or s.job
     if s.restarted and not named:
         console.print("[yellow]elastic restart without --name: a new run dir is started; pass --name to "
                       "resume from the last checkpoint[/]")
@@ -290,6 +303,8 @@ def _prepare_restart(s: Session, cfg: Config) -> None:
         return
     decision = [_restart_decision(path, s.job) if s.is_main else None]
     dist.broadcast_object_list(decision, src=0)
+    if decision[0] not in ("resume", "start"):  # every rank stops alike, with rank 0's reason
+        raise UserError(decision[0])
     if decision[0] == "resume":
         cfg.run.resume = True
         restart = max(s.restart_count, s.generation - 1)  # (a re-join counts in the generation only)
@@ -299,9 +314,15 @@ def _prepare_restart(s: Session, cfg: Config) -> None:
 def _restart_decision(path: Path, job: str) -> str:
     """Rank 0: "resume" a run dir this job created and checkpointed; otherwise "start" (after removing
     a dir an earlier start of this job made and left without a checkpoint). A dir another job (or the
-    user) made is never resumed nor removed: the start then refuses it as it refused the first time."""
+    user) made is never resumed nor removed: the start then refuses it as it refused the first time.
+    A job that cannot tell its own dirs from another's (job_of) gets the reason it touches nothing."""
     if not path.exists():
         return "start"
+    if job.startswith(UNIDENTIFIED):
+        return (f"elastic restart: {path} exists and this torchrun job cannot tell whether it created it: its run id "
+                'is "none" (no --rdzv-id) and with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 nothing outlives a start, so '
+                "any job started the same way looks alike. It is neither resumed nor changed: start torchrun with a "
+                "--rdzv-id of this job's own to let a restart resume it, or continue it with --resume")
     if not created_by(path, job):
         console.print(f"[yellow]elastic restart: {path} was not created by this torchrun job; it is neither "
                       "resumed nor changed (pass --resume to continue a run explicitly)[/]")
