@@ -19,7 +19,7 @@ import pytest
 
 from torchcls.artifacts import load_artifact
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_file
+from torchcls.governance.digest import sha256_bytes, sha256_file
 from torchcls.governance.keys import KEY_ENV
 from torchcls.governance.lineage import AuditLog, record_hash
 from torchcls.governance.trust import RECORD_ENV
@@ -157,3 +157,81 @@ def test_a_registration_under_the_configured_key_is_trusted(aoti_export, tmp_pat
     monkeypatch.setenv(KEY_ENV, "another key of 32 bytes, not it!")
     with pytest.raises(UserError, match="does not verify"):
         load_artifact(path)
+
+
+def test_a_pt2_that_is_not_a_regular_file_is_refused_before_any_loader(tmp_path) -> None:
+    """A device (or FIFO) named .pt2 used to skip the trust decision and go to AOTInductor's loader."""
+    from torchcls.governance.trust import decide
+
+    device = tmp_path / "model.pt2"
+    device.symlink_to("/dev/null")
+    with pytest.raises(UserError, match=r"model\.pt2: a \.pt2 artifact must be a regular file"):
+        load_artifact(device)
+    fifo = tmp_path / "fifo.pt2"
+    os.mkfifo(fifo)
+    with pytest.raises(UserError, match="must be a regular file"):  # (hashing it would wait for a writer forever)
+        decide(fifo)
+
+
+def _sidecar_naming(tmp_path: Path, log_text: bytes) -> Path:
+    path = tmp_path / "model.pt2"
+    path.write_bytes(b"not a package")
+    (tmp_path / "audit.jsonl").write_bytes(log_text)
+    (tmp_path / "model.pt2.lineage.json").write_text(json.dumps(
+        {"artifact_id": "a1", "audit_log": str(tmp_path / "audit.jsonl"), "chain_head": {"seq": 0, "hash": "x"}}))
+    return path
+
+
+def test_the_audit_log_a_sidecar_names_is_read_only_under_a_key_and_line_by_bounded_line(
+        tmp_path, monkeypatch, no_exports_here) -> None:
+    """The sidecar comes with the file and names any file as its audit log: a huge one-line file was read
+    whole (memory) before the missing key was noticed. Now no key: the log is not opened; a key: a line
+    longer than any record is refused from a bounded read, before the log is parsed."""
+    from torchcls.governance import trust
+
+    def not_read(self):
+        raise AssertionError(f"{self.path} was parsed")
+
+    monkeypatch.setattr(AuditLog, "records", not_read)
+    monkeypatch.delenv(KEY_ENV, raising=False)
+    path = _sidecar_naming(tmp_path, b"[" * (3 << 20))
+    with pytest.raises(UserError, match="names the audit log .* but no audit key is configured"):
+        trust.decide(path)
+    monkeypatch.setenv(KEY_ENV, "k" * 32)
+    with pytest.raises(UserError, match=rf"line 2 of its audit log .* longer than any record \({trust.MAX_LINE} bytes"):
+        trust.decide(_sidecar_naming(tmp_path, b"{}\n" + b"[" * (3 << 20)))
+
+
+def test_export_publishes_the_digest_taken_right_after_the_build(tmp_path, monkeypatch) -> None:
+    """The digest that `export` records (and registers) is the built file's, taken before the file is loaded
+    back (a .pt2 is native code); a file that changed after its build is not published."""
+    from torchcls.artifacts import exporter
+
+    built = b"the package as built"
+    record = tmp_path / "exports.jsonl"
+    monkeypatch.setenv(RECORD_ENV, str(record))
+
+    class Plan:
+        label = "fp32"
+
+        def build(self, ep, info, tmp, extra):
+            Path(tmp).write_bytes(built)
+            return {}
+
+    class Target:
+        def load(self, tmp, device):
+            with open(tmp, "ab") as f:  # what loading native code could do to the file
+                f.write(b" and then changed")
+            return "loaded"
+
+    tmp, out = tmp_path / ".model.partial.pt2", tmp_path / "model.pt2"
+    info = type("Info", (), {"target": "aoti"})()
+    report, artifact, digest = exporter._build_and_load(Plan(), Target(), None, info, tmp, {}, "cpu")
+    assert artifact == "loaded" and digest == sha256_bytes(built)
+    with pytest.raises(UserError, match="changed between its build and its publication"):
+        exporter._publish(tmp, out, digest)
+    assert not out.exists() and not record.exists()
+    tmp.write_bytes(built)
+    exporter._publish(tmp, out, digest)
+    assert json.loads(record.read_text())["sha256"] == digest == sha256_file(out)
+

@@ -78,7 +78,10 @@ def load_artifact(path: str | Path, expect_sha256: str | None = None, device: st
         raise UserError(f"--precision {precision}: choose auto, fp32 or bf16")
     if not path.exists():
         raise UserError(f"artifact {path} does not exist")
-    if path.suffix == ".pt2" and path.is_file():
+    if path.suffix == ".pt2":  # whatever the file is: only the trust decision may let native code load
+        if not path.is_file():
+            raise UserError(f"{path}: a .pt2 artifact must be a regular file (an AOTInductor package), not a "
+                            "directory, FIFO or device: refusing it")
         return _as_exported(_load_native(path, expect_sha256, device, trust), precision)
     from torchcls.governance.artifacts import check_pinned_sha256
 

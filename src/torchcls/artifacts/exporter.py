@@ -108,7 +108,7 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     at = dev if target == "aoti" else torch.device("cpu")
     ep = capture(copy.deepcopy(model).to(at), info, at)
     with _partial_file(path) as tmp:
-        report, artifact = _build_and_load(plan, tgt, ep, info, tmp, extra, dev)
+        report, artifact, digest = _build_and_load(plan, tgt, ep, info, tmp, extra, dev)
         # The eager reference runs on the same device (early-exit models: on the CPU, where their exits are chosen).
         reference = model if early_exit or dev.type == "cpu" else OnDevice(model, dev)
         phase(f"parity on {len(images)} held-out images")
@@ -126,11 +126,11 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
         parity_path = path.parent / "parity.json"
         atomic_write(parity_path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
         _make_readable(parity_path)
-        _publish(tmp, path)
+        _publish(tmp, path, digest)
     from torchcls.governance.artifacts import register_export  # the checkpoint's run has lineage: record it
 
     register_export(path, ckpt, {"target": target, "precision": plan.label,
-                                 "top1_agreement": parity["top1_agreement"]})
+                                 "top1_agreement": parity["top1_agreement"]}, sha256=digest)
     return ExportResult(path, parity_path, parity, info)
 
 
@@ -166,12 +166,15 @@ class OnDevice(nn.Module):
 
 
 def _build_and_load(plan: Plan, tgt, ep: torch.export.ExportedProgram, info: ArtifactInfo, tmp: Path,
-                    extra: dict[str, str], dev: torch.device) -> tuple[dict[str, Any], LoadedArtifact]:
-    """Build the artifact under its temporary name, then load it back with the user's loader."""
+                    extra: dict[str, str], dev: torch.device) -> tuple[dict[str, Any], LoadedArtifact, str]:
+    """Build the artifact under its temporary name, hash it, then load it back with the user's loader.
+    The digest (the one published and registered) is taken before the file is loaded: a .pt2 is native
+    code, and what its loading or anything after it does to the file must not be what gets vouched for."""
     phase(f"build ({info.target} {plan.label})")
     report = plan.build(ep, info, tmp, extra)
+    digest = sha256_file(tmp)
     phase("load back")
-    return report, tgt.load(tmp, device=str(dev))
+    return report, tgt.load(tmp, device=str(dev)), digest
 
 
 def capture(model: nn.Module, info: ArtifactInfo, device: torch.device | str = "cpu") -> torch.export.ExportedProgram:
@@ -271,9 +274,12 @@ def _partial_file(path: Path) -> Iterator[Path]:
         Path(name).unlink(missing_ok=True)
 
 
-def _publish(tmp: Path, path: Path) -> None:
+def _publish(tmp: Path, path: Path, digest: str) -> None:
+    """Rename the file built and checked into place, if it still is what was built (`digest`)."""
     _make_readable(tmp)
-    digest = sha256_file(tmp)  # of the file built and checked, before it is visible under its name
+    if sha256_file(tmp) != digest:
+        raise UserError(f"{tmp} changed between its build and its publication: nothing was published to {path}; "
+                        "export again")
     os.replace(tmp, path)
     record_export(path, digest)  # loading what this machine exported needs no flag (a .pt2 is native code)
 

@@ -60,12 +60,14 @@ def read_lineage(path: str | Path) -> dict[str, Any] | None:
 
 
 def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str = "export",
-                      details: dict[str, Any] | None = None, key_file: str | None = None) -> str:
+                      details: dict[str, Any] | None = None, key_file: str | None = None,
+                      sha256: str | None = None) -> str:
     """For exporters: record `path` (built from `source_checkpoint`) in the audit log; returns its lineage id.
 
     The source checkpoint must carry a lineage id (runs stamp theirs); the new artifact gets a
     sidecar naming its own id, its parent and the hash of its audit record (the log's head, pinned),
     and the log gets both files' hashes, signed with the audit key when one is set (keys.load_key).
+    `sha256`: the artifact's digest as its builder took it (else it is hashed here, where it lies now).
     """
     path, source_checkpoint = Path(path), Path(source_checkpoint)
     if not path.is_file():
@@ -78,7 +80,7 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]))
     record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
                                      "parent_sha256": sha256_file(source_checkpoint), "path": str(path.resolve()),
-                                     "sha256": sha256_file(path), "artifact_kind": kind, "details": details or {}})
+                                     "sha256": sha256 or sha256_file(path), "artifact_kind": kind, "details": details or {}})
     lineage = {"run_id": parent["run_id"], "artifact_id": artifact_id, "audit_log": parent["audit_log"],
                "outputs": parent.get("outputs", {}), "chain_head": {"seq": record["seq"], "hash": record["hash"]},
                **{k: parent[k] for k in ("policy", "key_id") if k in parent}}
@@ -86,13 +88,15 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     return artifact_id
 
 
-def register_export(path: Path, checkpoint: Path, details: dict[str, Any]) -> str | None:
-    """`torchcls export`: register the published artifact when its checkpoint carries a lineage id."""
+def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha256: str | None = None) -> str | None:
+    """`torchcls export`: register the published artifact (`sha256`: its digest taken right after the
+    build) when its checkpoint carries a lineage id."""
     parent = read_lineage(checkpoint)
     if parent is None or not Path(parent.get("audit_log", "")).is_file():
         return None
     try:
-        return register_artifact(path, checkpoint, kind=f"export-{details.get('target', '')}", details=details)
+        return register_artifact(path, checkpoint, kind=f"export-{details.get('target', '')}", details=details,
+                                 sha256=sha256)
     except UserError as e:
         raise UserError(f"{path} was exported but not registered in the audit log: {e}") from None
 

@@ -6,9 +6,10 @@ is read, so a `.pt2` from elsewhere is code, as a pickle is. It is loaded only w
 1. its SHA-256 equals `--expect-sha256` (the digest its publisher gave you);
 2. `torchcls export` on this machine published a file with this digest (the export record below:
    your own export -> serve path needs no flag);
-3. its registration in the audit log verifies under the audit key you configured (TORCHCLS_AUDIT_KEY
-   or --audit-key-file): the sidecar's artifact record holds this digest, every record of the log
-   is intact, signed with your key, and the sidecar's pin matches;
+3. its registration in the audit log verifies under the audit key in TORCHCLS_AUDIT_KEY (the loaders,
+   `predict`, `serve` and load_artifact, read it from the environment only; --audit-key-file belongs to
+   the commands that write or verify the log): the sidecar's artifact record holds this digest, every
+   record of the log is intact, signed with your key, and the sidecar's pin matches;
 4. the user says so: `--trust-artifact`.
 
 Why a registration counts only under a key: without one, an artifact, its sidecar and an audit log
@@ -34,6 +35,7 @@ from torchcls.governance.lineage import AuditLog, record_hash
 
 RECORD_ENV = "TORCHCLS_EXPORT_RECORD"
 TRUST_FLAG = "--trust-artifact"
+MAX_LINE = 1 << 20  # an audit record or a sidecar is a few hundred bytes
 
 
 @dataclass(frozen=True)
@@ -77,33 +79,60 @@ def _exported_here(digest: str) -> str | None:
 
 
 def _registered(path: Path, digest: str) -> tuple[str | None, str]:
-    """(reason it verifies, None) or (None, why it does not)."""
+    """(reason it verifies, None) or (None, why it does not). The sidecar and the log it names come with
+    the file, so they are read only as far as needed: the key is checked before the log is opened, and
+    no line of it is read whole beyond MAX_LINE."""
+    side = sidecar(path)
     try:
-        lineage = json.loads(sidecar(path).read_text())
+        lineage = json.loads(_read_small(side))
         log = AuditLog(Path(str(lineage["audit_log"])))
         artifact_id, pin = lineage["artifact_id"], dict(lineage["chain_head"])
     except (OSError, ValueError, KeyError, TypeError):
-        return None, f"no readable registration ({sidecar(path).name})"
+        return None, f"no readable registration ({side.name})"
     if not log.path.is_file():
         return None, f"its registration names {log.path}, which does not exist"
+    key = load_key(None, near=[log.path.parent])
+    if key is None:
+        return None, (f"its registration names the audit log {log.path}, but no audit key is configured ({KEY_ENV}): "
+                      "without one a registration can be forged along with the file")
+    long_line = _first_long_line(log.path)
+    if long_line is not None:
+        return None, f"line {long_line} of its audit log {log.path} is longer than any record ({MAX_LINE} bytes)"
     mine = [r for _, r, _ in log.records() if r and r.get("kind") == "artifact" and r.get("artifact_id") == artifact_id]
     if not mine or mine[-1].get("hash") != record_hash(mine[-1]) or pin.get("hash") != mine[-1]["hash"]:
         return None, f"its record in {log.path} is missing or does not match the sidecar's pin"
     if mine[-1].get("sha256") != digest:
         return None, f"its SHA-256 {digest[:16]}… differs from the one registered in {log.path}: the file changed"
-    key = load_key(None, near=[log.path.parent])
-    if key is None:
-        return None, (f"it is registered in {log.path}, but no audit key is configured ({KEY_ENV}): without one a "
-                      "registration can be forged along with the file")
     broken = [p for p in log.check_chain() if not p.torn] + log.check_signatures(key)
     if broken:
         return None, f"its audit log {log.path} does not verify ({broken[0]})"
     return f"registered in {log.path} (seq {mine[-1]['seq']}), signed with the configured audit key", ""
 
 
+def _read_small(path: Path) -> str:
+    if not path.is_file():  # (a FIFO would block the read)
+        raise OSError(f"{path} is not a regular file")
+    with open(path, "rb") as f:
+        data = f.read(MAX_LINE + 1)
+    if len(data) > MAX_LINE:
+        raise ValueError(f"{path} is larger than a sidecar")
+    return data.decode()
+
+
+def _first_long_line(path: Path) -> int | None:
+    """The number of the first line longer than MAX_LINE, read in bounded pieces; None when there is none."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), start=1):
+            if len(line) > MAX_LINE:
+                return n
+    return None
+
+
 def decide(path: str | Path, expect_sha256: str | None = None, trust: bool = False) -> Trust:
     """The trust decision for loading native code from `path`; a UserError naming the ways to trust it otherwise."""
     path = Path(path)
+    if not path.is_file():  # a FIFO or a device would block or never end the hash
+        raise UserError(f"{path}: a .pt2 must be a regular file (an AOTInductor package); this is not one: refusing it")
     digest = sha256_file(path)
     if expect_sha256 is not None:
         if not looks_like_sha256(expect_sha256):
