@@ -164,6 +164,25 @@ class Service:
         return torch.stack(tensors)
 
 
+def probe_answers(ready_now: Callable[[], bool], metrics: ServeMetrics) -> dict[str, Callable]:
+    """path -> the coroutine function answering GET on it: the health probes and /metrics, the same on the API's
+    port and on --probe-port's, whose thread calls them too (they only read an Event and prometheus_client's
+    locked values)."""
+
+    async def live() -> Response:
+        return json_response({"live": True})
+
+    # The protocol answers health questions with the status: 200 = true, 4xx = false.
+    async def ready() -> Response:
+        return json_response({"ready": ready_now()}, 200 if ready_now() else 400)
+
+    async def prometheus() -> Response:
+        body, content_type = metrics.render()
+        return Response(body, media_type=content_type)
+
+    return {"/v2/health/live": live, "/v2/health/ready": ready, "/metrics": prometheus}
+
+
 def add_info_routes(app: FastAPI, svc: Service, metrics: ServeMetrics) -> None:
     ready_now = svc.batcher.ready.is_set
 
@@ -173,14 +192,9 @@ def add_info_routes(app: FastAPI, svc: Service, metrics: ServeMetrics) -> None:
 
         return json_response({"name": "torchcls", "version": __version__, "extensions": ["binary_tensor_data"]})
 
-    @app.get("/v2/health/live")
-    async def live() -> Response:
-        return json_response({"live": True})
-
-    # The protocol answers health questions with the status: 200 = true, 4xx = false.
-    @app.get("/v2/health/ready")
-    async def ready() -> Response:
-        return json_response({"ready": ready_now()}, 200 if ready_now() else 400)
+    app.state.probes = probe_answers(ready_now, metrics)  # also served on --probe-port (serve/probes.py)
+    for path, answer in app.state.probes.items():
+        app.get(path)(answer)
 
     @app.get("/v2/models/{model_name}")
     async def model_metadata(model_name: str) -> Response:
@@ -191,11 +205,6 @@ def add_info_routes(app: FastAPI, svc: Service, metrics: ServeMetrics) -> None:
     async def model_ready(model_name: str) -> Response:
         svc.check_model(model_name)
         return json_response({"name": svc.name, "ready": ready_now()}, 200 if ready_now() else 400)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        body, content_type = metrics.render()
-        return Response(body, media_type=content_type)
 
 
 def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:

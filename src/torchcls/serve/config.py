@@ -16,6 +16,10 @@ TOKEN_ENV = "TORCHCLS_SERVE_TOKEN"
 class ServeConfig:
     host: str = opt("127.0.0.1", "address to listen on (localhost by default; 0.0.0.0 exposes the server)")
     port: int = opt(8080, "TCP port")
+    probe_port: int | None = opt(None, "also answer the health probes and /metrics (nothing else) on this TCP port, "
+                                 "from a thread and event loop of their own with a small connection cap, so that "
+                                 "load on --port cannot delay them (Kubernetes probes time out after 1 s). Same "
+                                 "--host; default: off (they are always answered on --port as well)")
     token: str | None = opt(None, "require 'Authorization: Bearer TOKEN' on every endpoint except the health "
                             f"probes (default: the {TOKEN_ENV} environment variable; unset = no auth)")
     name: str | None = opt(None, "model name in /v2/models/NAME (default: the artifact's name)")
@@ -39,6 +43,9 @@ class ServeConfig:
                                   "the server was not reading does not count): after a 2 s grace, a body that "
                                   "fell behind it gets 408; at --max-connections, a body below it is the first "
                                   "closed (408) to make room for a new connection. 0 = no minimum")
+    send_timeout: float = opt(30.0, "seconds an answer may wait for its client to read it (the server's write buffer "
+                              "full all along); then the connection is closed at once. At --max-connections such a "
+                              "connection is closed to make room for a new one")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")

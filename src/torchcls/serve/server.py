@@ -25,12 +25,18 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
     if not 0 <= cfg.port <= 65535:
         raise UserError(f"--port {cfg.port} is not a TCP port (0-65535)")
+    if cfg.probe_port is not None and not 0 <= cfg.probe_port <= 65535:
+        raise UserError(f"--probe-port {cfg.probe_port} is not a TCP port (0-65535)")
+    if cfg.probe_port == cfg.port != 0:
+        raise UserError(f"--probe-port {cfg.probe_port} is --port's: the probe port must be another one (leave "
+                        "--probe-port out to answer the probes on --port only)")
     if not 0 <= cfg.max_batch <= artifact_max_batch:
         raise UserError(f"--max-batch {cfg.max_batch} must be between 1 and the artifact's max batch "
                         f"{artifact_max_batch} (0 = use the artifact's)")
     for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb),
                         ("--max-connections", cfg.max_connections), ("--max-inflight-mb", cfg.max_inflight_mb),
-                        ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout)):
+                        ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout),
+                        ("--send-timeout", cfg.send_timeout)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
     if cfg.max_body_mb > cfg.max_inflight_mb:
@@ -52,13 +58,13 @@ def _protocol(cfg: ServeConfig, metrics):
     from torchcls.serve.protocol import ConnectionLimits, protocol_class
 
     limits = ConnectionLimits(cfg.max_connections, int(cfg.max_header_kb * 1024), cfg.header_timeout,
-                              cfg.body_timeout, cfg.min_body_rate_kb * 1024)
+                              cfg.body_timeout, cfg.min_body_rate_kb * 1024, cfg.send_timeout)
     cls, count_open = protocol_class(limits, lambda reason: metrics.closed.labels(reason).inc())
     metrics.open_connections.set_function(count_open)
     return cls
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     """Bind here so that a busy port is a clear message, not a uvicorn traceback."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
@@ -66,7 +72,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
     except OSError as e:
-        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another --port or --host") from None
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); pick another {flag} or --host") from None
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -85,6 +91,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
 
     from torchcls.artifacts.artifact import load_artifact
     from torchcls.serve.app import create_app
+    from torchcls.serve.probes import start_probe_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
     from torchcls.governance.artifacts import refuse_forbidden_predictions
@@ -102,6 +109,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     token = cfg.token or os.environ.get(TOKEN_ENV) or None
     sock = _bind(cfg.host, cfg.port)
+    probe_sock = _bind(cfg.host, cfg.probe_port, "--probe-port") if cfg.probe_port is not None else None
     server: uvicorn.Server | None = None
     failure: list[BaseException] = []
     name = cfg.name or artifact.info.name
@@ -128,7 +136,12 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     stopped_by: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda s, _frame: stopped_by.append(s))
-    server.run(sockets=[sock])
+    probes = start_probe_server(app, probe_sock, token) if probe_sock is not None else None
+    try:
+        server.run(sockets=[sock])
+    finally:
+        if probes is not None:
+            probes.stop()  # after the drain: the probes are answered until the last accepted request is
     if stopped_by:
         log.info("stopped by %s after answering every accepted request", signal.Signals(stopped_by[0]).name)
     if failure:
