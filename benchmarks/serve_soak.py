@@ -29,6 +29,9 @@ connections and 1,100 trickled bodies against the default --max-connections 1024
 4 x 256 MiB headers):
 
     python benchmarks/serve_soak.py --requests 10000 --concurrency 32 --json-out soak.json
+
+With --probe-port PORT (0 = a free one) the server gets `--probe-port` and the health probes are measured
+there, the headline probe figures are that port's, and the API's port is probed side by side.
 """
 
 from __future__ import annotations
@@ -223,8 +226,8 @@ def tree_rss_mb(pid: int) -> float:
     return total / 2**20
 
 
-async def monitor(port: int, pid: int, state: dict, done: asyncio.Event) -> None:
-    """RSS peak and health-probe latency, sampled while the soak runs."""
+async def monitor(port: int, pid: int, state: dict, done: asyncio.Event, key: str = "probes") -> None:
+    """RSS peak and health-probe latency (in state[key]), sampled while the soak runs."""
     while not done.is_set():
         state["rss_peak_mb"] = max(state["rss_peak_mb"], tree_rss_mb(pid))
         t0 = time.perf_counter()
@@ -233,9 +236,9 @@ async def monitor(port: int, pid: int, state: dict, done: asyncio.Event) -> None
             writer.write(http("GET", "/v2/health/live", headers={"Connection": "close"}))
             status, _ = await asyncio.wait_for(read_response(reader), 30)
             writer.close()
-            state["probes"].append((status, time.perf_counter() - t0))
+            state[key].append((status, time.perf_counter() - t0))
         except (OSError, asyncio.TimeoutError, asyncio.IncompleteReadError):
-            state["probes"].append((0, time.perf_counter() - t0))
+            state[key].append((0, time.perf_counter() - t0))
         try:
             await asyncio.wait_for(done.wait(), 0.5)
         except asyncio.TimeoutError:
@@ -243,14 +246,17 @@ async def monitor(port: int, pid: int, state: dict, done: asyncio.Event) -> None
 
 
 async def soak(port: int, pid: int, kinds: list[str], requests: dict, concurrency: int, timeout: float,
-               request_timeout: float, attack=None) -> dict:
-    """`attack()` -> an AttackProcess (serve_attacks.py): attackers that run until the soak's clients are done."""
+               request_timeout: float, attack=None, probe_port: int | None = None) -> dict:
+    """`attack()` -> an AttackProcess (serve_attacks.py): attackers that run until the soak's clients are done.
+    The health probes go to `probe_port` (the server's --probe-port) when given, else to the API's port."""
     state = {"deadline": time.monotonic() + timeout, "sent": Counter(), "lost": Counter(),
              "lost_reasons": Counter(), "answers": [], "probes": [], "rss_peak_mb": 0.0, "retried_idle_closed": 0,
-             "refused_by": Counter()}
+             "refused_by": Counter(), "api_port_probes": []}
     queue = list(reversed(kinds))  # pop() from the end takes them in schedule order
     done = asyncio.Event()
-    watcher = asyncio.create_task(monitor(port, pid, state, done))
+    watcher = asyncio.create_task(monitor(probe_port or port, pid, state, done))
+    # With a probe port, the API's port is probed as well, side by side: what --probe-port changes
+    api_watcher = asyncio.create_task(monitor(port, pid, state, done, "api_port_probes")) if probe_port else None
     attackers = attack() if attack else None
     if attackers:
         await asyncio.get_running_loop().run_in_executor(None, attackers.wait_started)
@@ -260,6 +266,8 @@ async def soak(port: int, pid: int, kinds: list[str], requests: dict, concurrenc
     state["seconds"] = time.perf_counter() - t0
     done.set()
     await watcher
+    if api_watcher is not None:
+        await api_watcher
     state["attacks"] = await asyncio.get_running_loop().run_in_executor(None, attackers.finish) if attackers else {}
     state["unsent"] = len(queue)
     return state
@@ -299,17 +307,21 @@ def summarise(state: dict, requests: dict, good: dict) -> dict:
         "probe_p99_ms": pct(probes, 0.99), "probe_max_ms": max(probes, default=float("nan")) * 1e3,
         "probes_failed": sum(1 for s, _ in state["probes"] if s != 200), "probes": len(state["probes"]),
         "probe_failures": dict(Counter(str(s) for s, _ in state["probes"] if s != 200)),
+        "api_port_probe_p99_ms": pct([sec for _, sec in state["api_port_probes"]], 0.99),
+        "api_port_probes_failed": sum(1 for s, _ in state["api_port_probes"] if s != 200),
         "retried_idle_closed": state["retried_idle_closed"], "attacks": state.get("attacks", {}),
         "rss_peak_mb": state["rss_peak_mb"], "by_kind": by_kind,
     }
 
 
-def start_server(artifact: str, port: int, args: argparse.Namespace, log: Path) -> subprocess.Popen:
+def start_server(artifact: str, port: int, args: argparse.Namespace, log: Path,
+                 probe_port: int | None = None) -> subprocess.Popen:
     """The server, its log in `log`: a pipe that nobody reads while the soak runs would fill, and the
     server would block on its next log line."""
     cmd = [sys.executable, "-m", "torchcls", "serve", artifact, "--port", str(port), "--max-batch",
            str(args.max_batch), "--max-wait-ms", str(args.max_wait_ms), "--max-body-mb", str(args.max_body_mb),
            "--threads", str(args.threads), *shlex.split(args.serve_args)]
+    cmd += ["--probe-port", str(probe_port)] if probe_port else []
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=out)
     deadline = time.monotonic() + 300
@@ -334,12 +346,20 @@ def markdown(r: dict) -> str:
 
     return (f"Machine: {machine_line(r['machine'])}, server threads {r['machine']['server_threads']}\n\n"
             f"{r['model']} ({r['input_shape']}), {r['sent']} requests ({r['hostile_sent']} hostile) from "
-            f"{r['concurrency']} clients in {r['seconds']:.0f} s\n\n"
+            f"{r['concurrency']} clients in {r['seconds']:.0f} s; health probes on {r['probes_on']}\n\n"
             f"| 5xx (not 503) | lost | 503 | wrong status | p50 ms | p99 ms | probe p99 ms | RSS before MB | "
             f"RSS peak MB | RSS after MB |\n|---|---|---|---|---|---|---|---|---|---|\n"
             f"| {r['server_errors_5xx']} | {r['lost']} | {r['rejected_503']} | {r['wrong_status']} | "
             f"{r['p50_ms']:.1f} | {r['p99_ms']:.1f} | {r['probe_p99_ms']:.1f} | {r['rss_before_mb']:.0f} | "
-            f"{r['rss_peak_mb']:.0f} | {r['rss_after_mb']:.0f} |\n\n" + "\n".join(rows) + attack_table(r))
+            f"{r['rss_peak_mb']:.0f} | {r['rss_after_mb']:.0f} |\n\n" + api_port_probes(r) + "\n".join(rows)
+            + attack_table(r))
+
+
+def api_port_probes(r: dict) -> str:
+    if not r.get("probe_port"):
+        return ""
+    return (f"Meanwhile on the API's port: health probe p99 {r['api_port_probe_p99_ms']:.1f} ms, "
+            f"{r['api_port_probes_failed']} failed\n\n")
 
 
 def attack_table(r: dict) -> str:
@@ -383,6 +403,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-body-mb", type=float, default=32.0)
     p.add_argument("--threads", type=int, default=1, help="torch threads of the server's model")
     p.add_argument("--json-out", help="also write the JSON result here")
+    p.add_argument("--probe-port", type=int, help="start the server with `--probe-port PORT` (0 = a free one) and "
+                   "send the health probes there (default: on the API's port, as without it)")
     p.add_argument("--serve-args", default="", help="more flags for `torchcls serve` (e.g. '--header-timeout 2')")
     p.add_argument("--attacks", default=",".join(ATTACKS),
                    help=f"attack kinds run during the soak, comma-separated, or 'none' (default: all of {ATTACKS})")
@@ -413,7 +435,8 @@ def main() -> int:
         requests = {**good, **hostile, **heavy}
         kinds = schedule(args.requests, good, hostile, heavy, args.heavy_every)
         port = free_port()
-        server = start_server(path, port, args, Path(tmp) / "server.log")
+        probe_port = None if args.probe_port is None else args.probe_port or free_port()
+        server = start_server(path, port, args, Path(tmp) / "server.log", probe_port)
         try:
             asyncio.run(soak(port, server.pid, [next(iter(good))] * args.concurrency, requests, args.concurrency,
                              60, args.request_timeout))  # warm the connections and the batcher
@@ -425,7 +448,8 @@ def main() -> int:
             shape = [1, pre.channels, pre.img_size, pre.img_size]
             state = asyncio.run(soak(port, server.pid, kinds, requests, args.concurrency, args.timeout,
                                      args.request_timeout,
-                                     lambda: AttackProcess(chosen, port, info.name, shape, args) if chosen else None))
+                                     lambda: AttackProcess(chosen, port, info.name, shape, args) if chosen else None,
+                                     probe_port))
             time.sleep(1.0)
             rss_after = tree_rss_mb(server.pid)
             counts = server_counts(port) | {"peak RSS since start (VmHWM) MB": round(peak_rss_mb(server.pid))}
@@ -440,7 +464,8 @@ def main() -> int:
               "input_shape": [1, pre.channels, pre.img_size, pre.img_size], "concurrency": args.concurrency,
               "requests": args.requests, "max_batch": args.max_batch, "cpu_count": psutil.cpu_count(),
               **summarise(state, requests, good), "rss_before_mb": rss_before, "rss_after_mb": rss_after,
-              "server_exit_code": exit_code,
+              "server_exit_code": exit_code, "probe_port": probe_port,
+              "probes_on": f"the probe port (--probe-port {probe_port})" if probe_port else "the API's port",
               "machine": describe_machine(info.precision) | {"server_threads": args.threads}}
     result["server_counts"] = counts
     print(json.dumps(result, indent=2))
