@@ -190,16 +190,20 @@ def _check_entry(fqn: str, info: _StorageInfo, root: Path, sizes: dict[str, int]
         except OSError:
             st = None
         if st is None or not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{where}: entry {fqn[:80]!r} is stored in {name}, which is not a regular file in {root} "
+            raise UserError(f"{where}: entry {fqn[:80]!r} is stored in {name[:200]!r}, which is not a regular file in {root} "
                             "(missing, a link or a device): refused before anything was read")
         sizes[name] = st.st_size
     offset, length = info.offset, info.length
     if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > sizes[name]:
-        raise UserError(f"{where}: entry {fqn[:80]!r} claims bytes {str(offset)[:30]}+{str(length)[:30]} of {name}, "
+        raise UserError(f"{where}: entry {fqn[:80]!r} claims bytes {str(offset)[:30]}+{str(length)[:30]} of {name[:200]!r}, "
                         f"which holds {sizes[name]}: the checkpoint is damaged or crafted; refused")
     if info.transform_descriptors:  # compression and the like: a few bytes could expand without bound
-        raise UserError(f"{where}: entry {fqn[:80]!r} is stored through transforms ({str(info.transform_descriptors)[:80]}),"
+        raise UserError(f"{where}: entry {fqn[:80]!r} is stored through transforms ({repr(info.transform_descriptors)[:80]}),"
                         " which torchcls never writes: refused")
+
+
+def _shown(e: Exception) -> str:
+    return repr(str(e)[:200])[1:-1]  # the text comes from the file: no control characters reach the terminal
 
 
 def _is_shape(size: Any) -> bool:
@@ -234,7 +238,7 @@ class SafeReader(FileSystemReader):
             try:
                 metadata = _MetadataUnpickler(f).load()
             except Exception as e:  # noqa: BLE001 - whatever a crafted file makes an allowed type raise
-                raise UserError(f"{self.path}: refused to load its .metadata ({type(e).__name__}: {str(e)[:200]}); "
+                raise UserError(f"{self.path}: refused to load its .metadata ({type(e).__name__}: {_shown(e)}); "
                                 "a distributed checkpoint holds only DCP metadata types, so this one is damaged or "
                                 "was not written by torch.distributed.checkpoint. Nothing from it was run") from None
         if not isinstance(metadata, Metadata):
