@@ -1,11 +1,12 @@
 """The bounds of `torchcls serve` against slow, large and vanishing clients, over real sockets on 127.0.0.1.
 
-One real server with short deadlines (--header-timeout 1.5, --body-timeout 4) and small caps
-(--max-header-kb 4, --max-connections 8, --max-inflight-mb 64): slow headers and bodies are cut off,
-oversized headers get 431, a body that does not fit the in-flight budget gets 503 before it is read,
-31 MiB parse bombs are refused at a small CPU cost while a normal infer is answered, the probes are
-answered at the connection cap, a client leaving mid-body is a 499 with one log line, and binary
-outputs reach the real tritonclient as binary.
+One real server with short deadlines (--header-timeout 1.5, --body-timeout 4, --send-timeout 2) and
+small caps (--max-header-kb 4, --max-connections 8, --max-inflight-mb 64): slow headers and bodies are
+cut off, oversized headers get 431, a body that does not fit the in-flight budget gets 503 before it is
+read, 31 MiB parse bombs are refused at a small CPU cost while a normal infer is answered, the probes
+are answered at the connection cap, a client leaving mid-body is a 499 with one log line, connections
+answered before their body, clients that never read and pipelining floods hold nothing for ever, and
+binary outputs reach the real tritonclient as binary.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ import torch
 httpx = pytest.importorskip("httpx")
 psutil = pytest.importorskip("psutil")
 from test_serve import free_port, images_of, infer_body, preprocessed  # noqa: E402
+from torchcls.serve.admission import ConnectionLimits, Connections  # noqa: E402
+from torchcls.serve.metrics import LOG_LINES_PER_S  # noqa: E402
+from torchcls.serve.pace import BodyPace  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MiB = 2**20
@@ -84,7 +88,7 @@ class LoggedServer:
 def bounded(trained_run, tmp_path_factory):
     s = LoggedServer(trained_run, tmp_path_factory.mktemp("bounds") / "serve.log", "--header-timeout", "1.5",
                      "--body-timeout", "4", "--max-header-kb", "4", "--max-connections", "8",
-                     "--max-body-mb", "32", "--max-inflight-mb", "64", "--max-batch", "8")
+                     "--max-body-mb", "32", "--max-inflight-mb", "64", "--max-batch", "8", "--send-timeout", "2")
     yield s
     assert s.stop() == 0
 
@@ -358,6 +362,174 @@ def test_a_client_leaving_mid_body_is_one_log_line_and_a_499(bounded):
     log = bounded.log.read_text()
     assert "client went away after 1,000 of 1,000,000 body bytes" in log
     assert "Traceback" not in log and "Exception in ASGI application" not in log
+
+
+def read_responses(sock: socket.socket, n: int) -> list[int]:
+    """The statuses of the next `n` answers on a keep-alive connection (each with a Content-Length)."""
+    buf, statuses = b"", []
+    while len(statuses) < n:
+        while b"\r\n\r\n" not in buf:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return statuses
+            buf += chunk
+        head, buf = buf.split(b"\r\n\r\n", 1)
+        length = int(re.search(rb"content-length: (\d+)", head, re.I).group(1))
+        while len(buf) < length:
+            buf += sock.recv(65536)
+        buf = buf[length:]
+        statuses.append(status_of(head))
+    return statuses
+
+
+def test_connections_answered_before_their_body_arrived_are_not_held(bounded, trained_run):
+    """A probe declaring a 1-byte body is answered at once; the byte comes after the answer. The old server
+    then held each such connection for ever (no deadline, in none of admission's groups): 8 + 64 of them
+    starved it, a real infer was closed unread. Now each waits for its next headers like any idle one:
+    closed to make room, and within --header-timeout."""
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    socks, statuses = [], Counter()
+    for _ in range(8 + 64):  # one after the other: while its byte is missing, a body is behind (closed at the cap)
+        s = connect(bounded, timeout=10)
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n")
+        statuses.update(read_responses(s, 1))
+        s.sendall(b"x")
+        socks.append(s)
+    assert statuses[200] >= 8 + 60, statuses
+    time.sleep(0.3)
+    r = httpx.post(f"{bounded.url}{INFER}", json=infer_body(x), timeout=5)
+    assert r.status_code == 200, r.text
+    assert sum(read_all(s) == b"" for s in socks) == len(socks)  # each closed (a socket timeout fails here)
+    for s in socks:
+        s.close()
+    early = connect(bounded)  # an honest client: a 404 before its body, then its next request on that connection
+    early.sendall(post_head(4000, "/v2/models/nope/infer"))
+    assert read_responses(early, 1) == [404]
+    early.sendall(b" " * 4000 + b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_responses(early, 1) == [200]
+    early.close()
+
+
+def never_reading(server: LoggedServer) -> socket.socket:
+    """A client with a 4 KiB receive window that pipelines ~6 MiB of requests, each answered with a 3 KiB 404
+    (the kernel's send buffer on loopback grows to 4 MiB), and never reads a byte."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: a small window
+    sock.connect(("127.0.0.1", server.port))
+    request = b"GET /v2/models/%s HTTP/1.1\r\nHost: x\r\n\r\n" % (b"n" * 3000)
+    threading.Thread(target=_send_quietly, args=(sock, request * 2000), daemon=True).start()
+    return sock
+
+
+def test_clients_that_never_read_are_cut_off_and_cannot_hold_a_slot(bounded, trained_run):
+    """The old server waited for a client that never reads for ever (uvicorn's send() awaits the drain): with
+    the cap full of them it answered every real infer 503. Now such a connection is aborted after
+    --send-timeout (2 s), and at the cap it is closed to make room."""
+    def cut() -> float:
+        return sum(bounded.metric("torchcls_connections_closed_total", reason=r) for r in ("send_timeout", "evicted_send"))
+
+    before = cut()
+    reader = never_reading(bounded)
+    deadline = time.monotonic() + 15
+    while cut() < before + 1:
+        assert time.monotonic() < deadline, "a client that never reads was held beyond --send-timeout"
+        time.sleep(0.1)
+    reader.close()
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    reader = never_reading(bounded)
+    time.sleep(1.0)  # its answers fill the buffers: writing pauses
+    holders = []
+    for _ in range(7):  # with the reader: the cap, no body behind the minimum rate (16 KiB: 16 s of credit)
+        h = connect(bounded)
+        h.sendall(post_head(1_000_000) + b"[" * 16384)
+        holders.append(h)
+    time.sleep(0.3)
+    r = httpx.post(f"{bounded.url}{INFER}", json=infer_body(x), timeout=5)
+    assert r.status_code == 200, r.text
+    assert cut() >= before + 2
+    for sock in (reader, *holders):
+        sock.close()
+
+
+def test_a_pipelining_flood_is_parsed_as_it_is_answered_and_pipelining_works(bounded, trained_run):
+    """2 MiB of 32-byte pipelined GETs on one connection: the old server parsed every one it read and queued
+    them (~8,000 per 256 KiB read, after each answer: +100s of MiB); now at most MAX_PIPELINE wait and the
+    rest of what was read waits unparsed. A few pipelined requests, an infer with a body among them, are
+    answered in order."""
+    proc = psutil.Process(bounded.proc.pid)
+    x = preprocessed(trained_run, [images_of(trained_run)[0][0]])
+    body = httpx.Request("POST", "/", json=infer_body(x)).content
+    few = connect(bounded)
+    few.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" + post_head(len(body)) + body
+                + b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n" + b"GET /nope HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert read_responses(few, 4) == [200, 200, 200, 404]
+    few.close()
+    rss_before = proc.memory_info().rss
+    flood = connect(bounded, timeout=10)
+    sender = threading.Thread(target=lambda: _send_quietly(flood, b"GET /v2/health/live HTTP/1.1\r\n\r\n" * 65536))
+    sender.start()
+    statuses = read_responses(flood, 600)
+    rss_after = proc.memory_info().rss
+    flood.close()
+    sender.join()
+    assert statuses == [200] * 600
+    assert (rss_after - rss_before) / MiB < 30, (rss_before / MiB, rss_after / MiB)
+
+
+def _send_quietly(sock: socket.socket, data: bytes) -> None:
+    try:
+        sock.sendall(data)
+    except OSError:  # closed by the reader when it has read enough
+        pass
+
+
+def test_an_upgrade_request_is_answered_closed_and_logged_sparingly(bounded):
+    """`Upgrade: h2c` (curl --http2 on http://): answered over HTTP/1.1 and closed; the old server kept the
+    connection and logged 2 warnings for each later read of it."""
+    before = bounded.log.read_text().count("nsupported upgrade")
+    for _ in range(12):
+        s = connect(bounded, timeout=10)
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n\r\n")
+        for _ in range(20):
+            time.sleep(0.005)
+            _send_quietly(s, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n")
+        assert status_of(read_all(s)) == 200
+        s.close()
+    assert bounded.log.read_text().count("nsupported upgrade") - before <= 2 * LOG_LINES_PER_S
+
+
+class _Flow:  # a TimedFlow that never holds: every second counts
+    holding = False
+
+    def held_s(self, now: float) -> float:
+        return 0.0
+
+
+class _Body:
+    def __init__(self, pace: BodyPace):
+        self.pace = pace
+
+    def evict(self) -> None:
+        raise AssertionError("none is behind")
+
+
+def test_a_new_connection_at_the_cap_does_not_look_at_every_body_that_keeps_up(monkeypatch):
+    """1,024 bodies ahead of the minimum rate: finding none behind looked at all 1,024 for each new connection
+    (thousands of connections a second saturated the loop); now each is looked at again only when it could be
+    behind."""
+    conns = Connections(ConnectionLimits(1024, 16384, 10, 60, min_body_rate=1024), lambda reason: None)
+    now = time.monotonic()
+    for _ in range(1024):
+        body = _Body(BodyPace(_Flow(), now))
+        body.pace.received = 10 * 1024  # 10 s ahead
+        conns.open.add(body)
+        conns.receiving(body)
+    looked = Counter()
+    behind = BodyPace.behind
+    monkeypatch.setattr(BodyPace, "behind", lambda pace, *a: looked.update([id(pace)]) or behind(pace, *a))
+    for _ in range(1000):
+        assert conns._victim() is None
+    assert sum(looked.values()) <= 1024, sum(looked.values())  # the old walk: 1,024,000
 
 
 TRITON_CLIENT = """

@@ -43,6 +43,9 @@ class ServeConfig:
                                   "the server was not reading does not count): after a 2 s grace, a body that "
                                   "fell behind it gets 408; at --max-connections, a body below it is the first "
                                   "closed (408) to make room for a new connection. 0 = no minimum")
+    send_timeout: float = opt(30.0, "seconds an answer may wait for its client to read it (the server's write buffer "
+                              "full all along); then the connection is closed at once. At --max-connections such a "
+                              "connection is closed to make room for a new one")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")

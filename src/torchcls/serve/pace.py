@@ -32,6 +32,9 @@ class TimedFlow(FlowControl):
     def __init__(self, transport) -> None:
         super().__init__(transport)
         self._held_s, self._since = 0.0, None
+        # Set while serve/protocol.py keeps bytes it has read but not parsed (a pipeline at its bound):
+        # uvicorn resumes reading after every answer and at every receive(), which would read on.
+        self.blocked = False
 
     @property
     def holding(self) -> bool:
@@ -46,6 +49,8 @@ class TimedFlow(FlowControl):
         super().pause_reading()
 
     def resume_reading(self) -> None:  # also called by each ASGI receive(): the app asks for the body
+        if self.blocked:
+            return
         if self._since is not None:
             self._held_s += time.monotonic() - self._since
             self._since = None
@@ -74,6 +79,11 @@ class BodyPace:
     def behind(self, now: float, min_rate: float) -> bool:
         """Below the minimum rate now, on average since the headers (never while the server is not asking)."""
         return not self.flow.holding and self.received < min_rate * self.asked_s(now)
+
+    def behind_at(self, now: float, min_rate: float) -> float:
+        """The earliest moment it can be behind (if no more bytes come and the server asks all along):
+        later bytes and the server's pauses only move it later."""
+        return now + self.received / min_rate - self.asked_s(now)
 
     def slack_s(self, now: float, min_rate: float) -> float:
         """Seconds left before the body is too slow (<= 0: it is). Constant for a body arriving at exactly

@@ -35,7 +35,8 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
                         f"{artifact_max_batch} (0 = use the artifact's)")
     for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb),
                         ("--max-connections", cfg.max_connections), ("--max-inflight-mb", cfg.max_inflight_mb),
-                        ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout)):
+                        ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout),
+                        ("--send-timeout", cfg.send_timeout)):
         if value <= 0:
             raise UserError(f"{flag} must be positive, got {value}")
     if cfg.max_body_mb > cfg.max_inflight_mb:
@@ -57,7 +58,7 @@ def _protocol(cfg: ServeConfig, metrics):
     from torchcls.serve.protocol import ConnectionLimits, protocol_class
 
     limits = ConnectionLimits(cfg.max_connections, int(cfg.max_header_kb * 1024), cfg.header_timeout,
-                              cfg.body_timeout, cfg.min_body_rate_kb * 1024)
+                              cfg.body_timeout, cfg.min_body_rate_kb * 1024, cfg.send_timeout)
     cls, count_open = protocol_class(limits, lambda reason: metrics.closed.labels(reason).inc())
     metrics.open_connections.set_function(count_open)
     return cls
