@@ -8,6 +8,12 @@
     large bodies   31 MiB JSON bodies, sent whole, by many clients at once
     parse bombs    31 MiB of `[],[],...` as an infer request's data
     disconnects    requests that close their connection halfway through the body
+    answered-early body  --early-clients connections that send a probe declaring a 1-byte body, read its
+                   answer, then send the byte and wait (uvicorn held such a connection for ever)
+    slow reader    --slow-readers connections (a 4 KiB receive window) that pipeline --reader-requests
+                   /metrics scrapes in one write and never read a byte (held for ever: no send timeout)
+    pipelining     --pipeline-clients connections that each write --pipeline-requests 32-byte GETs at
+                   once and read the answers (uvicorn queued every request it had read: ~8,000 per read)
 
 Each attacker reopens its connection when the server closes it and counts what it saw: the
 answers by status, connections the server closed ("closed": EOF or reset) and the longest time
@@ -22,12 +28,17 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing
+import re
+import socket
+import struct
 import time
 from collections import Counter
 from collections.abc import Callable
 
 MiB = 2**20
-ATTACKS = ("slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs", "disconnects")
+ATTACKS = ("slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs", "disconnects",
+           "answered-early body", "slow reader", "pipelining")
+TCP_CLOSE = 7  # tcpi_state (Linux): the server reset the connection, seen without reading from it
 
 
 def _head(method: str, path: str, length: int | None = None) -> bytes:
@@ -124,6 +135,79 @@ async def _send_whole(port: int, attack: Attack, stop: asyncio.Event, payload: b
         writer.close()
 
 
+async def _answered_early(port: int, attack: Attack, stop: asyncio.Event) -> None:
+    """A probe that declares a 1-byte body, its answer read, then the byte: held until the server closes."""
+    while not stop.is_set():
+        t0 = time.monotonic()
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            attack.connections += 1
+            writer.write(_head("GET", "/v2/health/live", 1) + b"\r\n")
+            status = await _answer(reader, 30)
+            writer.write(b"x")
+            await reader.read(65536)  # the rest of the answer, then EOF when the server closes
+            while not stop.is_set() and await reader.read(65536):
+                pass
+        except OSError:
+            attack.outcomes["connect failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        attack.outcomes["open at the end" if stop.is_set() else f"{status}, then closed"] += 1
+        attack.longest_s = max(attack.longest_s, time.monotonic() - t0)
+        writer.close()
+
+
+def _tcp_state(sock: socket.socket) -> int:
+    return struct.unpack("B", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1))[0]
+
+
+async def _slow_reader(port: int, attack: Attack, stop: asyncio.Event, requests: int) -> None:
+    """Pipeline `requests` /metrics scrapes with a 4 KiB receive window, never read; until the server resets it."""
+    loop = asyncio.get_running_loop()
+    payload = _head("GET", "/metrics") + b"\r\n"
+    while not stop.is_set():
+        t0 = time.monotonic()
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, ("127.0.0.1", port))
+            attack.connections += 1
+            await asyncio.wait_for(loop.sock_sendall(sock, payload * requests), 30)
+            while not stop.is_set() and _tcp_state(sock) != TCP_CLOSE:
+                await asyncio.sleep(0.2)
+            attack.outcomes["open at the end" if stop.is_set() else "closed"] += 1
+        except (OSError, asyncio.TimeoutError):
+            attack.outcomes["closed"] += 1
+        attack.longest_s = max(attack.longest_s, time.monotonic() - t0)
+        sock.close()
+
+
+async def _pipelining(port: int, attack: Attack, stop: asyncio.Event, requests: int) -> None:
+    """`requests` minimal GETs in one write, their answers read and counted by status; repeat."""
+    payload = b"GET /v2/health/live HTTP/1.1\r\n\r\n" * requests
+    while not stop.is_set():
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            attack.outcomes["connect failed"] += 1
+            await asyncio.sleep(0.5)
+            continue
+        attack.connections += 1
+        t0 = time.monotonic()
+        writer.write(payload)
+        try:
+            for _ in range(requests):
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
+                length = re.search(rb"content-length: (\d+)", head, re.I)
+                await reader.readexactly(int(length.group(1)) if length else 0)
+                attack.outcomes[_status(head)] += 1
+        except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, asyncio.TimeoutError):
+            attack.outcomes["closed"] += 1
+        attack.longest_s = max(attack.longest_s, time.monotonic() - t0)
+        writer.close()
+
+
 def plan(kinds: list[str], port: int, name: str, shape: list[int], args, stop: asyncio.Event
          ) -> tuple[dict[str, Attack], list]:
     """(kind -> its counters, the coroutines to run until `stop` is set) for the chosen attack kinds."""
@@ -155,6 +239,12 @@ def plan(kinds: list[str], port: int, name: str, shape: list[int], args, stop: a
         elif kind == "parse bombs":
             jobs += [_send_whole(port, attack, stop, _head("POST", infer, len(bomb)) + b"\r\n" + bomb)
                      for _ in range(args.bomb_clients)]
+        elif kind == "answered-early body":
+            jobs += [_answered_early(port, attack, stop) for _ in range(args.early_clients)]
+        elif kind == "slow reader":
+            jobs += [_slow_reader(port, attack, stop, args.reader_requests) for _ in range(args.slow_readers)]
+        elif kind == "pipelining":
+            jobs += [_pipelining(port, attack, stop, args.pipeline_requests) for _ in range(args.pipeline_clients)]
         elif kind == "disconnects":
             body = _head("POST", infer, len(zeros)) + b"\r\n" + zeros
             jobs += [_send_whole(port, attack, stop, body, cut=len(body) // 2) for _ in range(args.disconnect_clients)]

@@ -418,6 +418,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--large-body-clients", type=int, default=48, help="clients sending 31 MiB bodies at once")
     p.add_argument("--bomb-clients", type=int, default=2, help="clients sending 31 MiB of [],[],... as data")
     p.add_argument("--disconnect-clients", type=int, default=8, help="clients leaving halfway through a 31 MiB body")
+    p.add_argument("--early-clients", type=int, default=64,
+                   help="connections answered before their 1-byte body, which they send after the answer")
+    p.add_argument("--slow-readers", type=int, default=64, help="connections that pipeline scrapes and never read")
+    p.add_argument("--reader-requests", type=int, default=300, help="/metrics scrapes each slow reader pipelines")
+    p.add_argument("--pipeline-clients", type=int, default=2, help="connections pipelining --pipeline-requests GETs")
+    p.add_argument("--pipeline-requests", type=int, default=20_000, help="32-byte GETs written at once, then read")
     return p.parse_args()
 
 

@@ -22,8 +22,10 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
                         "--concurrency", "8", "--heavy-every", "0", "--timeout", "120", "--json-out", str(out),
                         "--slow-connections", "40", "--slow-bodies", "4", "--flood-bodies", "40", "--trickle-s", "0.5",
                         "--huge-header-clients", "2", "--huge-header-mb", "8", "--large-body-clients", "4",
-                        "--bomb-clients", "2", "--disconnect-clients", "2",
-                        "--serve-args", "--max-connections 32 --header-timeout 1 --body-timeout 2"],
+                        "--bomb-clients", "2", "--disconnect-clients", "2", "--early-clients", "16",
+                        "--slow-readers", "8", "--reader-requests", "300", "--pipeline-clients", "1",
+                        "--pipeline-requests", "2000",
+                        "--serve-args", "--max-connections 32 --header-timeout 1 --body-timeout 2 --send-timeout 2"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -39,10 +41,16 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     assert result["probes_failed"] == 0 and result["rss_after_mb"] > 0
     attacks, counts = result["attacks"], result["server_counts"]
     assert set(attacks) == {"slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs",
-                            "disconnects"}
+                            "disconnects", "answered-early body", "slow reader", "pipelining"}
     for kind in ("slowloris", "slow body", "slow-body-flood", "huge headers"):  # each cut off, none held to the end
         seen = attacks[kind]["outcomes"]
         assert sum(n for k, n in seen.items() if k in ("408", "431", "closed")) >= 1, (kind, seen)
+    # Answered early, then closed within --header-timeout; never read, then reset after --send-timeout; a pipeline
+    # of 2,000 GETs answered in full
+    assert attacks["answered-early body"]["outcomes"].get("200, then closed", 0) >= 16, attacks["answered-early body"]
+    assert attacks["slow reader"]["outcomes"].get("closed", 0) >= 8, attacks["slow reader"]
+    assert counts.get("closed send_timeout", 0) + counts.get("closed evicted_send", 0) >= 8, counts
+    assert attacks["pipelining"]["outcomes"].get("200", 0) >= 2000, attacks["pipelining"]
     assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "503", "closed"}, attacks["parse bombs"]
     assert attacks["parse bombs"]["outcomes"].get("400"), attacks["parse bombs"]
     assert counts.get("status 499", 0) >= 1 and not any(k.startswith("status 5") and k != "status 503" for k in counts)
