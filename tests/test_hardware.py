@@ -215,6 +215,7 @@ def test_a_busy_cpu_gets_no_thread_and_a_resume_keeps_the_count(tmp_path):
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs")
     cfg = tiny_config(make_image_folder(tmp_path / "shapes", per_class=4), tmp_path / "runs", epochs=1)
+    cfg.train.threads = 0  # the default rule, not tiny_config's fixed count
     spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})"
                              "\nwhile True: pass"])
     try:

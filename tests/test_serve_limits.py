@@ -310,11 +310,16 @@ def test_a_slow_body_flood_cannot_starve_infer(bounded, trained_run):
             assert r.status_code == 200, r.text
             for path in ("/v2/health/live", "/v2/health/ready", "/metrics"):
                 assert httpx.get(f"{bounded.url}{path}", timeout=3).status_code == 200, path
+        deadline = time.monotonic() + 5  # the flood's thread notices its closed connections within 0.1 s
+        while sum(flood.seen.values()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
     finally:
         flood.close()
-    # Each infer found the cap full and made room by closing a flood connection, which was told why
+    # Each infer found the cap full and made room by closing a flood connection, which was told why. A flood
+    # connection that sends its next byte as the 408 arrives gets a reset, which discards the unread 408:
+    # so at least one 408 naming the rate (not all three) is certain to be read.
     assert bounded.metric("torchcls_connections_closed_total", reason="evicted_body") >= evicted + 3
-    assert flood.seen[408] >= 3 and flood.named >= 3, flood.seen
+    assert sum(flood.seen.values()) >= 3 and flood.seen[408] >= 1 and flood.named >= 1, flood.seen
 
 
 def test_a_burst_beyond_the_cap_is_served_up_to_the_cap(bounded, trained_run):
