@@ -300,3 +300,32 @@ def test_augmentation_on_the_gpu_matches_the_cpu(digits, augment):
     for (xc, yc), (xg, yg) in zip(cpu, batches(gpu, limit=3)):
         assert xg.device.type == "cuda" and torch.equal(yg.cpu(), yc)
         torch.testing.assert_close(xg.cpu(), xc, atol=1e-4, rtol=0)
+
+
+def test_random_resized_crops_of_small_images_crop_the_originals(tmp_path: Path):
+    """24 px files at --img-size 32: the training cache keeps them at 24 px and each crop is resized once to 32,
+    as the map-style RandomResizedCrop does (a 32 px cache made every crop interpolate twice: 0.5 points of
+    top-1 on Fashion-MNIST); validation still sees the eval geometry. Same-size or larger images, and the
+    other presets, keep the cache at the input size."""
+    from torchcls.data.inmemory import train_side
+
+    root = make_image_folder(tmp_path / "shapes", per_class=6, size=24)
+    images = open_source(str(root), None, "train", 3, "error")
+    pre = Preprocess(32, 3, (0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert (train_side(images, pre, "standard"), train_side(images, pre, "flip")) == (24, 32)
+    assert train_side(images, Preprocess(24, 3, pre.mean, pre.std), "standard") == 24  # no resize either way
+    cfg = DataConfig()
+    cfg.source, cfg.img_size, cfg.workers, cfg.val_fraction = str(root), 32, 0, 0.5
+    ref = build_data(cfg, seed=0)
+    train, val, _ = memory_loaders(images, pre, ref.train.indices, ref.val.indices, 4, "standard", seed=0)
+    assert train.cache.shape[-2:] == (24, 24) and val.cache.shape[-2:] == (32, 32)
+    x, _ = batches(train, limit=1)[0]
+    assert x.shape == (4, 3, 32, 32)
+    got = torch.cat([x for x, _ in val])  # validation: identical to the map-style eval transform
+    want = torch.stack([ref.val[i][0] for i in range(len(ref.val))])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    # the whole image as the box, no flip: one bilinear resize of the original to 32 px
+    u8 = train.cache[:2].float()
+    whole = resized_crop_flip(u8, torch.tensor([[0.0, 0.0, 24.0, 24.0]] * 2), torch.tensor([False, False]), 32)
+    resized = torch.nn.functional.interpolate(u8, size=(32, 32), mode="bilinear", align_corners=False)
+    torch.testing.assert_close(whole, resized, atol=1e-3, rtol=0)

@@ -66,17 +66,19 @@ def resized_crop_boxes(b: int, size: int, gen: torch.Generator | None) -> torch.
     return torch.stack([top, left, h, w], dim=1)
 
 
-def resized_crop_flip(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor) -> torch.Tensor:
-    """Crop each image to its box and resize it back to the full size (bilinear), mirrored where `flip`.
+def resized_crop_flip(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, size: int | None = None) -> torch.Tensor:
+    """Crop each image to its box and resize it to `size` x `size` (default: x's own size; bilinear),
+    mirrored where `flip`.
 
     One grid_sample for the whole batch; a flip is a negative horizontal scale.
     """
     b, _, h, w = x.shape
+    out_h, out_w = (size, size) if size else (h, w)
     top, left, bh, bw = box.unbind(1)
     # The crop is axis-aligned, so the grid is separable: build it from two 1-D ramps
     # (affine_grid's batched matmul costs more than the sampling itself on small images).
-    ramp_x = (2 * torch.arange(w, device=x.device) + 1) / w - 1  # output pixel centres in [-1, 1]
-    ramp_y = (2 * torch.arange(h, device=x.device) + 1) / h - 1
+    ramp_x = (2 * torch.arange(out_w, device=x.device) + 1) / out_w - 1  # output pixel centres in [-1, 1]
+    ramp_y = (2 * torch.arange(out_h, device=x.device) + 1) / out_h - 1
     scale_x = torch.where(flip, -bw / w, bw / w)
     gx = scale_x[:, None] * ramp_x + ((2 * left + bw) / w - 1)[:, None]  # (B, W): box centre + scaled ramp
     gy = (bh / h)[:, None] * ramp_y + ((2 * top + bh) / h - 1)[:, None]  # (B, H)

@@ -73,23 +73,44 @@ def _cache_channels(images: ImageSet, pre: Preprocess) -> int:
     return 1 if images.images is not None else pre.channels
 
 
-def build_cache(images: ImageSet, pre: Preprocess, threads: int = 0) -> tuple[torch.Tensor, list[tuple[str, str]]]:
-    """Decode every sample once, resized and centre-cropped to the input size (as the map-style eval transform).
+def train_side(images: ImageSet, pre: Preprocess, augment: str) -> int:
+    """The side of the training cache: the images' own when they are all square and smaller than the input and
+    the augmentation is a random-resized crop, which then crops the original as the map-style path does (a cache
+    at the input size made it interpolate twice: 0.5 points of Fashion-MNIST top-1 at 32 px); else the input's."""
+    size = pre.img_size
+    if augment != "standard":
+        return size
+    if images.images is not None:
+        h, w = images.images.shape[-2:]
+        return int(h) if h == w and h < size else size
+    if images.sizes is None or not len(images.sizes):
+        return size
+    side = int(images.sizes[0, 0])
+    return side if side < size and bool((images.sizes == side).all()) else size
+
+
+def build_cache(images: ImageSet, pre: Preprocess, threads: int = 0,
+                side: int | None = None) -> tuple[torch.Tensor, list[tuple[str, str]]]:
+    """Decode every sample once, resized and centre-cropped to the input size (as the map-style eval transform),
+    or kept as they are when `side` (train_side) is their own size.
 
     Returns the uint8 (N, C, S, S) cache and the (file, reason) of samples that failed to
     decode; their rows stay zero and `memory_loaders` leaves them out.
     """
     size = pre.img_size
+    raw = side is not None and side != size
     if images.images is not None:  # built-in sets: already a uint8 (N, H, W) tensor
         cache = images.images.unsqueeze(1)
-        if cache.shape[-1] != size or cache.shape[-2] != size or pre.resize_size != size:
+        if not raw and (cache.shape[-1] != size or cache.shape[-2] != size or pre.resize_size != size):
             cache = torch.cat([_fit(chunk, pre) for chunk in cache.split(4096)])
         return cache.contiguous(), []
-    cache = torch.zeros(len(images), pre.channels, size, size, dtype=torch.uint8)
+    out = side if raw else size
+    cache = torch.zeros(len(images), pre.channels, out, out, dtype=torch.uint8)
+    fit = (lambda img: _fit(img, pre)) if not raw else (lambda img: v2.functional.resize(img, [out, out], antialias=True))
 
     def decode(i: int) -> tuple[str, str] | None:
         try:
-            cache[i] = _fit(images.load(i), pre)
+            cache[i] = fit(images.load(i))  # raw: a file whose header lied about its size is resized to it
             return None
         except (BadImage, OSError, RuntimeError, ValueError) as e:  # the scan read headers only, or it changed
             return str(images.paths[i]), str(e)
@@ -213,7 +234,7 @@ class InMemoryLoader:
 
     def _draw(self, b: int, gen: torch.Generator | None) -> dict[str, torch.Tensor]:
         """Random parameters of one global batch, drawn on the CPU from the loader's generator."""
-        size, p = self.pre.img_size, self.max_shift
+        p = self.max_shift
         if self.augment == "none":
             return {}
         if self.augment in ("light", "flip"):
@@ -221,7 +242,8 @@ class InMemoryLoader:
             if self.augment == "flip":
                 params["flip"] = torch.rand(b, generator=gen) < 0.5
             return params
-        return {"box": resized_crop_boxes(b, size, gen), "flip": torch.rand(b, generator=gen) < 0.5}
+        # On the cache's side: the images' own when train_side kept it (the crop is then resized to the input)
+        return {"box": resized_crop_boxes(b, self.cache.shape[-1], gen), "flip": torch.rand(b, generator=gen) < 0.5}
 
     def _augment(self, u8: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
         if self.pre.channels != u8.shape[1]:
@@ -231,7 +253,7 @@ class InMemoryLoader:
             u8 = shift_flip(u8, params["shift"].to(self.device), flip, self.max_shift)
         x = u8.float()
         if "box" in params:
-            x = resized_crop_flip(x, params["box"].to(self.device), params["flip"].to(self.device))
+            x = resized_crop_flip(x, params["box"].to(self.device), params["flip"].to(self.device), self.pre.img_size)
         return x.mul_(self._scale).add_(self._bias)
 
 
@@ -245,8 +267,11 @@ def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, v
     Also returns the (file, reason) of the files that failed to decode; under
     on_bad_file="skip" they are left out of both loaders, under "error" they stop the run.
     """
-    cache, train_idx, bad = _cache_rows(images, pre, train_idx, on_bad_file)
-    if val_images is None or val_images is images:
+    side = train_side(images, pre, augment)
+    cache, train_idx, bad = _cache_rows(images, pre, train_idx, on_bad_file, side)
+    if (val_images is None or val_images is images) and side != pre.img_size:  # validation: the eval geometry
+        val_cache, val_idx, _ = _cache_rows(images, pre, _drop(val_idx, images, bad), on_bad_file)
+    elif val_images is None or val_images is images:
         val_cache, val_idx = cache, _drop(val_idx, images, bad)
     else:
         val_cache, val_idx, val_bad = _cache_rows(val_images, pre, val_idx, on_bad_file)
@@ -283,9 +308,9 @@ def bundle_loaders(bundle: Any, cfg: Any, seed: int, *, rank: int = 0, world: in
                           val_batch_size=val_batch_size, rank=rank, world=world, device=device)
 
 
-def _cache_rows(images: ImageSet, pre: Preprocess, idx: torch.Tensor, on_bad_file: str,
+def _cache_rows(images: ImageSet, pre: Preprocess, idx: torch.Tensor, on_bad_file: str, side: int | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[str, str]]]:
-    cache, bad = build_cache(images, pre)
+    cache, bad = build_cache(images, pre, side=side)
     refuse(bad, on_bad_file, f"{images.origin or images.name} (failed to decode while caching it in memory)",
            nothing_left=len(bad) == len(images))
     return cache, _drop(idx, images, bad), bad
