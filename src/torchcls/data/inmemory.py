@@ -269,7 +269,9 @@ def memory_loaders(images: ImageSet, pre: Preprocess, train_idx: torch.Tensor, v
     """
     side = train_side(images, pre, augment)
     cache, train_idx, bad = _cache_rows(images, pre, train_idx, on_bad_file, side)
-    if (val_images is None or val_images is images) and side != pre.img_size:  # validation: the eval geometry
+    # Validation needs the eval geometry: a second cache at the input size, of images no larger than it (so at
+    # most twice the bytes --memory-limit-mb was checked against, for sets of small images).
+    if (val_images is None or val_images is images) and side != pre.img_size:
         val_cache, val_idx, _ = _cache_rows(images, pre, _drop(val_idx, images, bad), on_bad_file)
     elif val_images is None or val_images is images:
         val_cache, val_idx = cache, _drop(val_idx, images, bad)
