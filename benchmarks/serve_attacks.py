@@ -69,18 +69,26 @@ async def _answer(reader: asyncio.StreamReader, timeout: float) -> str:
         return "closed"
 
 
+async def _connect(port: int, attack: Attack, wait: float) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """A new connection counted for `attack`, or None (counted as a failed connect, after `wait` s)."""
+    try:
+        conn = await asyncio.open_connection("127.0.0.1", port)
+    except OSError:
+        attack.outcomes["connect failed"] += 1
+        await asyncio.sleep(wait)
+        return None
+    attack.connections += 1
+    return conn
+
+
 async def _trickle(port: int, attack: Attack, stop: asyncio.Event, first: bytes, drip: Callable[[int], bytes],
                    every: float) -> None:
     """Open, send `first`, then `drip(i)` every `every` s until the server answers or closes; repeat."""
     while not stop.is_set():
         t0 = time.monotonic()
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            attack.outcomes["connect failed"] += 1
-            await asyncio.sleep(every)
+        if (conn := await _connect(port, attack, every)) is None:
             continue
-        attack.connections += 1
+        reader, writer = conn
         answer = asyncio.ensure_future(_answer(reader, 3600))
         try:
             writer.write(first)
@@ -107,13 +115,9 @@ async def _send_whole(port: int, attack: Attack, stop: asyncio.Event, payload: b
     """Send `payload` (or its first `cut` bytes, then close) and read the answer; repeat until stopped."""
     while not stop.is_set():
         t0 = time.monotonic()
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            attack.outcomes["connect failed"] += 1
-            await asyncio.sleep(0.5)
+        if (conn := await _connect(port, attack, 0.5)) is None:
             continue
-        attack.connections += 1
+        reader, writer = conn
         answer = asyncio.ensure_future(_answer(reader, timeout))
         end = len(payload) if cut is None else cut
         try:  # 1 MiB at a time: 48 clients must not hold 48 copies of 31 MiB in this process
@@ -187,13 +191,9 @@ async def _pipelining(port: int, attack: Attack, stop: asyncio.Event, requests: 
     """`requests` minimal GETs in one write, their answers read and counted by status; repeat."""
     payload = b"GET /v2/health/live HTTP/1.1\r\n\r\n" * requests
     while not stop.is_set():
-        try:
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        except OSError:
-            attack.outcomes["connect failed"] += 1
-            await asyncio.sleep(0.5)
+        if (conn := await _connect(port, attack, 0.5)) is None:
             continue
-        attack.connections += 1
+        reader, writer = conn
         t0 = time.monotonic()
         writer.write(payload)
         try:
