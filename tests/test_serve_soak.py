@@ -24,7 +24,7 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
                         "--huge-header-clients", "2", "--huge-header-mb", "8", "--large-body-clients", "4",
                         "--bomb-clients", "2", "--disconnect-clients", "2", "--early-clients", "16",
                         "--slow-readers", "8", "--reader-requests", "300", "--pipeline-clients", "1",
-                        "--pipeline-requests", "2000",
+                        "--pipeline-requests", "2000", "--probe-port", "0",
                         "--serve-args", "--max-connections 32 --header-timeout 1 --body-timeout 2 --send-timeout 2"],
                        capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -38,7 +38,11 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
         if v["hostile"]:
             assert set(v["statuses"]) <= {"400", "404", "413", "503"}, (kind, v["statuses"])
     assert kinds["body above limit"]["statuses"].get("413") and kinds["unknown model"]["statuses"].get("404")
-    assert result["probes_failed"] == 0 and result["rss_after_mb"] > 0
+    # Probes on --probe-port are never refused. On the API's port a burst of reconnecting attackers can fill
+    # the 64-connection reserve with connections not read yet (nothing tells a probe from an attacker before
+    # its bytes are read), so a probe there may be closed unread now and then: that is what --probe-port is for
+    assert result["probes_failed"] == 0 and result["probes"] >= 10 and result["rss_after_mb"] > 0
+    assert result["api_port_probes_failed"] <= max(2, result["probes"] // 10), result["api_port_probes_failed"]
     attacks, counts = result["attacks"], result["server_counts"]
     assert set(attacks) == {"slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs",
                             "disconnects", "answered-early body", "slow reader", "pipelining"}
