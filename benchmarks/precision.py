@@ -33,7 +33,7 @@ from torchcls.bench.steps import fused_adamw
 from torchcls.config import PrecisionConfig
 from torchcls.machine import describe_machine, machine_line
 from torchcls.models import ModelSpec, create_model
-from torchcls.precision.hardware import cpu_bf16_here
+from torchcls.precision.hardware import cpu_bf16_here, cpu_int8_matmul_exact
 from torchcls.precision.inference import apply_inference_precision
 from torchcls.precision.training import apply_precision
 
@@ -105,14 +105,18 @@ def bench_model(name: str, args) -> list[dict]:
                      "compiled": args.compile, "converted_layers": steps[p].converted})
 
     reference = build(name, args).eval()
-    converted = {p: apply_inference_precision(reference, p, CPU) for p in ("fp32", "bf16", "int8")}
+    precisions = ("fp32", "bf16", "int8") if cpu_int8_matmul_exact() else ("fp32", "bf16")
+    if "int8" not in precisions:
+        print("# int8 skipped: this CPU's int8 GEMM (oneDNN without VNNI) saturates; its outputs would be wrong",
+              flush=True)
+    converted = {p: apply_inference_precision(reference, p, CPU) for p in precisions}
     layers = {p: c.summary()["quantized_layers"] for p, c in converted.items()}
     variants = {p: c.model for p, c in converted.items()}
     if args.compile:
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = True  # without freezing, compiled CPU inference is not faster
-        for p in ("fp32", "int8"):
+        for p in ("fp32", "int8") if "int8" in precisions else ("fp32",):
             compiled = torch.compile(apply_inference_precision(reference, p, CPU).model)
             with torch.no_grad():
                 t0 = time.perf_counter()

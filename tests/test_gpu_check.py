@@ -141,10 +141,15 @@ def test_fp8_gemm_dry_run_writes_the_table_the_layer_rule_reads(tmp_path):
     assert set(rows) == {(layer, recipe) for layer in ("fc1", "fc2", "square") for recipe in ("tensorwise", "rowwise")}
     fc1 = rows[("fc1", "tensorwise")]
     assert set(fc1["bf16_gemm_ms"]) == {"forward", "grad_input", "grad_weight", "total"} and fc1["roofline_ceiling"] > 0
-    assert fc1["linear_speedup"] > 0 and fc1["fp8_linear_ms"] > 0  # torchao's Float8Linear ran (eager here)
+    if fc1["errors"] is None:  # this CPU ran _scaled_mm: torchao's Float8Linear ran as well (eager here)
+        assert fc1["linear_speedup"] > 0 and fc1["fp8_linear_ms"] > 0
+    else:  # oneDNN has no FP8 matmul for this CPU (seen held to AVX2): said per GEMM and per layer, not fatal
+        assert "matmul" in fc1["errors"]["tensorwise/forward"] and "matmul" in fc1["linear_error"], fc1
+        assert fc1["linear_speedup"] is None
     assert "| backbone | layer |" in proc.stdout
     table = MeasuredTable.load(out)
-    assert table.gpu == "cpu" and table.lookup(32, 64, 128, "tensorwise")["linear_speedup"] == fc1["linear_speedup"]
+    measured = table.lookup(32, 64, 128, "tensorwise")  # None where the layer did not run: the rule falls back
+    assert table.gpu == "cpu" and (measured and measured["linear_speedup"]) == fc1["linear_speedup"]
 
 
 def test_aoti_package_is_loaded_once_and_its_own_error_reported(aoti_export, monkeypatch):

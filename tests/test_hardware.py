@@ -125,7 +125,13 @@ def test_an_avx2_machine_emulated_in_a_subprocess(tmp_path):
             "cpu = torch.device('cpu')\n"
             "print('AUTO', choose_precision('auto', cpu).precision, choose_precision('auto', cpu).reason)\n"
             "choose_precision('bf16', cpu)\n"
-            "try:\n    require_fp16(cpu)\nexcept UserError as e:\n    print('FP16', e)\n")
+            "try:\n    require_fp16(cpu)\nexcept UserError as e:\n    print('FP16', e)\n"
+            # oneDNN's int8 GEMM held to AVX2 (no VNNI) saturates: int8 inference is refused, not wrong
+            "from torchcls.precision.hardware import cpu_int8_matmul_exact\n"
+            "from torchcls.precision.inference import apply_inference_precision\n"
+            "print('INT8 exact', cpu_int8_matmul_exact())\n"
+            "try:\n    apply_inference_precision(torch.nn.Linear(64, 64), 'int8')\n"
+            "except UserError as e:\n    print('INT8', e)\n")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
            "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -135,6 +141,7 @@ def test_an_avx2_machine_emulated_in_a_subprocess(tmp_path):
     assert out.stdout.count("warning: --precision bf16 on this CPU runs") == 1
     fp16 = next(line for line in out.stdout.splitlines() if line.startswith("FP16"))
     assert "use --precision fp32 or auto" in fp16
+    assert "INT8 exact False" in out.stdout and "INT8 int8 inference: this CPU's int8 matrix multiply" in out.stdout
 
 
 # ---------------------------------------------------------------- threads from affinity and quota

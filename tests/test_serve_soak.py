@@ -36,7 +36,7 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     for kind, v in kinds.items():  # every kind was sent, and each hostile one was refused with a 4xx
         assert v["sent"] >= 4, kind
         if v["hostile"]:
-            assert set(v["statuses"]) <= {"400", "404", "413", "503"}, (kind, v["statuses"])
+            assert set(v["statuses"]) <= {"400", "404", "408", "413", "503"}, (kind, v["statuses"])
     assert kinds["body above limit"]["statuses"].get("413") and kinds["unknown model"]["statuses"].get("404")
     # Probes on --probe-port are never refused. On the API's port a burst of reconnecting attackers can fill
     # the 64-connection reserve with connections not read yet (nothing tells a probe from an attacker before
@@ -55,7 +55,8 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     assert attacks["slow reader"]["outcomes"].get("closed", 0) >= 8, attacks["slow reader"]
     assert counts.get("closed send_timeout", 0) + counts.get("closed evicted_send", 0) >= 8, counts
     assert attacks["pipelining"]["outcomes"].get("200", 0) >= 2000, attacks["pipelining"]
-    assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "503", "closed"}, attacks["parse bombs"]
+    # 408: a bomb's 31 MiB not read within --body-timeout 2 s while the loop was behind (seen held to AVX2)
+    assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "408", "503", "closed"}, attacks["parse bombs"]
     assert attacks["parse bombs"]["outcomes"].get("400"), attacks["parse bombs"]
     assert counts.get("status 499", 0) >= 1 and not any(k.startswith("status 5") and k != "status 503" for k in counts)
     assert counts.get("closed header_timeout", 0) + counts.get("closed evicted", 0) >= 1

@@ -11,6 +11,7 @@ function of those, so both cases are tested on any machine.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -113,6 +114,19 @@ def _warn_once(message: str) -> None:
     from torchcls.console import console
 
     console.print(f"[yellow]warning: {message}[/]", highlight=False)
+
+
+@functools.cache
+def cpu_int8_matmul_exact() -> bool:
+    """Does this CPU's int8 GEMM (torch._int_mm, which torchao's dynamic int8 runs) give exact int32 sums?
+
+    Asked of the kernel, not read from flags: oneDNN's int8 GEMM without VNNI (AVX2, or ONEDNN_MAX_CPU_ISA=AVX2)
+    adds pairs of u8 x s8 products in 16 bits, which saturate; measured on a Xeon held to AVX2, a 32x64x48
+    product was off by up to 41,235 and a small ViT's logits by 23-29% of their range."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randint(-128, 128, (32, 64), dtype=torch.int8, generator=g)
+    b = torch.randint(-128, 128, (64, 48), dtype=torch.int8, generator=g)
+    return bool(torch.equal(torch._int_mm(a, b), a.int() @ b.int()))
 
 
 def describe_device(device: torch.device) -> str:

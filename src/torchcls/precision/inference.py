@@ -25,6 +25,7 @@ from torchcls.precision.dtypes import DTYPES
 from torchcls.precision.hardware import (
     PrecisionChoice,
     choose_precision,
+    cpu_int8_matmul_exact,
     describe_device,
     require_bf16,
     require_fp8_hardware,
@@ -89,6 +90,10 @@ def apply_inference_precision(model: nn.Module, precision: str, device: str | to
         if device.type != "cpu":
             raise UserError(f"int8 inference is the CPU path ({describe_device(device)} given); on a GPU use "
                             "fp8 (compute capability >= 8.9) or bf16")
+        if not cpu_int8_matmul_exact():
+            raise UserError("int8 inference: this CPU's int8 matrix multiply (oneDNN, without VNNI) saturates and "
+                            "gives wrong sums, so the model's outputs would be wrong; use fp32 here, or "
+                            "`torchcls export --target executorch --quantize int8` (XNNPACK kernels, not oneDNN)")
         from torchao.quantization import Int8DynamicActivationInt8WeightConfig
 
         quantize_(m, Int8DynamicActivationInt8WeightConfig())
