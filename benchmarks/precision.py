@@ -105,8 +105,9 @@ def bench_model(name: str, args) -> list[dict]:
                      "compiled": args.compile, "converted_layers": steps[p].converted})
 
     reference = build(name, args).eval()
-    precisions = ("fp32", "bf16", "int8") if cpu_int8_matmul_exact() else ("fp32", "bf16")
-    if "int8" not in precisions:
+    int8 = ("int8",) if cpu_int8_matmul_exact() else ()
+    precisions = ("fp32", "bf16", *int8)
+    if not int8:
         print("# int8 skipped: this CPU's int8 GEMM (oneDNN without VNNI) saturates; its outputs would be wrong",
               flush=True)
     converted = {p: apply_inference_precision(reference, p, CPU) for p in precisions}
@@ -116,7 +117,7 @@ def bench_model(name: str, args) -> list[dict]:
         import torch._inductor.config as inductor_config
 
         inductor_config.freezing = True  # without freezing, compiled CPU inference is not faster
-        for p in ("fp32", "int8") if "int8" in precisions else ("fp32",):
+        for p in ("fp32", *int8):
             compiled = torch.compile(apply_inference_precision(reference, p, CPU).model)
             with torch.no_grad():
                 t0 = time.perf_counter()

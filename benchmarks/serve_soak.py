@@ -311,6 +311,7 @@ def summarise(state: dict, requests: dict, good: dict) -> dict:
         "probe_failures": dict(Counter(str(s) for s, _ in state["probes"] if s != 200)),
         "api_port_probe_p99_ms": pct([sec for _, sec in state["api_port_probes"]], 0.99),
         "api_port_probes_failed": sum(1 for s, _ in state["api_port_probes"] if s != 200),
+        "api_port_probes": len(state["api_port_probes"]),
         "retried_idle_closed": state["retried_idle_closed"], "attacks": state.get("attacks", {}),
         "rss_peak_mb": state["rss_peak_mb"], "by_kind": by_kind,
     }

@@ -42,7 +42,8 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     # the 64-connection reserve with connections not read yet (nothing tells a probe from an attacker before
     # its bytes are read), so a probe there may be closed unread now and then: that is what --probe-port is for
     assert result["probes_failed"] == 0 and result["probes"] >= 10 and result["rss_after_mb"] > 0
-    assert result["api_port_probes_failed"] <= max(2, result["probes"] // 10), result["api_port_probes_failed"]
+    assert result["api_port_probes"] >= 5  # fewer than on the probe port: each waits longer for its answer
+    assert result["api_port_probes_failed"] <= max(2, result["api_port_probes"] // 10), result["api_port_probes_failed"]
     attacks, counts = result["attacks"], result["server_counts"]
     assert set(attacks) == {"slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs",
                             "disconnects", "answered-early body", "slow reader", "pipelining"}
