@@ -1,5 +1,6 @@
 # Two entry points: `make demo` and `make test`. Each creates .venv when missing and
-# (re)installs when pyproject.toml changed.
+# (re)installs when pyproject.toml or constraints.txt changed. pyproject.toml declares the ranges
+# torchcls supports; constraints.txt holds the exact tested set, so every run installs the same.
 VENV   ?= .venv
 PYTHON ?= python3.11
 PY     := $(VENV)/bin/python
@@ -11,12 +12,12 @@ FASHION_MNIST := /usr/share/datasets/fashion-mnist
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
 
-$(VENV)/.installed-demo: pyproject.toml | $(PY)
-	$(PIP) install -e .
+$(VENV)/.installed-demo: pyproject.toml constraints.txt | $(PY)
+	$(PIP) install -c constraints.txt -e .
 	touch $@
 
-$(VENV)/.installed-test: pyproject.toml | $(PY)
-	$(PIP) install -e '.[test]'
+$(VENV)/.installed-test: pyproject.toml constraints.txt | $(PY)
+	$(PIP) install -c constraints.txt -e '.[test]'
 	touch $@ $(VENV)/.installed-demo
 
 demo: $(VENV)/.installed-demo

@@ -174,12 +174,23 @@ def _add_commands(sub, commands) -> None:
         p.set_defaults(func=lambda args, cls=cls, handler=handler: handler(o.from_args(cls, args)))
 
 
+def _version() -> str:
+    """torchcls's version and the torch it runs on: the pair a bug report needs (read from the installed
+    metadata, so --help and --version stay fast: torch is not imported)."""
+    from importlib.metadata import version
+
+    from torchcls import __version__
+
+    return f"torchcls {__version__} (torch {version('torch')}, Python {sys.version.split()[0]})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from torchcls.governance.cli import add_governance_commands
     from torchcls.serve.config import ServeConfig
 
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
+    parser.add_argument("--version", action="version", version=_version())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("train", help="train a model; writes runs/<name>/", usage="torchcls train [--recipe NAME] "
                        "[--config FILE.toml] [--OPTION VALUE ...]", description="Train a model. Options "

@@ -10,7 +10,6 @@ and the resolved result is written into the run dir.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from typing import Any
 import tomli_w
 
 from torchcls.errors import UserError
+from torchcls.toml_compat import tomllib
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: str | None = None,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import fnmatch
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from typing import Any
 from torchcls.errors import UserError
 from torchcls.governance.digest import sha256_json
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT, check_tags
+from torchcls.toml_compat import tomllib
 
 _SCHEMA: dict[str, dict[str, type]] = {
     "policy": {"name": str, "description": str},

@@ -9,12 +9,12 @@ benchmarks read it from here. Options are layered: recipe, then --config FILE, t
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from torchcls.config import Config
 from torchcls.errors import UserError
+from torchcls.toml_compat import tomllib
 
 RECIPES_DIR = Path(__file__).parent
 NOT_OPTIONS = ("description", "evaluate")  # recipe keys that are not training options
