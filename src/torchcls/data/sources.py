@@ -77,8 +77,9 @@ def open_source(source: str, root: str | None, split: str, channels: int | None,
         return open_hf(source, split, channels, image_column, label_column, max_pixels)
     if source in BUILTIN:
         if split not in available_splits(source) and split != "all":
-            raise UserError(f"{source} has no separate {split} split; evaluate with --split val "
-                            "(the seeded held-out part of its training data)")
+            # No --split here names a held-out part: that part is chosen when training (--val-fraction).
+            raise UserError(f"{source} has no separate {split} split: take its training data (--split train); "
+                            "training holds out a seeded part of it (--val-fraction)")
         if source == "mnist-5k":
             return _mnist_5k(channels)
         return _fashion_mnist(root, "test" if split == "test" else "train", channels)
@@ -87,8 +88,9 @@ def open_source(source: str, root: str | None, split: str, channels: int | None,
         folders = split_folders(path)
         if folders is None:
             if split not in ("train", "all"):
-                raise UserError(f"{source} has no {split}/ folder (it is a plain class-folder tree); use "
-                                "--split val for the seeded held-out part, or lay it out as train/ val/ test/")
+                raise UserError(f"{source} has no {split}/ folder (it is a plain class-folder tree): take all of it "
+                                "(--split train; training holds out a seeded part, --val-fraction), or lay it out "
+                                "as train/ val/ test/ with one folder per class in each")
             return _image_folder(path, channels or 3, on_bad_file, max_pixels)
         if split == "all" or split not in folders:
             raise UserError(f"{source} holds the splits {', '.join(sorted(folders))}: choose one of them "
