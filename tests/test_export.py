@@ -213,3 +213,31 @@ def test_compile_for_inference_pads_partial_batches(trained_run):
         with pytest.raises(UserError, match="accepts 1 to 4"):
             compiled(images[:5])
         torch._dynamo.reset()
+
+
+def test_auto_falls_back_to_fp32_when_bf16_fails_parity(trained_run, tmp_path, monkeypatch):
+    """--precision auto never trades a working fp32 artifact for a reduced-precision one that fails its own
+    parity gate: the bf16 build is refused (here its runtime is made wrong), fp32 is built and published, and
+    parity.json says what auto tried and why it was not kept. Explicit bf16 still refuses."""
+    import dataclasses
+
+    from torchcls.artifacts.targets import TARGETS
+    from torchcls.artifacts.targets.aoti import AOTIArtifact
+    from torchcls.precision import hardware
+
+    class WrongInBf16(AOTIArtifact):
+        def _run(self, x):
+            out = super()._run(x)
+            return tuple(-t for t in out) if self.info.precision == "bf16" else out
+
+    monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: (True, "this CPU computes bf16 natively (test)"))
+    monkeypatch.setitem(TARGETS, "aoti", dataclasses.replace(TARGETS["aoti"], load=WrongInBf16))
+    result = export(trained_run, target="aoti", max_batch=4, out=tmp_path / "auto" / "model.pt2")
+    parity = json.loads(result.parity_path.read_text())
+    assert result.path.is_file() and parity["precision"] == "fp32" and parity["passed"]
+    assert parity["precision_requested"] == "auto" and "failed parity" in parity["precision_reason"]
+    tried = parity["precision_fallback"]
+    assert tried["precision"] == "bf16" and tried["top1_agreement"] < tried["min_agreement"]
+    with pytest.raises(UserError, match="parity failed"):
+        export(trained_run, target="aoti", precision="bf16", max_batch=4, out=tmp_path / "bf16" / "model.pt2")
+    assert not (tmp_path / "bf16" / "model.pt2").exists()

@@ -82,23 +82,57 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
                                                     data, root, device=dev.type, autotune=autotune), choice)
     ckpt = resolve_checkpoint(checkpoint)
     model, meta = load_model(ckpt)
-    early_exit = isinstance(model, EarlyExitNet)
-    if early_exit:
+    if isinstance(model, EarlyExitNet):
         req, choice = _check_request(tgt, replace(req, early_exit=True), choice)
+    job = _Job(tgt, target, model, meta, ckpt, dev, out, min_agreement, parity_images, data, root)
+    try:
+        return _export_as(job, req, choice)
+    except ParityFailed as failed:
+        # auto never trades a working fp32 artifact for a faster one that fails its own gate.
+        if choice.requested != "auto" or req.precision == "fp32":
+            raise
+        fallback = PrecisionChoice("auto", "fp32", f"{choice.reason}, but the {req.precision} artifact failed "
+                                   f"parity ({failed.agreement:.2%} top-1 agreement, {failed.needed:.2%} needed): "
+                                   "built fp32 instead")
+        return _export_as(job, replace(req, precision="fp32"), fallback, failed.figures)
+
+
+@dataclass
+class _Job:
+    """What stays the same between an export's attempts (auto: bf16, then fp32 if bf16 fails parity)."""
+    tgt: Any
+    target: str
+    model: nn.Module
+    meta: CheckpointMeta
+    ckpt: Path
+    dev: torch.device
+    out: str | Path | None
+    min_agreement: float | None
+    parity_images: int
+    data: str | None
+    root: str | None
+
+
+def _export_as(job: _Job, req: ExportRequest, choice: PrecisionChoice,
+               fallback_from: dict[str, Any] | None = None) -> ExportResult:
+    """One attempt: build `req`, check its parity, publish it; ParityFailed (nothing written) otherwise."""
+    tgt, model, meta, ckpt, dev = job.tgt, job.model, job.meta, job.ckpt, job.dev
+    data, root, target = job.data, job.root, job.target
+    early_exit = isinstance(model, EarlyExitNet)
     precision = _announce(choice)
     plan = tgt.plan(req, meta)
-    min_agreement = min_agreement if min_agreement is not None else (
+    min_agreement = job.min_agreement if job.min_agreement is not None else (
         plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[precision])
     run_dir = run_dir_of(ckpt)
-    path = _artifact_path(out, run_dir or ckpt.parent, tgt.suffix, target, plan.label)
+    path = _artifact_path(job.out, run_dir or ckpt.parent, tgt.suffix, target, plan.label)
     # Parity images before compiling: fail fast.
     if early_exit:
-        images, labels, selection = _early_exit_images(model, meta, parity_images, data, root)
+        images, labels, selection = _early_exit_images(model, meta, job.parity_images, data, root)
     else:
-        images, labels = held_out_images(meta, parity_images, data, root)
+        images, labels = held_out_images(meta, job.parity_images, data, root)
     built = BuildDevice.of(dev)
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
-                        max_batch, precision, model.num_exits if early_exit else 0, built.type, built.capability,
+                        req.max_batch, precision, model.num_exits if early_exit else 0, built.type, built.capability,
                         built.gpu, task=meta.task, thresholds=meta.thresholds)
     extra = {"source": str(ckpt), "model": meta.spec.name, "torch": torch.__version__}
     if early_exit:
@@ -122,6 +156,8 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
             plan.finish(parity)
         if early_exit:
             parity["early_exit"] = exit_parity(model, artifact, images, labels) | selection
+        if fallback_from is not None:  # what auto tried first and why it was not kept
+            parity["precision_fallback"] = fallback_from
         _refuse_failed(parity, target, plan, path, min_agreement)
         parity_path = path.parent / "parity.json"
         atomic_write(parity_path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
@@ -250,16 +286,27 @@ def exit_parity(model: EarlyExitNet, artifact: LoadedArtifact, images: torch.Ten
     return result
 
 
+class ParityFailed(UserError):
+    """An artifact below its parity bound: nothing was published. `figures`: what was measured."""
+
+    def __init__(self, message: str, parity: dict[str, Any], needed: float):
+        super().__init__(message)
+        self.agreement, self.needed = parity["top1_agreement"], needed
+        self.figures = {key: parity[key] for key in ("precision", "top1_agreement", "max_abs_diff", "n")} | {
+            "min_agreement": needed}
+
+
 def _refuse_failed(parity: dict[str, Any], target: str, plan: Plan, path: Path, min_agreement: float) -> None:
     if parity["passed"]:
         return
     precision = parity["precision"]
-    raise UserError(
+    raise ParityFailed(
         f"parity failed: the {target} {plan.label} artifact agrees with eager on top-1 for "
         f"{parity['top1_agreement']:.4%} of {parity['n']} held-out images (needed {min_agreement:.4%}; "
         f"max |Δlogit| {parity['max_abs_diff']:.3g}). No artifact was written to {path}. "
         + ("For bf16, a lower --min-agreement may be acceptable." if precision == "bf16" else
-           "An fp32 artifact should match eager: this points to an export bug; please report it."))
+           "An fp32 artifact should match eager: this points to an export bug; please report it."),
+        parity, min_agreement)
 
 
 @contextlib.contextmanager
