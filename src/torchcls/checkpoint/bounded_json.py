@@ -1,0 +1,94 @@
+"""JSON from a file, parsed only under bounds stated before the parse.
+
+`json.loads` builds every object a text describes: a megabyte of `[[],[],...]` is half a million
+lists, and a text nested deeper than the interpreter's recursion limit ends in a RecursionError.
+Here the size is bounded first, then the number of containers the text can describe (every `{`
+and `[` byte counted, those inside strings too: an over-count, never an under-count), so the
+objects a parse can build are bounded before it starts; after it, the number of values, the
+nesting and the length of every string (keys included) are checked, and a key given twice in one
+object is refused. Every refusal is a UserError naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from torchcls.errors import UserError
+from torchcls.io_files import read_bytes
+
+
+@dataclass(frozen=True)
+class JsonBounds:
+    max_bytes: int  # the text's size
+    max_values: int  # values of every kind (objects, arrays, strings, numbers...; keys not counted)
+    max_depth: int  # nesting of objects and arrays
+    max_str: int  # characters of one string (keys included)
+    allow_nonfinite: bool = False  # NaN / Infinity (Python's json writes them for non-finite floats)
+
+
+def _pairs(where: str):
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out = dict(pairs)
+        if len(out) != len(pairs):
+            seen: set[str] = set()
+            dup = next(k for k, _ in pairs if k in seen or seen.add(k))
+            raise UserError(f"{where}: key {dup[:80]!r} appears twice in one JSON object: refused (damaged or "
+                            "crafted; a reader could take either value)")
+        return out
+    return hook
+
+
+def _no_constant(where: str):
+    def refuse(name: str) -> float:
+        raise UserError(f"{where}: {name} is not a number this file may hold: refused")
+    return refuse
+
+
+def load_bounded(text: str | bytes, bounds: JsonBounds, where: str) -> Any:
+    """Parse `text` (the JSON of `where`) under `bounds`."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    if len(raw) > bounds.max_bytes:
+        raise UserError(f"{where}: {len(raw)} bytes of JSON, over the bound of {bounds.max_bytes}: refused")
+    containers = raw.count(b"{") + raw.count(b"[")
+    if containers > bounds.max_values:
+        raise UserError(f"{where}: up to {containers} JSON objects/arrays, over the bound of "
+                        f"{bounds.max_values} values: refused before parsing")
+    try:
+        value = json.loads(raw, object_pairs_hook=_pairs(where),
+                           parse_constant=None if bounds.allow_nonfinite else _no_constant(where))
+    except (ValueError, RecursionError) as e:  # also UnicodeDecodeError and ints over Python's digit limit
+        raise UserError(f"{where}: not valid JSON within bounds ({type(e).__name__}: "
+                        f"{repr(str(e)[:160])[1:-1]}): refused") from None
+    _check_shape(value, where, bounds)
+    return value
+
+
+def _check_shape(value: Any, where: str, bounds: JsonBounds) -> None:
+    stack, count = [(value, 1)], 0
+    while stack:  # iterative: the depth is what is being bounded
+        node, depth = stack.pop()
+        count += 1
+        if count > bounds.max_values:
+            raise UserError(f"{where}: more than {bounds.max_values} JSON values: refused")
+        if isinstance(node, str) and len(node) > bounds.max_str:
+            raise UserError(f"{where}: a string of {len(node)} characters, over the bound of {bounds.max_str}: "
+                            "refused")
+        if isinstance(node, (dict, list)):
+            if depth > bounds.max_depth:
+                raise UserError(f"{where}: JSON nested deeper than {bounds.max_depth} levels: refused")
+            if isinstance(node, dict):
+                long_key = next((k for k in node if len(k) > bounds.max_str), None)
+                if long_key is not None:
+                    raise UserError(f"{where}: a key of {len(long_key)} characters, over the bound of "
+                                    f"{bounds.max_str}: refused")
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+
+
+def read_bounded(path: str | os.PathLike, bounds: JsonBounds, *, what: str = "JSON file",
+                 follow_symlinks: bool = False) -> Any:
+    """The JSON of the regular file `path` (opened without blocking, its size checked before reading)."""
+    data = read_bytes(path, max_bytes=bounds.max_bytes, what=what, follow_symlinks=follow_symlinks)
+    return load_bounded(data, bounds, str(path))
