@@ -6,6 +6,8 @@
     [residency]   EU = ["eu-*"]                            regions where each jurisdiction's data may be processed
     [hooks]       personal = ["strip-exif", "redact-samples"]   hooks required per sensitivity tag
     [outputs]     sample_images, embeddings, predictions (true/false), restricted_tags
+    [provenance]  require_signatures = true                audit records must be signed with a trusted key
+                  trusted_keys = ["sha256:..."]            key ids of trusted public keys (keygen prints them)
 
 Parsing is strict: an unknown section, key or tag is an error, because a misspelt rule
 would otherwise be a rule silently not enforced.
@@ -21,6 +23,7 @@ from typing import Any
 
 from torchcls.errors import UserError
 from torchcls.governance.digest import sha256_json
+from torchcls.governance.signing import looks_like_key_id
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT, check_tags
 from torchcls.toml_compat import tomllib
 
@@ -30,6 +33,7 @@ _SCHEMA: dict[str, dict[str, type]] = {
     "data": {"allowed_licenses": list, "allowed_jurisdictions": list, "mix_jurisdictions": bool,
              "require_legal_basis": bool, "require_retention": bool, "max_retention_days": int},
     "outputs": {"sample_images": bool, "embeddings": bool, "predictions": bool, "restricted_tags": list},
+    "provenance": {"require_signatures": bool, "trusted_keys": list},
 }
 
 
@@ -50,6 +54,8 @@ class Policy:
     embeddings: bool = True
     predictions: bool = True
     restricted_tags: list[str] = field(default_factory=lambda: list(RESTRICTED_BY_DEFAULT))
+    require_signatures: bool = False
+    trusted_keys: list[str] = field(default_factory=list)  # key ids ("sha256:" + 64 hex digits): data, not code
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +101,10 @@ def policy_from_dict(raw: dict[str, Any], origin: str = "policy") -> Policy:
                 raise UserError(f"policy {origin}: [{section}] {key} must be a list of strings")
             setattr(p, key, value)
     check_tags(p.restricted_tags, f"policy {origin} [outputs] restricted_tags")
+    bad = [k for k in p.trusted_keys if not looks_like_key_id(k)]
+    if bad:
+        raise UserError(f"policy {origin}: [provenance] trusted_keys {bad[0]!r} is not a key id (sha256: and 64 hex "
+                        "digits, as `torchcls governance keygen` prints it)")
     return p
 
 
