@@ -3,6 +3,8 @@ and bad files met at decode time or while listing: reported, never dropped silen
 
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -145,16 +147,47 @@ def test_listing_reports_broken_symlinks_dirs_named_like_images_and_unreadable(t
     assert len(s) == 7 and sorted(Path(f).name for f, _ in s.skipped) == ["folder.jpg", "gone.png"]
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads every file regardless of permissions")
 def test_unreadable_folder_is_reported(tmp_path):
-    root = make_image_folder(tmp_path / "d", per_class=3)
-    locked = root / "circle" / "locked"
-    locked.mkdir()
-    locked.chmod(0)
+    """A folder the process cannot read is reported, not skipped silently. Root reads everything, so as root
+    (CI) the listing runs in a forked child that has dropped to `nobody` first."""
+    base = Path(tempfile.mkdtemp(dir="/tmp")) if os.geteuid() == 0 else tmp_path  # nobody must reach it
     try:
-        assert any("permission denied" in r for _, r in list_files(root / "circle").problems)
+        base.chmod(0o755)
+        root = make_image_folder(base / "d", per_class=3)
+        locked = root / "circle" / "locked"
+        locked.mkdir()
+        locked.chmod(0)
+        problems = _as_unprivileged(lambda: list_files(root / "circle").problems)
+        assert any("locked" in f and "permission denied" in r for f, r in problems), problems
     finally:
-        locked.chmod(0o755)
+        if base != tmp_path:
+            shutil.rmtree(base)
+
+
+def _as_unprivileged(fn):
+    """fn() in this process, or as root: in a forked child running as nobody (uid/gid 65534); its result
+    comes back as JSON through a pipe."""
+    if os.geteuid() != 0:
+        return fn()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: drop privileges, run, report, exit without running the parent's cleanup
+        status = 1
+        try:
+            os.close(read_end)
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            os.write(write_end, json.dumps(fn()).encode())
+            status = 0
+        finally:
+            os._exit(status)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as f:
+        out = f.read()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the unprivileged child failed"
+    return json.loads(out)
 
 
 def test_predict_reports_broken_symlinks(tmp_path, trained_run):
