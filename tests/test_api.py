@@ -28,3 +28,16 @@ def test_api_functions_callable_in_any_order(shapes_dir: Path, tmp_path: Path) -
     # Every API name is still the function, not a module.
     for name in ("train", "evaluate", "predict", "export", "load_artifact"):
         assert callable(getattr(torchcls, name)), name
+
+
+def test_api_names_stay_functions_after_first_use() -> None:
+    """torchcls.demo and torchcls.explain are functions defined in submodules of the same name: importing
+    the submodule sets the package attribute to the module, so the second lookup used to be the module."""
+    import subprocess
+    import sys
+
+    code = ("import torchcls, types; names = ('demo', 'explain', 'train', 'export');"
+            "assert all(callable(getattr(torchcls, n)) for n in names);"
+            "assert all(callable(getattr(torchcls, n)) and not isinstance(getattr(torchcls, n), types.ModuleType)"
+            " for n in names)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)

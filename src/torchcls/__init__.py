@@ -1,16 +1,12 @@
 """torchcls: PyTorch-native image classification, from an eager prototype to verified production artifacts.
 
-The public API is one function per command. They are imported lazily so that
-`import torchcls` (and `torchcls --help`) does not pay for importing torch. No API name is
-also the name of a sub-package: importing a sub-package sets it as an attribute of this
-package, which would replace the function of the same name after first use.
+The public API is one function per command. They are imported lazily (torchcls.lazy) so that
+`import torchcls` (and `torchcls --help`) does not pay for importing torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from torchcls.lazy import lazy_api
 from torchcls.noise import silence_known_noise
 
 __version__ = "0.1.0"
@@ -29,8 +25,4 @@ _API = {
 
 __all__ = [*_API, "__version__"]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'torchcls' has no attribute {name!r}")
+__getattr__ = lazy_api(globals(), _API)

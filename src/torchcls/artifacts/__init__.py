@@ -7,8 +7,7 @@ nothing else of the package).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchcls.lazy import lazy_api
 
 _API = {
     "ArtifactInfo": "torchcls.artifacts.targets.base",
@@ -22,8 +21,4 @@ _API = {
 
 __all__ = list(_API)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'torchcls.artifacts' has no attribute {name!r}")
+__getattr__ = lazy_api(globals(), _API)

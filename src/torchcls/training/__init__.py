@@ -8,8 +8,7 @@ reads, does not pull in the trainer).
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchcls.lazy import lazy_api
 
 _API = {
     "train": "torchcls.training.build",
@@ -18,8 +17,4 @@ _API = {
 
 __all__ = list(_API)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'torchcls.training' has no attribute {name!r}")
+__getattr__ = lazy_api(globals(), _API)
