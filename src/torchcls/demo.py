@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
 from torchcls.config import Config
 from torchcls.console import console
+from torchcls.errors import UserError
+from torchcls.made_dirs import move_aside
 from torchcls.options import DemoOptions as _D  # the defaults, declared once
 
 
@@ -27,7 +28,7 @@ def demo(out_dir: str = _D.out_dir, name: str = _D.name, epochs: int | None = No
     from torchcls.training import train
 
     cfg = demo_config(out_dir, name, epochs, threads)
-    shutil.rmtree(Path(out_dir) / name, ignore_errors=True)  # the demo always starts fresh
+    _start_fresh(Path(out_dir) / name)
     console.print(f"[bold]torchcls demo[/]: training {cfg.model.name} on {cfg.data.source} "
                   f"({cfg.train.epochs} epochs, 80/20 seeded split)")
     result = train(cfg)
@@ -35,3 +36,16 @@ def demo(out_dir: str = _D.out_dir, name: str = _D.name, epochs: int | None = No
     console.print(f"\n[bold green]held-out top-1 {ev['top1']:.2%}[/] (top-5 {ev['top5']:.2%}, {ev['n']} images)")
     console.print(f"report: {result.run_dir / 'report.html'}")
     return ev
+
+
+def _start_fresh(run: Path) -> None:
+    """The demo always starts a new run: an earlier one (or whatever --out-dir/--name names) is moved aside,
+    never deleted, since a name alone says nothing about whose files are there."""
+    if not run.exists() and not run.is_symlink():
+        return
+    try:
+        aside = move_aside(run, "previous")
+    except OSError as e:
+        raise UserError(f"{run} exists and cannot be moved aside ({e.strerror}): choose another --name or "
+                        "--out-dir for the demo") from None
+    console.print(f"[yellow]{run} existed: moved aside to {aside.name} (nothing removed)[/]")

@@ -15,7 +15,7 @@ import io
 import json
 import os
 import re
-import shutil
+import secrets
 import tarfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from torchcls.errors import UserError
+from torchcls.made_dirs import make_dir, remove_made
 
 if TYPE_CHECKING:
     from torchcls.data.sources import ImageSet
@@ -143,9 +144,8 @@ def write_shards(source: str | ImageSet, out_dir: str | Path, shard_size_bytes: 
     order = (torch.randperm(len(images), generator=torch.Generator().manual_seed(seed)) if shuffle
              else torch.arange(len(images))).tolist()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    made = make_dir(out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}")  # new: only ours
+    tmp = made.path
     try:
         shards = _write_tars(images, order, tmp, prefix, shard_size_bytes, max_count, TarWriter)
         counts = torch.bincount(images.targets, minlength=len(images.classes)).tolist()
@@ -160,7 +160,7 @@ def write_shards(source: str | ImageSet, out_dir: str | Path, shard_size_bytes: 
             out.rmdir()  # empty, checked above
         os.rename(tmp, out)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        remove_made(made)
         raise
     return open_shards(str(out))
 

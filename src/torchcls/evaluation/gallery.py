@@ -8,7 +8,8 @@ predicted label, confidence) and <out>/misclassified/NN.png holds each image, at
 
 from __future__ import annotations
 
-import shutil
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ def worst_errors(logits: torch.Tensor, targets: torch.Tensor, dataset, classes: 
     out_dir/misclassified/. [] when there is none, or when samples skipped while decoding (--on-bad-file
     skip) broke the alignment of logits and dataset indices."""
     folder = out_dir / "misclassified"
-    shutil.rmtree(folder, ignore_errors=True)  # a previous evaluation's thumbnails would be stale
+    _remove_thumbnails(folder)  # a previous evaluation's would be stale
     images, indices = getattr(dataset, "images", None), getattr(dataset, "indices", None)
     if images is None or indices is None or len(logits) != len(indices) or targets.ndim != 1:
         return []
@@ -44,6 +45,20 @@ def worst_errors(logits: torch.Tensor, targets: torch.Tensor, dataset, classes: 
                       "true": classes[t], "predicted": classes[p], "confidence": round(confidence[i].item(), 4),
                       "true_prob": round(probs[i, t].item(), 4), "thumbnail": f"misclassified/{thumbnail.name}"})
     return found
+
+
+def _remove_thumbnails(folder: Path) -> None:
+    """Delete the thumbnails an evaluation writes (NN.png, regular files), nothing else: the folder is found
+    by name in a run dir that may be someone else's, and a name is no proof of what a file is."""
+    if not folder.is_dir() or folder.is_symlink():
+        return
+    for rank in range(GALLERY_SIZE):
+        name = folder / f"{rank:02d}.png"
+        try:
+            if stat.S_ISREG(os.lstat(name).st_mode):
+                name.unlink()
+        except OSError:
+            pass
 
 
 def _thumbnail(image: torch.Tensor, path: Path) -> None:

@@ -292,13 +292,10 @@ class Governance:
 def begin(cfg: Config, run_path: Path) -> Governance:
     """Check the policy and the data's integrity; raises UserError (and logs a 'refused' record) on any
     violation, before the data set is opened."""
-    try:
-        gov = Governance(cfg, run_path)
-        gov.check()
-    except UserError:
-        if not cfg.run.resume:  # a bad policy, hook or manifest: leave no half-made run dir behind
-            shutil.rmtree(run_path, ignore_errors=True)
-        raise
+    # A refusal leaves no half-made run dir behind: train() removes the dir when this process created it
+    # (training/rundir.py discard_failed_start); a path alone never says that, so nothing is removed here.
+    gov = Governance(cfg, run_path)
+    gov.check()
     return gov
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
-import shutil
 import signal
 import sys
 import time
@@ -42,7 +41,8 @@ from torchcls.checkpoint.files import CHECKPOINTS
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
-from torchcls.training.rundir import RunDir, created_by, default_name, job_id
+from torchcls.made_dirs import identity, move_aside
+from torchcls.training.rundir import CREATED_BY, RunDir, created_by, default_name, job_id
 
 FAULT_STEP_ENV, FAULT_RANK_ENV = "TORCHCLS_FAULT_STEP", "TORCHCLS_FAULT_RANK"
 UNIDENTIFIED = "unidentified/"  # a job that nothing tells apart from another (job_of)
@@ -68,6 +68,9 @@ class Session:
     parallel: str = "none"
     generation: int = 1  # which start of the job this is, where the job's store outlives its starts
     job: str = field(default_factory=job_id)  # this torchrun job, as recorded in the run dirs it creates
+    # Rank 0: torchrun's agent store, where it outlives the starts of the job (None otherwise). It keeps the
+    # proof that a start of this job created a run dir: the dir's own files could be written by anyone.
+    job_store: dist.Store | None = field(default=None, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:
@@ -85,9 +88,12 @@ class Session:
         if not self.active:
             return RunDir.prepare(cfg)
         outcome: list[Any] = [None]
+        run = None
         if self.is_main:
             try:
                 run = RunDir.prepare(cfg, self.job)
+                if run.made is not None and self.job_store is not None:
+                    self.job_store.set(_made_key(run.path), identity(run.path))
                 outcome[0] = ("ok", str(run.path), cfg.run.name)
             except UserError as e:
                 outcome[0] = ("error", str(e), None)
@@ -96,7 +102,7 @@ class Session:
         if kind == "error":
             raise UserError(value)
         cfg.run.name = name
-        return RunDir(Path(value), self.job) if self.is_main else FollowerRunDir(Path(value), self.job)
+        return run if run is not None else FollowerRunDir(Path(value), self.job)
 
     def barrier(self) -> None:
         if self.active:
@@ -204,7 +210,11 @@ def _init_process_group(s: Session, device: str, timeout_s: int) -> str | None:
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         s.generation, prefixed = _generation_store(store, s.rank, s.world, timeout_s)
         dist.init_process_group(backend, store=prefixed, rank=s.rank, world_size=s.world, timeout=timeout)
-        return _job_token(store) if s.is_main else None
+        if not s.is_main:
+            return None
+        token = _job_token(store)
+        s.job_store = store if token is not None else None
+        return token
     except (RuntimeError, ValueError, TimeoutError) as e:
         raise UserError(f"rank {s.rank} could not join the process group at {addr} within {timeout_s}s "
                         f"({str(e).splitlines()[0]}): check that the rendezvous endpoint is reachable and all "
@@ -301,7 +311,7 @@ def _prepare_restart(s: Session, cfg: Config) -> None:
     path = Path(cfg.run.out_dir) / cfg.run.name
     if cfg.run.resume:  # the user's own --resume: it says which run to continue
         return
-    decision = [_restart_decision(path, s.job) if s.is_main else None]
+    decision = [_restart_decision(path, s.job, s.job_store) if s.is_main else None]
     dist.broadcast_object_list(decision, src=0)
     if decision[0] not in ("resume", "start"):  # every rank stops alike, with rank 0's reason
         raise UserError(decision[0])
@@ -311,12 +321,24 @@ def _prepare_restart(s: Session, cfg: Config) -> None:
         console.print(f"[yellow]elastic restart {restart}: resuming {path} from its last checkpoint[/]")
 
 
-def _restart_decision(path: Path, job: str) -> str:
-    """Rank 0: "resume" a run dir this job created and checkpointed; otherwise "start" (after removing
-    a dir an earlier start of this job made and left without a checkpoint). A dir another job (or the
-    user) made is never resumed nor removed: the start then refuses it as it refused the first time.
-    A job that cannot tell its own dirs from another's (job_of) gets the reason it touches nothing."""
-    if not path.exists():
+def _made_key(path: Path) -> str:
+    return f"torchcls/made/{os.path.abspath(path)}"
+
+
+def _restart_decision(path: Path, job: str, store: dist.Store | None = None) -> str:
+    """Rank 0: "resume" a run dir this job started in and checkpointed, "start" when there is none, or the
+    reason to stop. A dir another job (or the user) made is never resumed nor changed: the start then
+    refuses it as it refused the first time. Nothing is ever removed: a dir with no checkpoint is moved
+    aside only when the agent's store, which no file can write, holds that an earlier start of this job
+    created this very dir (its device and inode); the marker inside names the job but proves nothing."""
+    try:
+        return _decide(path, job, store)
+    except (UserError, OSError) as e:  # every rank must stop alike: rank 0's reason, not a hang in broadcast
+        return f"elastic restart: {path}: {e}"
+
+
+def _decide(path: Path, job: str, store: dist.Store | None) -> str:
+    if not os.path.lexists(path):
         return "start"
     if job.startswith(UNIDENTIFIED):
         return (f"elastic restart: {path} exists and this torchrun job cannot tell whether it created it: its run id "
@@ -331,7 +353,14 @@ def _restart_decision(path: Path, job: str) -> str:
     checkpointer.recover()  # a crash between the two renames of a commit: before has_state looks
     if checkpointer.has_state():
         return "resume"
-    shutil.rmtree(path)  # an earlier start of this job made it and left no checkpoint: start again
+    key = _made_key(path)
+    if store is None or not store.check([key]) or store.get(key).decode() != identity(path):
+        return (f"elastic restart: {path} holds no checkpoint, and nothing but its own {CREATED_BY} (a file anyone "
+                "who can write there could have written) says an earlier start of this job created it. It is left "
+                "as it is: look inside, then remove or rename it and run the job again, or choose another --name")
+    aside = move_aside(path, "failed-start")  # this job's, without a checkpoint: kept, out of the way
+    console.print(f"[yellow]elastic restart: {path} was made by an earlier start of this job that saved no "
+                  f"checkpoint: moved aside to {aside.name}, starting again[/]")
     return "start"
 
 

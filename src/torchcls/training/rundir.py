@@ -5,24 +5,27 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE, atomic_write
 from torchcls.config import Config
+from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of, writing
+from torchcls.io_files import read_text
+from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
 
-# Written into a run dir this job created: only such a dir may be removed again (after a failed
-# start, or by an elastic restart of the same torchrun job). A dir that held anything before, a
-# user's own files included, is never deleted.
+# Written into a run dir this job started in. It lets an elastic restart of the same torchrun job
+# resume the dir (refuse less); it never allows removing anything: whoever can write into a dir can
+# write this file too. Only what this very process created (made_dirs.MadeDir, in memory) is removed.
 CREATED_BY = ".created-by.json"
+MARKER_BYTES = 4096  # a marker is one short JSON object
 
 
 def job_id() -> str:
@@ -35,8 +38,8 @@ def job_id() -> str:
 def created_by(path: Path, job: str) -> bool:
     """Whether the run dir `path` was created by the job `job` (its marker names it)."""
     try:
-        return json.loads((path / CREATED_BY).read_text()).get("job") == job
-    except (OSError, ValueError, AttributeError):
+        return json.loads(read_text(path / CREATED_BY, max_bytes=MARKER_BYTES, what="run dir marker")).get("job") == job
+    except (OSError, ValueError, AttributeError, UserError):  # (a FIFO or a huge file names no job)
         return False
 
 
@@ -44,6 +47,7 @@ def created_by(path: Path, job: str) -> bool:
 class RunDir:
     path: Path
     job: str | None = None  # the job that prepared it (None: this process's, job_id())
+    made: MadeDir | None = field(default=None, repr=False)  # the dir, when this process created it
 
     @property
     def checkpoints(self) -> Path:
@@ -68,10 +72,14 @@ class RunDir:
             raise UserError(f"run dir {path} already exists: pass --resume to continue it, "
                             "or choose another --name")
         fresh = not path.exists() or not any(path.iterdir())
-        path.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            made = make_dir(path)
+        except FileExistsError:  # an empty dir (or --resume): used, but not this process's to remove
+            made = None
         if fresh:
             (path / CREATED_BY).write_text(json.dumps({"job": job or job_id()}))
-        run = cls(path, job)
+        run = cls(path, job, made)
         run.checkpoints.mkdir(exist_ok=True)
         if not cfg.run.resume:
             run.metrics_file.write_text("")
@@ -82,12 +90,23 @@ class RunDir:
             f.write(json.dumps(record) + "\n")
 
     def discard_failed_start(self) -> bool:
-        """After a start that failed before any checkpoint: remove the dir if this job created it,
-        so that the same command can simply be run again. Returns whether it was removed."""
-        if not created_by(self.path, self.job or job_id()) or Checkpointer(self.checkpoints).has_state():
+        """After a start that failed before any checkpoint, make way for the same command to simply be run
+        again: remove the dir if this process created it (and the name still leads to that dir), else
+        move a dir it started in aside (`<name>.failed-start-<time>-<random>`, said in one line).
+        Nothing is removed on a file's word: the marker inside plays no part. Returns whether it was removed."""
+        if Checkpointer(self.checkpoints).has_state():
             return False
-        shutil.rmtree(self.path, ignore_errors=True)
-        return not self.path.exists()  # (a dir that cannot be written cannot be emptied either)
+        if self.made is not None:
+            return remove_made(self.made)  # (False: gone elsewhere, or it could not be emptied)
+        try:
+            aside = move_aside(self.path, "failed-start")
+        except OSError as e:
+            console.print(f"[yellow]{self.path} existed before this run and is left as it is ({e.strerror}): "
+                          "remove it or choose another --name to run again[/]")
+            return False
+        console.print(f"[yellow]{self.path} existed before this run: moved aside to {aside.name} "
+                      "(nothing removed); the same command can be run again[/]")
+        return False
 
     def truncate_metrics(self, after_step: int) -> None:
         """On resume, drop records logged after the checkpoint so the log reads like one run."""

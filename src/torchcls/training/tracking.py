@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import re
-import shutil
 import sys
 import time
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
+from torchcls.made_dirs import MadeDir, make_dirs, remove_made
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
 ARTIFACTS = ("report.html", "metrics.jsonl", "config.toml", "pretrained.json", "skipped_files.json")
@@ -67,7 +67,7 @@ def open_tracker(cfg: Config, run_dir: Path) -> Tracker | None:
         raise
     except Exception as e:  # mlflow wraps HTTP, SQL and file errors alike; the first line says which
         if created is not None:
-            shutil.rmtree(created, ignore_errors=True)  # nothing written half: a store folder we made
+            remove_made(created)  # nothing written half: the store folder this process made
         raise UserError(f"{where}: cannot open the MLflow store {uri} ({_reason(e)}); start the server "
                         "or fix the URI (a server URL, sqlite:///FILE or a folder), or run with --tracking none") \
             from None
@@ -98,18 +98,16 @@ def resolve_uri(given: str) -> tuple[str, Path | None]:
     return f"sqlite:///{folder / 'mlflow.db'}", folder / "mlruns"
 
 
-def _make_store_folder(artifacts: Path | None, where: str) -> Path | None:
+def _make_store_folder(artifacts: Path | None, where: str) -> MadeDir | None:
     """Create the folder of a local SQLite store; returns the top folder created (None: all existed)."""
     if artifacts is None:
         return None
     folder = artifacts.parent
-    top = next((p for p in reversed([folder, *folder.parents]) if not p.exists()), None)
     try:
-        folder.mkdir(parents=True, exist_ok=True)
+        return make_dirs(folder)
     except OSError as e:
         raise UserError(f"{where}: cannot create the folder {folder} of the MLflow store "
                         f"({e.strerror or e}); choose a writable place, or run with --tracking none") from None
-    return top
 
 
 @contextmanager
