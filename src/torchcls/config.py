@@ -241,6 +241,10 @@ class CheckpointConfig:
 
     save_every: int = opt(0, "also checkpoint every N steps (0 = at epoch ends only)")
     async_checkpoint: bool = opt(False, "ddp/fsdp2: write sharded (DCP) checkpoints in a background thread")
+    unsafe_unpickle: bool = opt(False, "read files that only a pickle reader can read: an older run's training state "
+                                "(last.state.pt) and --pretrained .pth/.pt/.bin weights, through torch's restricted "
+                                "unpickler (weights_only=True). Only for files you trust; command line or API only, "
+                                "a config file cannot set it")
 
 
 @dataclass
@@ -283,7 +287,11 @@ class Config:
     governance: GovernanceConfig = field(default_factory=GovernanceConfig)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """Every option but the TRUST_OPTIONS: what config.toml and a checkpoint's metadata record."""
+        raw = dataclasses.asdict(self)
+        for section, key in TRUST_OPTIONS:
+            del raw[section][key]
+        return raw
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], origin: str = "config", base: Config | None = None) -> Config:
@@ -294,6 +302,9 @@ class Config:
             if not isinstance(values, dict):
                 raise UserError(f"{origin}: [{section}] must be a table of options")
             for key, value in values.items():
+                if (moved_section(section, key), key) in TRUST_OPTIONS:
+                    raise UserError(f"{origin}: [{section}] {key} cannot be set by a file (it would let the file "
+                                    f"decide what is trusted); give --{key.replace('_', '-')} on the command line")
                 set_option(cfg, moved_section(section, key), key, value, origin)
         return cfg
 
@@ -306,6 +317,11 @@ class Config:
 SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,
                              "precision": PrecisionConfig, "parallel": ParallelConfig, "checkpoint": CheckpointConfig,
                              "run": RunConfig, "governance": GovernanceConfig}
+
+# Options that grant trust (reading a pickle): only the command line or the API sets them. A file (a
+# --config TOML, a received run dir's config.toml, a checkpoint's recorded config) never does: from_dict
+# refuses them and to_dict leaves them out, so nothing torchcls writes carries them either.
+TRUST_OPTIONS = frozenset({("checkpoint", "unsafe_unpickle")})
 
 # Options that once lived in [train] and moved to their own section. Config files written before
 # the split, and the config stored inside older checkpoints, still load: the key is read into
