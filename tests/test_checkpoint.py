@@ -48,7 +48,7 @@ def test_save_and_resume_restore_everything(tmp_path: Path):
     ckpt.save(model, optimizer, scheduler, Progress(0, 3, 3, 0.5), _meta(3))
     rng = torch.get_rng_state()
     assert ckpt.has_state() and not ckpt.resumes_from_dcp()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.safetensors", "last.state.pt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.safetensors", "last.state.safetensors"]
     assert read_meta(ckpt.last_weights).step == 3
 
     fresh, fresh_opt, fresh_sched = _objects(1)
@@ -90,13 +90,13 @@ def test_lineage_is_stamped_when_weights_are_written(tmp_path: Path):
 
 def test_resume_without_state_is_a_user_error(tmp_path: Path):
     model, optimizer, scheduler = _objects(0)
-    with pytest.raises(UserError, match="last.state.pt is missing"):
+    with pytest.raises(UserError, match="last.state.safetensors is missing"):
         Checkpointer(tmp_path).resume(model, optimizer, scheduler, _meta(0))
 
 
 def test_each_checkpoint_file_name_is_written_out_once():
     """The training-state names live in checkpoint/files.py; everything else asks for them."""
-    for name in ("last.state.pt", "last.dcp"):
+    for name in ("last.state.safetensors", "last.state.pt", "last.dcp"):
         places = []
         for path in SRC.rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):

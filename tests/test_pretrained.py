@@ -56,9 +56,11 @@ def test_timm_state_dict_pth_and_hub_folder(tmp_path: Path) -> None:
     hub.mkdir()
     save_file(original.state_dict(), str(hub / "model.safetensors"))
     (hub / "config.json").write_text('{"architecture": "resnet18", "num_classes": 1000}')
+    with pytest.raises(UserError, match="is a pickle .* --unsafe-unpickle"):  # not read by default
+        load_pretrained(create_model(ModelSpec("resnet18", 10, 3, 64)), pth, num_classes=10)
     for path in (pth, hub):
         model = create_model(ModelSpec("resnet18", 10, 3, 64))
-        report = load_pretrained(model, path, num_classes=10)
+        report = load_pretrained(model, path, num_classes=10, unsafe_unpickle=path == pth)
         assert sorted(report.reinitialised) == ["fc.bias", "fc.weight"] and report.missing == []
         torch.testing.assert_close(model.state_dict()["layer4.1.conv2.weight"],
                                    original.state_dict()["layer4.1.conv2.weight"])
@@ -77,8 +79,9 @@ def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
     evil = tmp_path / "evil.pth"
     with evil.open("wb") as f:
         pickle.dump({"state_dict": {"w": _Exploit(marker)}}, f)
-    with pytest.raises(UserError, match="refused"):
-        load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), evil, num_classes=2)
+    for opted_in in (False, True):  # by default not even the restricted unpickler reads it
+        with pytest.raises(UserError, match="refused" if opted_in else "--unsafe-unpickle"):
+            load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), evil, num_classes=2, unsafe_unpickle=opted_in)
     assert not marker.exists()
 
 

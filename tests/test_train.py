@@ -13,7 +13,7 @@ from torchcls.training import train
 
 def test_run_dir_contents(trained_run):
     for name in ("config.toml", "metrics.jsonl", "checkpoints/best.safetensors", "checkpoints/last.safetensors",
-                 "checkpoints/last.state.pt", "curves.png", "report.html"):
+                 "checkpoints/last.state.safetensors", "curves.png", "report.html"):
         assert (trained_run / name).is_file(), name
     records = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
     epochs = [r for r in records if r["kind"] == "epoch"]
@@ -59,7 +59,7 @@ def test_existing_run_needs_resume_and_resume_needs_a_run(tmp_path, shapes_dir):
         train(tiny_config(shapes_dir, tmp_path, "x", epochs=1))
     cfg = tiny_config(shapes_dir, tmp_path, "never", epochs=1)
     cfg.run.resume = True
-    with pytest.raises(UserError, match="no checkpoints/last.state.pt"):
+    with pytest.raises(UserError, match="no checkpoints/last.state.safetensors"):
         train(cfg)
 
 

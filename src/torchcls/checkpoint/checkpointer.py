@@ -3,7 +3,9 @@
 runs/<name>/checkpoints/ holds
   last.safetensors   the latest weights (one file, whatever the world size) with their metadata,
   best.safetensors   the weights of the best validation top-1,
-  last.state.pt      one process: optimizer, scheduler, progress, RNG, grad scaler (tensors only),
+  last.state.safetensors  one process: weights, optimizer, scheduler, progress, RNG, grad scaler, extras
+                     (tensors, and the rest as JSON in its metadata; an older run's last.state.pt, a pickle,
+                     is read only with --unsafe-unpickle),
   last.dcp/          torchrun: the sharded training state (weights included), see checkpoint/dcp.py.
 evaluate / predict / export / serve read only the .safetensors files. Every .safetensors file
 carries the run's lineage (governance) in its metadata from the moment it is written.
@@ -25,6 +27,7 @@ from torchcls.checkpoint.files import (
     LAST,
     LAST_DCP,
     LAST_STATE,
+    LEGACY_STATE,
     CheckpointMeta,
     load_training_state,
     load_weights_into,
@@ -33,6 +36,7 @@ from torchcls.checkpoint.files import (
     save_training_state,
     write_weights,
 )
+from torchcls.checkpoint.state_file import read_step
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import writing
@@ -72,8 +76,9 @@ class Checkpointer:
 
     def __init__(self, directory: Path, ranks: dcp.Ranks | None = None, *, async_save: bool = False,
                  lineage: dict[str, Any] | None = None, before_save: Callable[[nn.Module], None] | None = None,
-                 extras: dict[str, Any] | None = None):
+                 extras: dict[str, Any] | None = None, unsafe_unpickle: bool = False):
         self.directory = Path(directory)
+        self.unsafe_unpickle = unsafe_unpickle  # read an older run's pickled state (--unsafe-unpickle)
         self.ranks = ranks or SingleProcess()
         self.async_save = async_save and self.ranks.active  # background writes exist for DCP only
         self.lineage = lineage  # stamped into every .safetensors written
@@ -85,12 +90,18 @@ class Checkpointer:
     last_weights = property(lambda self: self.directory / LAST)
     best_weights = property(lambda self: self.directory / BEST)
     last_state = property(lambda self: self.directory / LAST_STATE)
+    legacy_state = property(lambda self: self.directory / LEGACY_STATE)
     last_dcp = property(lambda self: self.directory / LAST_DCP)
 
     # -- what is there ----------------------------------------------------------------------
     def has_state(self) -> bool:
         """Is there a training state to resume from (either format)?"""
-        return self.last_state.is_file() or dcp.is_complete(self.last_dcp)
+        return self._state_file() is not None or dcp.is_complete(self.last_dcp)
+
+    def _state_file(self) -> Path | None:
+        """The single-process state to resume from: the safetensors one, else an older run's pickle (which
+        the first checkpoint of the resumed run supersedes), else None."""
+        return next((p for p in (self.last_state, self.legacy_state) if p.is_file()), None)
 
     def recover(self) -> str | None:
         """Finish a sharded checkpoint's commit that a crash interrupted, before anything asks has_state
@@ -102,15 +113,24 @@ class Checkpointer:
 
     def saved_step(self) -> int | None:
         """The optimizer step of the state a resume would load (None: there is none). Reads only what
-        a commit writes last (meta.json; the state file, memory-mapped), so a torn write shows as absent."""
+        a commit writes last (meta.json; the state file's header), so a torn write shows as absent."""
         step = dcp.saved_step(self.last_dcp)
-        if self.ranks.active or not self.last_state.is_file():
-            return step
-        try:
-            state_step = torch.load(self.last_state, map_location="cpu", weights_only=True, mmap=True)["step"]
-        except (OSError, RuntimeError, KeyError):
+        state_step = None if self.ranks.active else self._single_step()
+        if state_step is None:
             return step
         return max(state_step, step if step is not None else -1)
+
+    def _single_step(self) -> int | None:
+        state = self._state_file()
+        if state is None:
+            return None
+        if state == self.last_state:
+            return read_step(state)
+        # An older run's pickle is not opened to ask: its last.safetensors was written with it, of its step.
+        try:
+            return read_meta(self.last_weights).step
+        except UserError:
+            return None
 
     def resumes_from_dcp(self) -> bool:
         """Ranks always resume from DCP; a single process does when its DCP state is the newer one."""
@@ -119,9 +139,8 @@ class Checkpointer:
         step = dcp.saved_step(self.last_dcp)
         if step is None:
             return False
-        if not self.last_state.is_file():
-            return True
-        return step > load_training_state(self.last_state)["step"]
+        single = self._single_step()
+        return single is None or step > single
 
     # -- save -------------------------------------------------------------------------------
     def save(self, model: nn.Module, optimizer, scheduler, progress: Progress, meta: CheckpointMeta,
@@ -192,9 +211,10 @@ class Checkpointer:
             fields, rng = dcp.load(self.last_dcp, model, optimizer, scheduler, Progress(), meta, self.extras)
             progress = Progress(*fields)
         else:
-            state = load_training_state(self.last_state)
+            path = self._state_file() or self.last_state
+            state = load_training_state(path, self.unsafe_unpickle)
             if "model" in state:
-                load_weights_into(model, self.last_state, state["model"])
+                load_weights_into(model, path, state["model"])
             else:  # written before the state carried the weights: the pair must be of one step
                 _check_same_step(self.last_weights, state["step"])
                 load_weights_into(model, self.last_weights)

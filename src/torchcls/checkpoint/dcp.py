@@ -1,16 +1,21 @@
-"""The sharded format: the whole training state with torch.distributed.checkpoint (DCP).
+"""The sharded format: the whole training state of a torchrun run, with no pickle in it.
 
-Each rank writes its own shards (.distcp) plus the shared .metadata; meta.json beside them
-holds the model spec and progress. Loading reshards to any world size (2 -> 1, 1 -> 2,
-DDP <-> FSDP2): DCP addresses tensors by name and global offsets, not by rank.
-The state holds tensors only (weights, optimizer moments, progress counters, learning rates,
-RNG): no pickled objects are written or loaded. Every save goes to a temporary dir that rank 0
-renames into place once all ranks finished: a crash mid-save keeps the old one.
+last.dcp/ holds one safetensors file per rank (tensors: weights, optimizer moments, the EMA, RNG;
+where each shard sits in its tensor is in the file's header), written by DCP's pickle-free
+HuggingFaceStorageWriter (checkpoint/hf_dcp.py); state.json, the rest of the state as plain numbers
+(checkpoint/sharded_state.py); meta.json, the model spec and progress. Loading reshards to any
+world size (2 -> 1, 1 -> 2, DDP <-> FSDP2): DCP addresses tensors by name and global offsets, not
+by rank. Every save goes to a temporary dir that rank 0 renames into place once all ranks finished:
+a crash mid-save keeps the old one.
 
 The commit is two renames (last.dcp -> .last.dcp.old, .last.dcp.tmp -> last.dcp). A crash between
 them leaves no last.dcp at all; `recover` finishes the commit instead (the temporary dir holds
 meta.json only once every rank's write finished, so it is the newer complete checkpoint), or puts
 .last.dcp.old back when there is nothing newer. Nothing is deleted to get out of that window.
+
+A checkpoint written before (torch's FileSystemWriter: `.metadata`, a pickle, and `.distcp` files)
+is recognised and refused with the way to convert it: reading it means unpickling, which only
+`torchcls consolidate --unsafe-unpickle-dcp` does (checkpoint/consolidate.py).
 
 Which directory is the run's (`last.dcp`) and when to save is the Checkpointer's business;
 these functions take the directory.
@@ -18,9 +23,8 @@ these functions take the directory.
 
 from __future__ import annotations
 
-import json
+import os
 import shutil
-import warnings
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -38,19 +41,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchcls.checkpoint.files import (
-    CHECKPOINTS,
-    LAST_DCP,
-    CheckpointMeta,
-    atomic_write,
-    model_state,
-    plain_state,
-    write_weights,
-)
-from torchcls.checkpoint.safe_dcp import SafeReader, safe_load
+from torchcls.checkpoint import hf_dcp, sharded_state
+from torchcls.checkpoint.files import CheckpointMeta, atomic_write, model_state, plain_state, read_meta_json
+from torchcls.checkpoint.sharded_state import PLATEAU_KEYS, STATE
 from torchcls.errors import UserError
 
 META = "meta.json"
+LEGACY_METADATA = ".metadata"  # torch's FileSystemWriter index: a pickle
+UNSAFE_FLAG = "--unsafe-unpickle-dcp"
 
 
 class Ranks(Protocol):
@@ -66,14 +64,33 @@ class Ranks(Protocol):
     def barrier(self) -> None: ...
 
 
+def is_legacy(path: Path) -> bool:
+    """A checkpoint in torch's pickle format (`.metadata`), written before this format."""
+    return os.path.lexists(path / LEGACY_METADATA) and not os.path.lexists(path / STATE)
+
+
 def is_complete(path: Path) -> bool:
-    return (path / ".metadata").is_file()
+    """Does `path` hold a sharded checkpoint's data (either format)? meta.json: see `_finished`."""
+    return os.path.lexists(path / STATE) or is_legacy(path)
+
+
+def refuse_legacy(path: Path) -> None:
+    if is_legacy(path):
+        run = path.parent.parent if path.parent.name == "checkpoints" else path
+        raise UserError(f"{path} is a sharded checkpoint in torch's older pickle format ({LEGACY_METADATA}): reading "
+                        "it would unpickle that file, which runs whatever code it names if the checkpoint is not "
+                        f"yours. If you trust where it came from, convert it once: `torchcls consolidate {UNSAFE_FLAG} "
+                        f"--convert {run}` (rewrites it in the pickle-free format), then resume")
+
+
+def read_meta(path: Path) -> CheckpointMeta:
+    """meta.json of the checkpoint dir `path`, every field bounded (checkpoint/meta_check.py)."""
+    return read_meta_json(path / META)
 
 
 def saved_step(path: Path) -> int | None:
     """The optimizer step a complete DCP checkpoint was saved at (None: there is none)."""
-    meta = path / META
-    return json.loads(meta.read_text())["step"] if meta.is_file() and is_complete(path) else None
+    return read_meta(path).step if os.path.lexists(path / META) and is_complete(path) else None
 
 
 def full_model_state(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] | None:
@@ -84,45 +101,41 @@ def full_model_state(model: nn.Module, ranks: Ranks) -> dict[str, torch.Tensor] 
     return plain_state(sd) if ranks.is_main else None
 
 
-# ReduceLROnPlateau's counters, kept in the DCP state as one float64 tensor (DCP holds tensors, not dicts).
-PLATEAU_KEYS = ("best", "num_bad_epochs", "cooldown_counter", "last_epoch")
-
-
 def training_state(model: nn.Module, optimizer, scheduler, progress: Any,
-                   extras: dict[str, Any] | None = None) -> tuple[dict[str, Any], list]:
-    """The DCP state dict (tensors only) and the optimizer's param groups, which are rebuilt, not saved.
+                   extras: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any], list]:
+    """(the tensors for the shards, the rest for state.json, the optimizer's param groups, which are
+    rebuilt from this run's optimizer, not saved: a resume may change a hyperparameter).
     `extras`: further stateful parts of the run (the weights' EMA), saved under their names."""
     osd = get_optimizer_state_dict(model, optimizer)  # creates zero moments on a fresh optimizer
-    more = {"extras": {k: v.state_dict() for k, v in extras.items()}} if extras else {}
+    tree = {"model": get_model_state_dict(model), "optim": {"state": osd["state"]}, "rng": torch.get_rng_state()}
+    if extras:
+        tree["extras"] = {k: v.state_dict() for k, v in extras.items()}
+    tensors, other = sharded_state.split(tree)
+    rest = {"epoch": progress.epoch, "step": progress.step, "step_in_epoch": progress.step_in_epoch,
+            "best_top1": float(progress.best_top1), "lr": [float(lr) for lr in scheduler.get_last_lr()],
+            "other": other}
     if getattr(progress, "epoch_sums", None) is not None:
-        more["epoch_sums"] = _every_ranks_row(progress.epoch_sums)
+        rest["epoch_sums"] = _every_ranks_row(progress.epoch_sums)
     plateau = scheduler.state_dict().get("plateau")
     if plateau:  # --sched plateau: where its patience count stands, not only the rates it reduced
-        more["plateau"] = torch.tensor([plateau[k] for k in PLATEAU_KEYS], dtype=torch.float64)
-    return more | {
-        "model": get_model_state_dict(model),
-        "optim": {"state": osd["state"]},
-        "progress": torch.tensor([progress.epoch, progress.step, progress.step_in_epoch], dtype=torch.int64),
-        "best_top1": torch.tensor(progress.best_top1, dtype=torch.float64),
-        "lr": torch.tensor(scheduler.get_last_lr(), dtype=torch.float64),
-        "rng": torch.get_rng_state(),
-    }, osd["param_groups"]
+        rest["plateau"] = {k: float(plateau[k]) if k == "best" else int(plateau[k]) for k in PLATEAU_KEYS}
+    return tensors, rest, osd["param_groups"]
 
 
-def _every_ranks_row(row: tuple[float, ...]) -> torch.Tensor:
-    """[world, len(row)]: each rank's row (its epoch sums). DCP writes one copy of a plain tensor that
-    every rank holds, so rows that differ between ranks are gathered into one that every rank holds."""
+def _every_ranks_row(row: tuple[float, ...]) -> list[list[float]]:
+    """Each rank's row (its epoch sums), gathered: rank 0 writes state.json for all of them."""
     mine = torch.tensor([row], dtype=torch.float64)
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return mine
+        return mine.tolist()
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(rows, mine)
-    return torch.cat(rows)
+    return torch.cat(rows).tolist()
 
 
-def _my_row(rows: torch.Tensor) -> tuple[float, ...]:
+def _my_row(saved: list[list[float]]) -> tuple[float, ...]:
     """This rank's epoch sums from the saved rows. Resumed on another world size, rank 0 takes the
     figures of every saved rank (the sums add up; the seconds are the longest rank's), the others none."""
+    rows = torch.tensor(saved, dtype=torch.float64)
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if len(rows) == world:
         return tuple(rows[rank].tolist())
@@ -146,23 +159,26 @@ def _finished(path: Path) -> bool:
     return is_complete(path) and (path / META).is_file()
 
 
-def start_save(path: Path, state: dict[str, Any], ranks: Ranks, group=None):
-    """Write `state` into the temporary dir beside `path` (all ranks call). With a process `group`,
-    in a background thread: returns its future (then `commit` after it completed); else None."""
+def start_save(path: Path, tensors: dict[str, Any], ranks: Ranks, group=None):
+    """Write the shards of `tensors` into the temporary dir beside `path` (all ranks call). With a
+    process `group`, in a background thread: returns its future (then `commit` after it completed); else None."""
+    hf_dcp.check_tensors_only(tensors)
     if ranks.is_main:
         recover(path)  # a finished write of a crashed commit is kept, not overwritten
         shutil.rmtree(_tmp(path), ignore_errors=True)  # what is left is a write a crash cut short
     ranks.barrier()
+    writer = hf_dcp.writer(_tmp(path))
     if group is not None:
-        return dcp.async_save(state, checkpoint_id=str(_tmp(path)), process_group=group)
-    dcp.save(state, checkpoint_id=str(_tmp(path)))
+        return dcp.async_save(tensors, storage_writer=writer, process_group=group)
+    dcp.save(tensors, storage_writer=writer)
     return None
 
 
-def commit(path: Path, meta_json: str, ranks: Ranks) -> None:
+def commit(path: Path, meta_json: str, state_json: str, ranks: Ranks) -> None:
     """Rank 0 puts the finished temporary dir in place of `path` (every rank's shards are on disk)."""
     if not ranks.is_main:
         return
+    atomic_write(_tmp(path) / STATE, lambda f: Path(f).write_text(state_json))
     atomic_write(_tmp(path) / META, lambda f: Path(f).write_text(meta_json))  # marks the write finished
     _swap(path)
 
@@ -194,64 +210,42 @@ def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta
          extras: dict[str, Any] | None = None) -> tuple[tuple[int, int, int, float, tuple | None], torch.Tensor]:
     """Load `path` into this world size; returns ((epoch, step, step_in_epoch, best_top1, epoch_sums), rng).
     `progress`: an empty progress record of the trainer (the shape of what is loaded)."""
+    refuse_legacy(path)
     check_same_model(path, meta)
-    state, param_groups = training_state(model, optimizer, scheduler, progress, extras)
-    saved = SafeReader(str(path)).read_metadata().state_dict_metadata
-    if "plateau" in state and "plateau" not in saved:
-        del state["plateau"]  # written before the counters were saved: the plateau's patience starts again
-    if "epoch_sums" in saved:  # as many rows as the saving world had ranks
-        state["epoch_sums"] = torch.zeros(tuple(saved["epoch_sums"].size), dtype=torch.float64)
-    try:
-        safe_load(state, path)
-    except UserError:
-        raise
-    except (Exception, CheckpointException) as e:  # a missing or mis-shaped tensor: a generic CheckpointException
-        raise UserError(f"cannot load the sharded checkpoint {path} into this model: {str(e)[:300]}") from None
+    saved = sharded_state.read(path)
+    tensors, rest, param_groups = training_state(model, optimizer, scheduler, progress, extras)
+    if len(saved["lr"]) != len(optimizer.param_groups):
+        raise UserError(f"{path / STATE}: {len(saved['lr'])} learning rates for this run's "
+                        f"{len(optimizer.param_groups)} parameter groups: the checkpoint is from another optimizer setup")
+    other = sharded_state.restore(rest["other"], saved["other"], f"{path / STATE}: other")
+    hf_dcp.load(tensors, path)
+    state = sharded_state.merge(tensors, other)
     set_model_state_dict(model, state["model"])
     for name, part in (extras or {}).items():
         part.load_state_dict(state["extras"][name])
     set_optimizer_state_dict(model, optimizer, {"state": state["optim"]["state"], "param_groups": param_groups})
-    lrs = state["lr"].tolist()
+    _restore_schedule(scheduler, optimizer, saved)
+    sums = _my_row(saved["epoch_sums"]) if "epoch_sums" in saved else None
+    return (saved["epoch"], saved["step"], saved["step_in_epoch"], saved["best_top1"], sums), state["rng"]
+
+
+def _restore_schedule(scheduler, optimizer, saved: dict[str, Any]) -> None:
+    lrs, step = saved["lr"], saved["step"]
     sd = scheduler.state_dict()
-    step = int(state["progress"][1])
     sd.update(last_epoch=step, _step_count=step + 1, _last_lr=lrs)
-    if "plateau" in state:
-        sd["plateau"].update({k: int(v) if k != "best" else v for k, v in zip(PLATEAU_KEYS, state["plateau"].tolist())})
+    if sd.get("plateau") and "plateau" in saved:  # absent: written by another --sched; its patience starts again
+        sd["plateau"].update(saved["plateau"])
     scheduler.load_state_dict(sd)
     for group, lr in zip(optimizer.param_groups, lrs):
         group["lr"] = lr
-    epoch, step, step_in_epoch = (int(v) for v in state["progress"])
-    sums = _my_row(state["epoch_sums"]) if "epoch_sums" in state else None
-    return (epoch, step, step_in_epoch, float(state["best_top1"]), sums), state["rng"]
 
 
 def check_same_model(path: Path, meta: CheckpointMeta) -> None:
-    saved = CheckpointMeta.from_json((path / META).read_text())
+    saved = read_meta(path)
     if asdict(saved.spec) != asdict(meta.spec) or saved.classes != meta.classes:
         raise UserError(f"checkpoint {path} is from another model ({saved.spec.name}, {saved.spec.num_classes} "
                         f"classes, {saved.spec.in_chans} channels) than this run ({meta.spec.name}, "
                         f"{meta.spec.num_classes} classes, {meta.spec.in_chans} channels): check --name/--model")
-
-
-def consolidate(source: str | Path, out: str | Path | None = None) -> Path:
-    """One process, no process group: load a DCP checkpoint (any world size it was written with)
-    into the model its meta.json describes and write a single safetensors file."""
-    from torchcls.models import create_model
-
-    source = Path(source)
-    path = source / CHECKPOINTS / LAST_DCP if (source / CHECKPOINTS / LAST_DCP).is_dir() else source
-    if not is_complete(path) or not (path / META).is_file():
-        raise UserError(f"{source} is neither a run dir with {CHECKPOINTS}/{LAST_DCP}/ nor a torchcls DCP checkpoint")
-    meta = CheckpointMeta.from_json((path / META).read_text())
-    model = create_model(meta.spec)
-    state = {"model": model.state_dict()}
-    with warnings.catch_warnings():  # "assuming ... a single process": that is the point here
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        safe_load(state, path)
-    model.load_state_dict(state["model"])
-    out = Path(out) if out else path.parent / "consolidated.safetensors"
-    write_weights(out, model_state(model), meta)
-    return out
 
 
 def new_group():

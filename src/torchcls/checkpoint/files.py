@@ -1,6 +1,9 @@
 """Checkpoint files: weights as safetensors (with the model spec, classes and preprocessing in its
-metadata), training state beside them as a tensors-only torch file loaded with
-weights_only=True. Every write is atomic: temp file, fsync, rename.
+metadata), the training state beside them as one more safetensors file (tensors, and the rest as JSON
+in its metadata: checkpoint/state_file.py). Nothing is unpickled by default. Every write is atomic:
+temp file, fsync, rename. Everything read back is bounded before it is used: the metadata's fields
+(checkpoint/meta_check.py) and the weights' shapes against the model it names (checkpoint/fit.py),
+before the model is built.
 
 The names of the files in runs/<name>/checkpoints/ are declared here once; the Checkpointer
 (checkpoint/checkpointer.py) decides when each is written and read.
@@ -20,10 +23,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 
+from torchcls.checkpoint.fit import fit_problems, fitted_model, header_shapes, misfit
+from torchcls.checkpoint.meta_check import meta_fields
+from torchcls.checkpoint.state_file import encode_state, read_legacy_state, read_state
 from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
-from torchcls.io_errors import RecordingFile, writing
-from torchcls.models.registry import ModelSpec, create_model
+from torchcls.io_errors import writing
+from torchcls.io_files import regular_path
+from torchcls.models.registry import ModelSpec
 
 META_KEY = "torchcls"
 LINEAGE_KEY = "torchcls.lineage"  # the run's lineage (governance), stamped into the weights when saved
@@ -31,7 +38,8 @@ LINEAGE_KEY = "torchcls.lineage"  # the run's lineage (governance), stamped into
 CHECKPOINTS = "checkpoints"  # runs/<name>/checkpoints/
 LAST = "last.safetensors"  # the latest weights
 BEST = "best.safetensors"  # the weights of the best validation top-1
-LAST_STATE = "last.state.pt"  # one process: optimizer, scheduler, progress, RNG (tensors only)
+LAST_STATE = "last.state.safetensors"  # one process: weights, optimizer, scheduler, progress, RNG, extras
+LEGACY_STATE = "last.state.pt"  # the same, pickled by torch.save (before the safetensors format)
 LAST_DCP = "last.dcp"  # torchrun: the sharded training state (DCP), weights included
 
 
@@ -54,10 +62,9 @@ class CheckpointMeta:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str) -> CheckpointMeta:
-        raw = json.loads(text)
-        return cls(ModelSpec(**raw["spec"]), raw["classes"], Preprocess.from_dict(raw["preprocess"]),
-                   raw["config"], raw["epoch"], raw["step"], raw.get("thresholds"))
+    def from_json(cls, text: str | bytes, where: str = "checkpoint") -> CheckpointMeta:
+        """From JSON read from `where` (a file): every field is checked against its bound first (UserError)."""
+        return cls(**meta_fields(text, where))
 
 
 def atomic_write(path: Path, write: callable) -> None:
@@ -122,21 +129,18 @@ def save_weights(path: Path, model: nn.Module, meta: CheckpointMeta, lineage: di
 
 
 def save_training_state(path: Path, state: dict[str, Any]) -> None:
-    def write(tmp: str) -> None:
-        with open(tmp, "wb") as f:
-            sink = RecordingFile(f)
-            try:
-                torch.save(state, sink)
-            except RuntimeError as e:  # torch's writer says "unexpected pos": the OSError says why
-                raise (sink.error or e) from e
-
-    atomic_write(path, write)
+    """`state` (nested dicts, lists, tuples, scalars and tensors, with an int "step") as one safetensors file."""
+    tensors, metadata = encode_state(state)
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
-def load_training_state(path: Path) -> dict[str, Any]:
+def load_training_state(path: Path, unsafe_unpickle: bool = False) -> dict[str, Any]:
+    """The state `save_training_state` wrote; a LEGACY_STATE pickle only with `unsafe_unpickle`."""
     if not path.is_file():
         raise UserError(f"training state {path} is missing: cannot resume (the weights alone are not enough)")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    if path.name == LEGACY_STATE:
+        return read_legacy_state(path, unsafe_unpickle)
+    return read_state(path)
 
 
 def read_meta(path: str | Path) -> CheckpointMeta:
@@ -144,21 +148,32 @@ def read_meta(path: str | Path) -> CheckpointMeta:
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        with safe_open(str(path), framework="pt") as f:
+        with regular_path(path, what="checkpoint") as p, safe_open(p, framework="pt") as f:
             metadata = f.metadata() or {}
     except (SafetensorError, OSError) as e:
         raise UserError(f"{path} is not a safetensors checkpoint ({e}); torchcls reads only .safetensors "
                         "weights written by `torchcls train`") from None
     if META_KEY not in metadata:
         raise UserError(f"{path} has no torchcls metadata: it was not written by `torchcls train`")
-    return CheckpointMeta.from_json(metadata[META_KEY])
+    return CheckpointMeta.from_json(metadata[META_KEY], str(path))
+
+
+def read_meta_json(path: Path) -> CheckpointMeta:
+    """The CheckpointMeta of a JSON file (a DCP dir's meta.json): a regular file, size-bounded, fields checked."""
+    from torchcls.checkpoint.meta_check import META_BOUNDS
+    from torchcls.io_files import read_bytes
+
+    return CheckpointMeta.from_json(read_bytes(path, max_bytes=META_BOUNDS.max_bytes, what="checkpoint metadata"),
+                                    str(path))
 
 
 def load_model(path: str | Path) -> tuple[nn.Module, CheckpointMeta]:
-    """Rebuild the model a checkpoint describes and load its weights (eval mode, CPU)."""
+    """Rebuild the model a checkpoint describes and load its weights (eval mode, CPU). The metadata's
+    fields are bounded and the weights' shapes (from the file's header) compared with the model on the
+    meta device before anything is allocated for it (checkpoint/fit.py)."""
     path = resolve_checkpoint(path)
     meta = read_meta(path)
-    model = create_model(meta.spec)
+    model = fitted_model(meta.spec, header_shapes(path), path)
     load_weights_into(model, path)
     return model.eval(), meta
 
@@ -166,19 +181,13 @@ def load_model(path: str | Path) -> tuple[nn.Module, CheckpointMeta]:
 def load_weights_into(model: nn.Module, path: Path, state: dict[str, torch.Tensor] | None = None) -> None:
     """Load the safetensors file `path` (or `state`, read from `path` already) into `model`, refusing
     with the mismatching keys named when it does not fit."""
-    state = load_file(str(path)) if state is None else state
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    mismatched = [k for k in expected if k in state and expected[k].shape != state[k].shape]
-    if missing or unexpected or mismatched:
-        detail = "; ".join(part for part in (
-            f"missing {len(missing)} (e.g. {missing[0]})" if missing else "",
-            f"unexpected {len(unexpected)} (e.g. {unexpected[0]})" if unexpected else "",
-            f"shape mismatch in {mismatched[0]}: {tuple(state[mismatched[0]].shape)} vs "
-            f"{tuple(expected[mismatched[0]].shape)}" if mismatched else "") if part)
-        raise UserError(f"checkpoint {path} does not fit the model ({detail}); was it trained with another "
-                        "--model, number of classes or --channels?")
+    if state is None:
+        with regular_path(path, what="checkpoint") as p:
+            state = load_file(p)
+    detail = fit_problems({k: tuple(v.shape) for k, v in model.state_dict().items()},
+                          {k: tuple(v.shape) for k, v in state.items()})
+    if detail:
+        raise misfit(path, detail)
     model.load_state_dict(state)
 
 

@@ -1,5 +1,6 @@
 """Start a model from pretrained weights: a torchcls checkpoint or run dir, a timm or torchvision
-state dict (.safetensors; .pth/.pt/.bin only through torch.load(weights_only=True)), a local folder
+state dict (.safetensors; .pth/.pt/.bin are pickles, read only with --unsafe-unpickle, through
+torch.load(weights_only=True)), a local folder
 in the Hugging Face hub layout that timm reads (model.safetensors or pytorch_model.bin beside
 config.json), or weights on the hub (`hf-hub:ORG/NAME`, or `hub`: --model's pretrained tag), fetched
 through huggingface_hub's cache by models/hub.py and read here like a local file.
@@ -134,8 +135,9 @@ def weights_file(path: str | Path) -> Path:
     return path
 
 
-def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    """Tensors by name from a weights file; never unpickles anything but tensors and containers."""
+def read_state_dict(path: str | Path, unsafe_unpickle: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors by name from a weights file. A file that is not safetensors is a pickle: read only with
+    `unsafe_unpickle` (--unsafe-unpickle), and then by torch's restricted unpickler (weights_only=True)."""
     file = weights_file(path)
     if file.suffix == ".safetensors":
         from safetensors import SafetensorError
@@ -145,6 +147,11 @@ def read_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
             state = load_file(str(file))
         except (SafetensorError, OSError) as e:
             raise UserError(f"--pretrained {file}: not a readable safetensors file ({e})") from None
+    elif not unsafe_unpickle:
+        raise UserError(f"--pretrained {file} is a pickle ({file.suffix or 'not .safetensors'}), and pickles are not read "
+                        "by default: a crafted one can exploit the unpickler. Use the .safetensors file of these "
+                        "weights, or, if you trust this file, add --unsafe-unpickle (torch's restricted unpickler, "
+                        "weights_only=True)")
     else:
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
@@ -175,13 +182,13 @@ def _unwrap(state: Any, file: Path) -> dict[str, torch.Tensor]:
 
 
 def load_pretrained(model: nn.Module, path: str | Path | PretrainedSource, num_classes: int,
-                    classes: list[str] | None = None) -> LoadReport:
+                    classes: list[str] | None = None, unsafe_unpickle: bool = False) -> LoadReport:
     """Load `path` (any --pretrained form, or a resolved PretrainedSource) into `model` in place (see the
     module docstring for what is adapted). `classes`: the new data's class names; a torchcls checkpoint
-    of other classes (even as many) gets a new classifier."""
+    of other classes (even as many) gets a new classifier. `unsafe_unpickle`: see read_state_dict."""
     resolved = path if isinstance(path, PretrainedSource) else resolve_pretrained(str(path), _timm_name(model))
     path = resolved.file
-    source = read_state_dict(path)
+    source = read_state_dict(path, unsafe_unpickle)
     if resolved.timm_format:
         source = _timm_filter(model, source)
     target = model.state_dict()

@@ -7,7 +7,9 @@ channels are adapted to the data.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
+from typing import Any
 
 from torch import nn
 
@@ -17,6 +19,16 @@ from torchcls.models.smallnet import SmallNet
 
 TORCHVISION_PREFIX = "tv/"
 EARLY_EXIT_PREFIX = "ee/"
+
+# Bounds on every ModelSpec, checked before a model is built (`check_spec`): a spec read from a file
+# (checkpoint metadata, a DCP dir's meta.json) must not size an allocation with a number nobody bounded.
+# Training checks the same bounds, so every checkpoint torchcls writes is one it reads back.
+MAX_CLASSES = 100_000  # ImageNet-21k, the largest common label set, has 21,841; 100k leaves room while the
+#                        head of a 2048-wide backbone stays under 1 GB in fp32
+MAX_IN_CHANS = 64  # grey, RGB, multispectral (Sentinel-2 has 13 bands) with room to spare
+MAX_IMG_SIZE = 2048  # input side in pixels; timm's largest pretrained input is 1024
+MAX_EXITS = 16  # early exits; a backbone offers at most one per stage boundary (a ResNet has 3)
+MAX_NAME = 256  # characters of a model name (timm's longest is under 80)
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,7 @@ class ModelSpec:
 
 
 def create_model(spec: ModelSpec) -> nn.Module:
+    check_spec(spec)
     if spec.name.startswith(EARLY_EXIT_PREFIX) or spec.exits:
         return _early_exit_model(spec)
     if spec.drop_path_rate:
@@ -45,6 +58,51 @@ def create_model(spec: ModelSpec) -> nn.Module:
     if spec.name.startswith(TORCHVISION_PREFIX):
         return _torchvision_model(spec)
     return _timm_model(spec)
+
+
+_INTS = {"num_classes": (1, MAX_CLASSES), "in_chans": (1, MAX_IN_CHANS), "img_size": (1, MAX_IMG_SIZE),
+         "exits": (0, MAX_EXITS)}
+_FLOATS = {"drop_rate": (0.0, 1.0), "exit_threshold": (0.0, 1.0), "drop_path_rate": (0.0, 1.0)}  # closed ranges
+
+
+def check_spec(spec: ModelSpec, where: str = "model spec") -> None:
+    """Refuse (UserError) a spec with a field of the wrong type or outside its bound (see MAX_*)."""
+    if not isinstance(spec.name, str) or not 0 < len(spec.name) <= MAX_NAME:
+        raise UserError(f"{where}: the model name must be a string of 1 to {MAX_NAME} characters")
+    for name, (low, high) in _INTS.items():
+        value = getattr(spec, name)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UserError(f"{where}: {name} must be an integer in [{low}, {high:,}], got {_show(value)}"
+                            + (" (MAX_CLASSES in torchcls.models.registry)" if name == "num_classes" else ""))
+    for name, (low, high) in _FLOATS.items():
+        value = getattr(spec, name)
+        if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or not low <= value <= high):
+            raise UserError(f"{where}: {name} must be a number in [{low}, {high}], got {_show(value)}")
+
+
+def spec_from_dict(raw: Any, where: str) -> ModelSpec:
+    """A ModelSpec from a file's JSON object, refused (UserError) unless every field is known and bounded."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: the model spec must be a JSON object")
+    known = {f.name for f in fields(ModelSpec)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise UserError(f"{where}: unknown model-spec field {_show(unknown[0])} (written by a newer torchcls?)")
+    missing = [name for name in ("name", "num_classes", "in_chans", "img_size") if name not in raw]
+    if missing:
+        raise UserError(f"{where}: the model spec lacks {', '.join(missing)}")
+    spec = ModelSpec(**raw)
+    check_spec(spec, where)
+    return spec
+
+
+def _show(value: Any) -> str:
+    """A value for a message, cut short: it comes from a file."""
+    if isinstance(value, int) and value.bit_length() > 64:  # (printing a huge int costs time of its own)
+        return f"an integer of {value.bit_length()} bits"
+    text = repr(value) if isinstance(value, (int, float, str, bool, type(None))) else type(value).__name__
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _early_exit_model(spec: ModelSpec) -> nn.Module:

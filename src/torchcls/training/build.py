@@ -150,7 +150,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     ema = WeightEma(model, cfg.optim.ema) if cfg.optim.ema else None
     checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
                                 lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session),
-                                extras={"ema": ema} if ema else None)
+                                extras={"ema": ema} if ema else None, unsafe_unpickle=cfg.checkpoint.unsafe_unpickle)
     _choose_nonfinite_check(cfg.precision.nonfinite_check, precision, optimizer, device)
     # The graph-break report runs two samples; only the map-style feed has a dataset to index.
     examples = data.train if feed.kind == "files" else [(torch.zeros(pre.channels, pre.img_size, pre.img_size), 0)] * 2
@@ -255,7 +255,8 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
                  ) -> tuple[nn.Module, PrecisionPlan]:
     """The model, with governance hooks, precision and parallelism applied from outside it."""
     from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
-    factory = partial(_new_model, spec, source, run if session.is_main else None, data.classes)
+    factory = partial(_new_model, spec, source, run if session.is_main else None, data.classes,
+                      cfg.checkpoint.unsafe_unpickle)
     if from_rank0:  # FSDP2: no rank holds the whole model on its device
         model, rank0_weights = rank0_init.build_on_meta(factory, session.rank)
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
@@ -286,11 +287,11 @@ def _resolve_pretrained(cfg: Config) -> PretrainedSource | None:
 
 
 def _new_model(spec: ModelSpec, pretrained: PretrainedSource | None, run: RunDir | None,
-               classes: list[str]) -> nn.Module:
+               classes: list[str], unsafe_unpickle: bool = False) -> nn.Module:
     """The architecture `spec` names, from random init or from --pretrained weights (recorded in the run)."""
     model = create_model(spec)
     if pretrained:
-        report = load_pretrained(model, pretrained, spec.num_classes, classes)
+        report = load_pretrained(model, pretrained, spec.num_classes, classes, unsafe_unpickle)
         if run is not None:
             console.print(report.summary())
             (run.path / "pretrained.json").write_text(json.dumps(report.as_dict(), indent=2))

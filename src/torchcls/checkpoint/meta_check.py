@@ -1,0 +1,109 @@
+"""The checkpoint metadata (`CheckpointMeta`'s JSON) as read from a file: every field checked against
+a stated bound before anything uses it.
+
+The metadata says what to build: a `num_classes` of 8,000,000 once made `load_model` and `consolidate`
+allocate 2.7 GB for a classifier before the weights were compared with it. Here the JSON text is
+bounded before it is parsed (checkpoint/bounded_json.py), then each field is checked for its type and
+range: the model spec (models/registry.py's MAX_* bounds), one class name per class, the
+preprocessing (a crop ratio divides the input side, so it is bounded too), one threshold per label.
+`meta_fields` returns the fields typed, ready for CheckpointMeta; anything else is a UserError naming
+the file and the field.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.data.preprocess import INTERPOLATIONS, Preprocess
+from torchcls.errors import UserError
+from torchcls.models.registry import MAX_CLASSES, MAX_IMG_SIZE, MAX_IN_CHANS, ModelSpec, spec_from_dict
+from torchcls.tasks import MULTICLASS, MULTILABEL
+
+# The metadata's JSON: 32 MiB holds MAX_CLASSES class names of ~300 characters with their thresholds;
+# the config it carries nests 3 levels (section, option, list value); paths are under 4096 characters.
+META_BOUNDS = JsonBounds(max_bytes=32 * 2**20, max_values=4 * MAX_CLASSES + 100_000, max_depth=8, max_str=4096)
+MAX_CLASS_NAME = 1024  # characters of one class name (a folder name is at most 255 bytes on most file systems)
+MAX_COUNTER = 10**12  # epochs and optimizer steps
+CROP_PCT = (0.5, 2.0)  # the resize side is img_size / crop_pct: at most twice the input (timm's range: 0.875-1.15)
+
+
+def meta_fields(text: str | bytes, where: str) -> dict[str, Any]:
+    """CheckpointMeta's fields from its JSON `text` (read from `where`), each checked against its bound."""
+    raw = load_bounded(text, META_BOUNDS, f"{where}: checkpoint metadata")
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: the checkpoint metadata must be a JSON object")
+    missing = [k for k in ("spec", "classes", "preprocess", "config", "epoch", "step") if k not in raw]
+    if missing:
+        raise UserError(f"{where}: the checkpoint metadata lacks {', '.join(missing)}: it was not written by "
+                        "`torchcls train`")
+    spec = spec_from_dict(raw["spec"], f"{where}: checkpoint metadata")
+    return {"spec": spec, "classes": _classes(raw["classes"], spec, where),
+            "preprocess": _preprocess(raw["preprocess"], spec, where), "config": _config(raw["config"], where),
+            "epoch": _counter(raw["epoch"], "epoch", where), "step": _counter(raw["step"], "step", where),
+            "thresholds": _thresholds(raw.get("thresholds"), spec, where)}
+
+
+def _classes(value: Any, spec: ModelSpec, where: str) -> list[str]:
+    if not isinstance(value, list) or len(value) != spec.num_classes:
+        raise UserError(f"{where}: the checkpoint metadata must list one class name for each of its "
+                        f"{spec.num_classes} classes")
+    if not all(isinstance(name, str) and len(name) <= MAX_CLASS_NAME for name in value):
+        raise UserError(f"{where}: every class name must be a string of at most {MAX_CLASS_NAME} characters")
+    return value
+
+
+def _preprocess(value: Any, spec: ModelSpec, where: str) -> Preprocess:
+    if not isinstance(value, dict):
+        raise UserError(f"{where}: the checkpoint's preprocess must be a JSON object")
+    value = {"interpolation": "bilinear", "crop_pct": 1.0} | value  # older checkpoints lack these two
+    size, channels = value.get("img_size"), value.get("channels")
+    if not _int_in(size, 1, MAX_IMG_SIZE) or not _int_in(channels, 1, MAX_IN_CHANS) or channels != spec.in_chans:
+        raise UserError(f"{where}: preprocess img_size must be an integer in [1, {MAX_IMG_SIZE}] and channels the "
+                        f"model's {spec.in_chans} input channels")
+    mean, std = value.get("mean"), value.get("std")
+    if not (_numbers(mean, channels) and _numbers(std, channels) and all(s > 0 for s in std)):
+        raise UserError(f"{where}: preprocess mean and std must hold {channels} finite number(s) each, std > 0")
+    if value["interpolation"] not in INTERPOLATIONS:
+        raise UserError(f"{where}: preprocess interpolation must be one of {', '.join(INTERPOLATIONS)}")
+    if not _number_in(value["crop_pct"], *CROP_PCT):
+        raise UserError(f"{where}: preprocess crop_pct must be a number in [{CROP_PCT[0]}, {CROP_PCT[1]}]")
+    return Preprocess.from_dict(value)
+
+
+def _config(value: Any, where: str) -> dict[str, Any]:
+    """The training config: free-form within META_BOUNDS, but its [data] task is one torchcls knows."""
+    if not isinstance(value, dict) or not isinstance(value.get("data", {}), dict):
+        raise UserError(f"{where}: the checkpoint's config must be a JSON object of sections")
+    if value.get("data", {}).get("task", MULTICLASS) not in (MULTICLASS, MULTILABEL):
+        raise UserError(f"{where}: the checkpoint's task must be {MULTICLASS} or {MULTILABEL}")
+    return value
+
+
+def _counter(value: Any, name: str, where: str) -> int:
+    if not _int_in(value, 0, MAX_COUNTER):
+        raise UserError(f"{where}: the checkpoint's {name} must be an integer in [0, {MAX_COUNTER:,}]")
+    return value
+
+
+def _thresholds(value: Any, spec: ModelSpec, where: str) -> list[float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != spec.num_classes or not all(_number_in(t, 0, 1) for t in value):
+        raise UserError(f"{where}: the checkpoint's thresholds must be {spec.num_classes} numbers in [0, 1], one a "
+                        "label")
+    return [float(t) for t in value]
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number_in(value: Any, low: float, high: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
+
+
+def _numbers(value: Any, n: int) -> bool:
+    return isinstance(value, list) and len(value) == n and all(_number_in(v, -1e6, 1e6) for v in value)

@@ -1,0 +1,92 @@
+"""The single-process training state as one safetensors file: tensors as tensors, the rest as JSON.
+
+One file is one commit: the weights, optimizer moments, scheduler, progress, RNG and extras (the
+EMA) go into one atomically renamed file, so a kill can never pair new weights with old optimizer
+state. Its safetensors metadata holds the tree around the tensors (checkpoint/state_tree.py) under
+STATE_KEY and the optimizer step under STEP_KEY, readable from the header alone. Nothing in it is
+unpickled. A state written before this format (last.state.pt, a torch.save pickle) is read only
+with the opt-in flag UNSAFE_FLAG, through torch's restricted unpickler (weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from torchcls.checkpoint.bounded_json import load_bounded
+from torchcls.checkpoint.state_tree import STATE_BOUNDS, flatten, unflatten
+from torchcls.errors import UserError
+from torchcls.io_files import regular_path
+
+STATE_KEY = "torchcls.state"  # the JSON tree (state_tree.py)
+STEP_KEY = "torchcls.step"  # the optimizer step, for saved_step without reading the tensors
+FORMAT_KEY = "torchcls.format"
+FORMAT = "training-state/1"
+UNSAFE_FLAG = "--unsafe-unpickle"  # (checkpoint.unsafe_unpickle): read files that only a pickle reader can
+_STEP = re.compile(r"[0-9]{1,19}")
+
+
+def encode_state(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and the safetensors metadata that hold `state` (which has an int "step")."""
+    tree, tensors = flatten(state)
+    metadata = {STATE_KEY: json.dumps(tree, allow_nan=False, separators=(",", ":")), STEP_KEY: str(state["step"]),
+                FORMAT_KEY: FORMAT}
+    return tensors, metadata
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The training state of the safetensors file `path`, every part of it checked (UserError)."""
+    from safetensors.torch import load_file
+
+    with regular_path(path, what="training state") as p:
+        metadata = _metadata(p, path)
+        encoded = load_bounded(metadata[STATE_KEY], STATE_BOUNDS, f"training state {path}")
+        tensors = load_file(p)
+    state = unflatten(encoded, tensors, f"training state {path}")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise UserError(f"training state {path} holds no step: the file is damaged or was not written by torchcls")
+    return state
+
+
+def read_step(path: Path) -> int | None:
+    """The optimizer step of the state file `path` from its header alone; None when it has none."""
+    try:
+        with regular_path(path, what="training state") as p:
+            step = _metadata(p, path).get(STEP_KEY, "")
+    except (UserError, OSError):
+        return None
+    return int(step) if _STEP.fullmatch(step) else None
+
+
+def _metadata(opened: str, path: Path) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(opened, framework="pt") as f:
+            metadata = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"training state {path} is not a safetensors file ({e}): the file is damaged") from None
+    if metadata.get(FORMAT_KEY) != FORMAT or STATE_KEY not in metadata:
+        raise UserError(f"training state {path} is not in the format {FORMAT} (written by another torchcls?)")
+    return metadata
+
+
+def read_legacy_state(path: Path, unsafe_unpickle: bool) -> dict[str, Any]:
+    """A state torch.save wrote (before the safetensors format): a pickle, read only when allowed."""
+    if not unsafe_unpickle:
+        raise UserError(f"training state {path} is a pickle (torch.save, written by an older torchcls) and pickles "
+                        f"are not read by default. If you trust this run dir, resume once with {UNSAFE_FLAG} (torch's "
+                        "restricted unpickler, weights_only=True): the next checkpoint is written pickle-free")
+    try:
+        with regular_path(path, what="training state") as p:
+            return torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise UserError(f"training state {path}: refused by torch's restricted unpickler (no code from it was "
+                        f"run): {str(e).splitlines()[0][:200]}") from None
+    except (RuntimeError, EOFError) as e:
+        raise UserError(f"training state {path} is damaged ({str(e)[:200]})") from None
