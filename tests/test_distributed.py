@@ -194,7 +194,7 @@ def test_ema_and_accumulation_under_torchrun_follow_one_process(runs, mode):
 
 
 def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
-    from torchcls.checkpoint.dcp import consolidate
+    from torchcls.checkpoint.consolidate import consolidate
     from torchcls.evaluation import evaluate
     from torchcls.training import train
 

@@ -91,9 +91,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate(opts: o.ConsolidateOptions) -> int:
-    from torchcls.checkpoint.dcp import consolidate
+    from torchcls.checkpoint.consolidate import consolidate
 
-    print(f"wrote {consolidate(opts.checkpoint, opts.out)}")
+    print(f"wrote {consolidate(opts.checkpoint, **o.kwargs_of(opts, 'checkpoint'))}")
     return 0
 
 

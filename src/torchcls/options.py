@@ -161,6 +161,9 @@ class ConsolidateOptions:
     single safetensors file (for evaluate, predict, export)."""
     checkpoint: str = positional("a run dir (uses checkpoints/last.dcp) or a DCP checkpoint dir")
     out: str | None = opt(None, "output .safetensors (default: checkpoints/consolidated.safetensors)")
+    unsafe_unpickle: bool = opt(False, "read a checkpoint in torch's older pickle format (.metadata, written before "
+                                "torchcls saved sharded checkpoints pickle-free), through a restricted unpickler. "
+                                "Only for checkpoints you trust")
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchcls.checkpoint import dcp
+from torchcls.checkpoint import dcp, sharded_state
 from torchcls.checkpoint.files import (
     BEST,
     LAST,
@@ -166,15 +166,16 @@ class Checkpointer:
         self.wait()
         if self.before_save is not None:
             self.before_save(model)
-        state, _ = dcp.training_state(model, optimizer, scheduler, progress, self.extras)
+        tensors, rest, _ = dcp.training_state(model, optimizer, scheduler, progress, self.extras)
+        state_json = sharded_state.dumps(rest)  # now: a background write commits what this step had
         if self.async_save and self._group is None:
             self._group = dcp.new_group()
         with writing(self.last_dcp):  # a failed write leaves the committed last.dcp as it was
-            future = dcp.start_save(self.last_dcp, state, self.ranks, self._group if self.async_save else None)
+            future = dcp.start_save(self.last_dcp, tensors, self.ranks, self._group if self.async_save else None)
             if future is None:
-                dcp.commit(self.last_dcp, meta.to_json(), self.ranks)
+                dcp.commit(self.last_dcp, meta.to_json(), state_json, self.ranks)
         if future is not None:
-            self._pending.append((future, meta.to_json()))
+            self._pending.append((future, meta.to_json(), state_json))
         else:
             self.ranks.barrier()
         self.save_weights(self.last_weights, model, meta)
@@ -191,12 +192,12 @@ class Checkpointer:
     def wait(self) -> None:
         """Finish the background saves: commit each once every rank's shards are on disk."""
         while self._pending:
-            future, meta_json = self._pending.pop(0)
+            future, meta_json, state_json = self._pending.pop(0)
             with writing(self.last_dcp):
                 getattr(future, "upload_completion", future).result()
             dcp.group_barrier(self._group)
             with writing(self.last_dcp):
-                dcp.commit(self.last_dcp, meta_json, self.ranks)
+                dcp.commit(self.last_dcp, meta_json, state_json, self.ranks)
 
     # -- resume -----------------------------------------------------------------------------
     def resume(self, model: nn.Module, optimizer, scheduler, meta: CheckpointMeta,
@@ -208,7 +209,8 @@ class Checkpointer:
                 raise UserError(f"{self.directory} has no sharded checkpoint {LAST_DCP}/ to resume from with "
                                 f"torchrun: it was written by a single process ({LAST_STATE}, unsharded optimizer "
                                 "state). Resume it with --parallel none, or start the torchrun run afresh")
-            fields, rng = dcp.load(self.last_dcp, model, optimizer, scheduler, Progress(), meta, self.extras)
+            fields, rng = dcp.load(self.last_dcp, model, optimizer, scheduler, Progress(), meta, self.extras,
+                                   unsafe_unpickle=self.unsafe_unpickle)
             progress = Progress(*fields)
         else:
             path = self._state_file() or self.last_state

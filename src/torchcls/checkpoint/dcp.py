@@ -14,8 +14,8 @@ meta.json only once every rank's write finished, so it is the newer complete che
 .last.dcp.old back when there is nothing newer. Nothing is deleted to get out of that window.
 
 A checkpoint written before (torch's FileSystemWriter: `.metadata`, a pickle, and `.distcp` files)
-is recognised and refused with the way to convert it: reading it means unpickling, which only
-`torchcls consolidate --unsafe-unpickle-dcp` does (checkpoint/consolidate.py).
+is recognised and refused, naming the way out: reading it means unpickling, which only happens under
+--unsafe-unpickle (train --resume, consolidate), through a restricted unpickler (checkpoint/legacy_dcp.py).
 
 Which directory is the run's (`last.dcp`) and when to save is the Checkpointer's business;
 these functions take the directory.
@@ -41,14 +41,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchcls.checkpoint import hf_dcp, sharded_state
+from torchcls.checkpoint import hf_dcp, legacy_dcp, sharded_state
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, model_state, plain_state, read_meta_json
 from torchcls.checkpoint.sharded_state import PLATEAU_KEYS, STATE
 from torchcls.errors import UserError
 
 META = "meta.json"
 LEGACY_METADATA = ".metadata"  # torch's FileSystemWriter index: a pickle
-UNSAFE_FLAG = "--unsafe-unpickle-dcp"
+UNSAFE_FLAG = "--unsafe-unpickle"  # the option that reads pickles (config: checkpoint.unsafe_unpickle)
 
 
 class Ranks(Protocol):
@@ -75,12 +75,13 @@ def is_complete(path: Path) -> bool:
 
 
 def refuse_legacy(path: Path) -> None:
+    """A checkpoint in torch's pickle format is refused unless the user opted in, before it is opened."""
     if is_legacy(path):
         run = path.parent.parent if path.parent.name == "checkpoints" else path
-        raise UserError(f"{path} is a sharded checkpoint in torch's older pickle format ({LEGACY_METADATA}): reading "
-                        "it would unpickle that file, which runs whatever code it names if the checkpoint is not "
-                        f"yours. If you trust where it came from, convert it once: `torchcls consolidate {UNSAFE_FLAG} "
-                        f"--convert {run}` (rewrites it in the pickle-free format), then resume")
+        raise UserError(f"{path} is a sharded checkpoint in torch's older pickle format ({LEGACY_METADATA}, written "
+                        f"before torchcls saved them pickle-free): reading it means unpickling that file. If you trust "
+                        f"where it came from, resume with {UNSAFE_FLAG} (its next checkpoint is written pickle-free), "
+                        f"or consolidate it: `torchcls consolidate {UNSAFE_FLAG} {run}`. Nothing was read from it")
 
 
 def read_meta(path: Path) -> CheckpointMeta:
@@ -207,19 +208,25 @@ def recover(path: Path) -> str | None:
 
 
 def load(path: Path, model: nn.Module, optimizer, scheduler, progress: Any, meta: CheckpointMeta,
-         extras: dict[str, Any] | None = None) -> tuple[tuple[int, int, int, float, tuple | None], torch.Tensor]:
+         extras: dict[str, Any] | None = None, unsafe_unpickle: bool = False,
+         ) -> tuple[tuple[int, int, int, float, tuple | None], torch.Tensor]:
     """Load `path` into this world size; returns ((epoch, step, step_in_epoch, best_top1, epoch_sums), rng).
-    `progress`: an empty progress record of the trainer (the shape of what is loaded)."""
-    refuse_legacy(path)
+    `progress`: an empty progress record of the trainer (the shape of what is loaded). `unsafe_unpickle`:
+    a checkpoint in torch's pickle format is read (through safe_dcp's restricted unpickler), else refused."""
     check_same_model(path, meta)
-    saved = sharded_state.read(path)
     tensors, rest, param_groups = training_state(model, optimizer, scheduler, progress, extras)
-    if len(saved["lr"]) != len(optimizer.param_groups):
-        raise UserError(f"{path / STATE}: {len(saved['lr'])} learning rates for this run's "
-                        f"{len(optimizer.param_groups)} parameter groups: the checkpoint is from another optimizer setup")
-    other = sharded_state.restore(rest["other"], saved["other"], f"{path / STATE}: other")
-    hf_dcp.load(tensors, path)
-    state = sharded_state.merge(tensors, other)
+    if is_legacy(path):
+        if not unsafe_unpickle:
+            refuse_legacy(path)
+        saved = legacy_dcp.load_training_state(path, tensors, rest)
+    else:
+        saved = sharded_state.read(path)
+        if len(saved["lr"]) != len(optimizer.param_groups):
+            raise UserError(f"{path / STATE}: {len(saved['lr'])} learning rates for this run's {len(optimizer.param_groups)}"
+                            " parameter groups: the checkpoint is from another optimizer setup")
+        saved["other"] = sharded_state.restore(rest["other"], saved["other"], f"{path / STATE}: other")
+        hf_dcp.load(tensors, path)
+    state = sharded_state.merge(tensors, saved["other"])
     set_model_state_dict(model, state["model"])
     for name, part in (extras or {}).items():
         part.load_state_dict(state["extras"][name])
