@@ -51,9 +51,14 @@ def _kind_by_name(path: str | os.PathLike) -> str:
         return "not a regular file"
 
 
+def _a(what: str) -> str:
+    """`what` with its article: "a checkpoint", "an audit log", "a .pt2 artifact"."""
+    return f"{'an' if what[:1].lower() in 'aeiou' else 'a'} {what}"
+
+
 def _refusal(path: str | os.PathLike, what: str, kind: str) -> UserError:
-    return UserError(f"{what} {path} is {kind}, not a regular file: only regular files are read (a FIFO, "
-                     "socket, device or directory could block or never end); name the file itself")
+    return UserError(f"{path}: {_a(what)} must be a regular file, and this is {kind}: only regular files are read "
+                     "(a FIFO, socket, device or directory could block or never end); name the file itself")
 
 
 def open_fd(path: str | os.PathLike, *, what: str = "file", follow_symlinks: bool = True,
@@ -74,8 +79,8 @@ def open_fd(path: str | os.PathLike, *, what: str = "file", follow_symlinks: boo
         if not stat.S_ISREG(st.st_mode):
             raise _refusal(path, what, kind_of(st.st_mode))
         if max_bytes is not None and st.st_size > max_bytes:
-            raise UserError(f"{what} {path} is {st.st_size} bytes, over the bound of {max_bytes} bytes for "
-                            f"{what}s: this is not such a file, or it was made by something else")
+            raise UserError(f"{path}: {_a(what)} is at most {max_bytes} bytes, and this one is {st.st_size}: "
+                            "is it the right file?")
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
     except BaseException:
         os.close(fd)
@@ -108,7 +113,7 @@ def read_bytes(path: str | os.PathLike, *, max_bytes: int, what: str = "file",
     with open_regular(path, "rb", what=what, follow_symlinks=follow_symlinks, max_bytes=max_bytes) as f:
         data = f.read(max_bytes + 1)
     if len(data) > max_bytes:
-        raise UserError(f"{what} {path} grew past the bound of {max_bytes} bytes while it was read")
+        raise UserError(f"{path} grew past the bound of {max_bytes} bytes for {_a(what)} while it was read")
     return data
 
 
@@ -119,7 +124,8 @@ def read_text(path: str | os.PathLike, *, max_bytes: int, what: str = "file", fo
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as e:
-        raise UserError(f"{what} {path} is not UTF-8 text (byte {e.start}): is it the right file?") from None
+        raise UserError(f"{path}: {_a(what)} must be UTF-8 text, and byte {e.start} is not: is it the right "
+                        "file?") from None
 
 
 @contextmanager

@@ -9,7 +9,6 @@ eagerly from the checkpoint's own metadata (torchcls.checkpoint.files).
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from torchcls.artifacts.targets import BY_SUFFIX
 from torchcls.artifacts.targets.base import META_KEY, ArtifactInfo, LoadedArtifact
 from torchcls.devices import parse_device
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular
 
 __all__ = ["META_KEY", "ArtifactInfo", "EagerArtifact", "LoadedArtifact", "load_artifact"]
 EAGER_MAX_BATCH = 256
@@ -79,9 +79,6 @@ def load_artifact(path: str | Path, expect_sha256: str | None = None, device: st
     if not path.exists():
         raise UserError(f"artifact {path} does not exist")
     if path.suffix == ".pt2":  # whatever the file is: only the trust decision may let native code load
-        if not path.is_file():
-            raise UserError(f"{path}: a .pt2 artifact must be a regular file (an AOTInductor package), not a "
-                            "directory, FIFO or device: refusing it")
         return _as_exported(_load_native(path, expect_sha256, device, trust), precision)
     from torchcls.governance.artifacts import check_pinned_sha256
 
@@ -104,15 +101,16 @@ def _as_exported(artifact: LoadedArtifact, precision: str) -> LoadedArtifact:
 
 
 def _load_native(path: Path, expect_sha256: str | None, device: str, trust: bool) -> LoadedArtifact:
-    from torchcls.governance.digest import sha256_file
+    from torchcls.governance.digest import sha256_stream
     from torchcls.governance.trust import decide
 
-    decision = decide(path, expect_sha256, trust)
     with tempfile.TemporaryDirectory(prefix="torchcls-pt2-") as private:  # 0700: only we can swap files here
         copy = Path(private) / path.name
-        shutil.copyfile(path, copy)
-        if sha256_file(copy) != decision.sha256:
-            raise UserError(f"{path} changed while it was being loaded: refusing it")
+        # One read of the regular file `path` both hashes it and makes the private copy: what is decided on
+        # is exactly what is loaded, whatever happens to `path` meanwhile.
+        with open_regular(path, what=".pt2 artifact") as src, open(copy, "xb") as dst:
+            digest = sha256_stream(src, copy_to=dst)
+        decision = decide(path, expect_sha256, trust, digest=digest)
         # AOTInductor extracts the package to a directory of its own; the copy is not needed once loaded.
         artifact = BY_SUFFIX[".pt2"].load(copy, device=device)
     artifact.trust = decision.reason

@@ -9,6 +9,7 @@ audit log holds the artifact's SHA-256, so a changed byte is caught by `torchcls
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 from typing import Any
@@ -17,8 +18,10 @@ from torchcls.errors import UserError
 from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.keys import load_key
 from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.io_files import read_bytes, regular_path
 
 LINEAGE_KEY = "torchcls.lineage"
+SIDECAR_BYTES = 1 << 20  # a sidecar is a JSON object of a few hundred bytes
 
 
 def stamp_checkpoint(path: Path, lineage: dict[str, Any]) -> None:
@@ -40,21 +43,34 @@ def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".lineage.json")
 
 
-def read_lineage(path: str | Path) -> dict[str, Any] | None:
-    """The lineage an artifact carries (metadata or sidecar), or None when it carries none or is unreadable."""
-    path = Path(path)
+def read_sidecar(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`'s sidecar; None when there is none or it is not JSON. A sidecar that is
+    not a regular file (a FIFO would block the read) or is larger than any sidecar is a UserError."""
     side = sidecar(path)
-    if side.is_file():
-        try:
-            return json.loads(side.read_text())
-        except json.JSONDecodeError:
-            return None
+    if not os.path.lexists(side):
+        return None
+    try:
+        found = json.loads(read_bytes(side, max_bytes=SIDECAR_BYTES, what="lineage sidecar"))
+    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def read_lineage(path: str | Path) -> dict[str, Any] | None:
+    """The lineage an artifact carries (metadata or sidecar), or None when it carries none or is unreadable.
+    The artifact and its sidecar are opened only as regular files (UserError otherwise): `predict` and
+    `serve` call this first, before the loader, so a FIFO named `model.pt2` must not block here."""
+    path = Path(path)
+    if os.path.lexists(sidecar(path)):
+        return read_sidecar(path)
     try:
         from safetensors import safe_open
 
-        with safe_open(str(path), framework="pt") as f:
+        with regular_path(path, what="artifact") as checked, safe_open(checked, framework="pt") as f:
             raw = (f.metadata() or {}).get(LINEAGE_KEY)
         return json.loads(raw) if raw else None
+    except UserError:  # not a regular file: said before anything else reads it
+        raise
     except Exception:  # not safetensors, or its header was damaged: the hash check will say which
         return None
 
@@ -142,11 +158,7 @@ def check_pinned_sha256(path: str | Path, expected: str | None) -> None:
 
 def registered_sha256(path: Path) -> tuple[str, str] | None:
     """(digest, where) registered for an exported artifact by `register_artifact`, or None."""
-    side = sidecar(path)
-    try:
-        lineage = json.loads(side.read_text()) if side.is_file() else {}
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return None
+    lineage = read_sidecar(path) or {}
     log = Path(str(lineage.get("audit_log", "")))
     if not lineage.get("artifact_id") or not log.is_file():
         return None

@@ -9,16 +9,27 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+from torchcls.io_files import open_regular
 
 _CHUNK = 1 << 20
 
 
 def sha256_file(path: str | Path) -> str:
+    """The SHA-256 of the regular file `path` (a FIFO or a device is refused: its hash would never end)."""
+    with open_regular(path, what="file to hash") as f:
+        return sha256_stream(f)
+
+
+def sha256_stream(f: BinaryIO, copy_to: BinaryIO | None = None) -> str:
+    """The SHA-256 of what is left to read in `f`; each piece is also written to `copy_to` when given, so
+    that the copy holds exactly the bytes hashed."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
+    while chunk := f.read(_CHUNK):
+        h.update(chunk)
+        if copy_to is not None:
+            copy_to.write(chunk)
     return h.hexdigest()
 
 

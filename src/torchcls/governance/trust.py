@@ -32,6 +32,7 @@ from torchcls.governance.artifacts import sidecar
 from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.keys import KEY_ENV, load_key
 from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.io_files import open_regular, read_bytes
 
 RECORD_ENV = "TORCHCLS_EXPORT_RECORD"
 TRUST_FLAG = "--trust-artifact"
@@ -65,9 +66,9 @@ def record_export(path: str | Path, digest: str) -> None:
 
 def _exported_here(digest: str) -> str | None:
     record = export_record_path()
-    if not record.is_file():
+    if not record.exists():
         return None
-    with open(record) as f:
+    with open_regular(record, "r", what="export record", errors="replace") as f:  # (a FIFO would block)
         for line in f:
             try:
                 entry = json.loads(line)
@@ -110,30 +111,28 @@ def _registered(path: Path, digest: str) -> tuple[str | None, str]:
 
 
 def _read_small(path: Path) -> str:
-    if not path.is_file():  # (a FIFO would block the read)
-        raise OSError(f"{path} is not a regular file")
-    with open(path, "rb") as f:
-        data = f.read(MAX_LINE + 1)
-    if len(data) > MAX_LINE:
-        raise ValueError(f"{path} is larger than a sidecar")
-    return data.decode()
+    try:
+        return read_bytes(path, max_bytes=MAX_LINE, what="lineage sidecar").decode()
+    except UserError as e:  # not a regular file (a FIFO would block), or larger than a sidecar
+        raise ValueError(str(e)) from None
 
 
 def _first_long_line(path: Path) -> int | None:
     """The number of the first line longer than MAX_LINE, read in bounded pieces; None when there is none."""
-    with open(path, "rb") as f:
+    with open_regular(path, what="audit log") as f:
         for n, line in enumerate(iter(lambda: f.readline(MAX_LINE + 1), b""), start=1):
             if len(line) > MAX_LINE:
                 return n
     return None
 
 
-def decide(path: str | Path, expect_sha256: str | None = None, trust: bool = False) -> Trust:
-    """The trust decision for loading native code from `path`; a UserError naming the ways to trust it otherwise."""
+def decide(path: str | Path, expect_sha256: str | None = None, trust: bool = False,
+           digest: str | None = None) -> Trust:
+    """The trust decision for loading native code from `path`; a UserError naming the ways to trust it otherwise.
+    `digest`: the SHA-256 of the bytes that will be loaded, when the caller took it (else `path` is hashed: a
+    FIFO or a device is refused there, before a read that would block or never end)."""
     path = Path(path)
-    if not path.is_file():  # a FIFO or a device would block or never end the hash
-        raise UserError(f"{path}: a .pt2 must be a regular file (an AOTInductor package); this is not one: refusing it")
-    digest = sha256_file(path)
+    digest = digest or sha256_file(path)
     if expect_sha256 is not None:
         if not looks_like_sha256(expect_sha256):
             raise UserError(f"--expect-sha256 {expect_sha256!r}: not a SHA-256 hex digest (64 hex digits)")
