@@ -18,17 +18,20 @@ import re
 import secrets
 import tarfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular, read_bytes
 from torchcls.made_dirs import make_dir, remove_made
 
 if TYPE_CHECKING:
     from torchcls.data.sources import ImageSet
 
 INDEX = "index.json"
+INDEX_BYTES = 64 << 20  # an index lists shards, classes and skipped files: a few MB for millions of samples
 FORMAT = "torchcls-webdataset-index"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "gif", "tif", "tiff", "webp")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = up to the first dot
@@ -241,11 +244,20 @@ def _check_end(tf: tarfile.TarFile, shard: Path) -> None:
                         "end-of-archive marker. Re-copy or re-write it")
 
 
-def open_tar(path: Path) -> tarfile.TarFile:
+@contextmanager
+def open_tar(path: Path) -> Iterator[tarfile.TarFile]:
+    """The shard `path` as an uncompressed tar, read from a regular file only (a FIFO would block)."""
     try:
-        return tarfile.open(path, mode="r:")
-    except (tarfile.TarError, OSError) as e:
+        f = open_regular(path, what="shard")
+    except OSError as e:
         raise UserError(f"shard {path}: cannot open as a tar ({e}). Re-copy or re-write it") from None
+    with f:
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")  # (a TarFile given a file object leaves it open: `with f`)
+        except (tarfile.TarError, OSError) as e:
+            raise UserError(f"shard {path}: cannot open as a tar ({e}). Re-copy or re-write it") from None
+        with tf:
+            yield tf
 
 
 def is_shard_source(source: str) -> bool:
@@ -272,7 +284,7 @@ def _expand(source: str) -> list[Path]:
 
 def _read_index(path: Path) -> dict:
     try:
-        index = json.loads(path.read_text())
+        index = json.loads(read_bytes(path, max_bytes=INDEX_BYTES, what="shard index"))
     except (OSError, ValueError) as e:
         raise UserError(f"{path}: unreadable shard index ({e}); re-write the shards (torchcls data shard)") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), list):
@@ -346,7 +358,7 @@ def _check_files(shardset: ShardSet, verify: bool) -> None:
 
 def sha256_file(path: Path) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open_regular(path, what="shard") as f:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
