@@ -97,7 +97,7 @@ def open_source(source: str, root: str | None, split: str, channels: int | None,
                             f"(asked for '{split}')")
         return _image_folder(folders[split], channels or 3, on_bad_file, max_pixels)
     if path.suffix.lower() == ".csv":
-        if not path.is_file():
+        if not path.exists():  # (anything else there is refused when opened: a FIFO, a device, a folder)
             raise UserError(f"CSV manifest {path} does not exist")
         return _csv_manifest(path, Path(root) if root else path.parent, channels or 3, on_bad_file, split,
                              max_pixels)

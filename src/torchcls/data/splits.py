@@ -12,6 +12,7 @@ import csv
 from pathlib import Path
 
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular
 
 SPLIT_NAMES = ("train", "val", "test")
 
@@ -67,7 +68,7 @@ def check_same_classes(expected: list[str], found: list[str], where: str, expect
 
 def csv_splits(path: Path) -> set[str]:
     """The values of a CSV manifest's `split` column ({'train'} when it has none)."""
-    with path.open(newline="") as f:
+    with open_regular(path, "r", newline="", what="CSV manifest") as f:
         reader = csv.DictReader(f)
         if not reader.fieldnames or "split" not in reader.fieldnames:
             return {"train"}

@@ -22,8 +22,10 @@ from torchcls.errors import UserError
 from torchcls.governance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_basis_term
+from torchcls.io_files import open_regular, read_bytes
 from torchcls.suggest import data_names, did_you_mean
 
+MAX_MANIFEST_BYTES = 512 << 20  # a record is ~300 bytes: over a million files; parsed whole, so bounded first
 BUILTIN_SPLITS = {"mnist-5k": ("train",), "fashion-mnist": ("train", "test")}  # the samples a manifest hashes
 
 
@@ -134,10 +136,10 @@ def save_manifest(manifest: dict[str, Any], path: str | Path) -> Path:
 def load_manifest(path: str | Path) -> dict[str, Any]:
     """Read and check a manifest: structure, known tags, and that its records still give its Merkle root."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"manifest {path} does not exist; create one with: torchcls data manifest DATA --out {path}")
     try:
-        m = json.loads(path.read_text())
+        m = json.loads(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"manifest {path} is not valid JSON ({e})") from None
     missing = [k for k in ("tc:records", "tc:merkleRoot", "tc:source", "tc:root") if not isinstance(m, dict) or k not in m]
@@ -235,7 +237,7 @@ def _folder_class(f: Path, base: Path) -> str | None:
 def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, Any]]]:
     """{resolved file: (label, extra)} from a CSV; optional columns `tags` (separated by ;) and
     `jurisdiction`. Paths resolve as open_source resolves them (absolute, or relative to `base`)."""
-    with csv_path.open(newline="") as f:
+    with open_regular(csv_path, "r", newline="", what="CSV manifest") as f:
         reader = csv.DictReader(f)
         names = set(reader.fieldnames or [])
         if "path" not in names or not names & {"label", "labels"}:
