@@ -62,8 +62,11 @@ def test_signed_log_verifies_with_its_key(signed_run, capsys):
     assert main(["verify", str(ckpt), "--audit-key-file", str(signed_run["key"])]) == 0
     out = capsys.readouterr().out
     assert "PASS  audit log signatures: every record signed" in out and "PASS  audit log anchors" in out
-    assert main(["verify", str(ckpt)]) == 0  # no key here: signatures are not checked, and it says so
-    assert "SKIP  audit log signatures: records are signed" in capsys.readouterr().out
+    # No key here: the log is intact, but who wrote it is unproven, and the result says so (exit 3, never PASS).
+    assert main(["verify", str(ckpt)]) == 3
+    out = capsys.readouterr().out
+    assert "SKIP  audit log signatures: HMAC-signed: key id" in out and "--audit-key-file" in out
+    assert "UNVERIFIED: " in out and "PASS: " not in out
 
 
 def test_deleting_a_record_and_recomputing_the_chain_is_caught(signed_run, tmp_path, capsys):
@@ -108,6 +111,26 @@ def test_a_signed_log_that_turns_unsigned_fails_verify_without_the_key(signed_ru
     assert ("unsigned after signed records" if which == "newest" else "no record in it is signed") in out
 
 
+@pytest.mark.parametrize("where", ["top", "middle", "empty line", "torn end"])
+def test_a_line_that_is_not_a_record_fails_verify_with_and_without_the_key(signed_run, tmp_path, capsys, where):
+    """Finding 7: a non-JSON line at the top of a signed log passed verify (as an "interrupted append", which
+    cannot happen at the top) with and without the key. Only an unterminated last line is a torn append."""
+    ckpt, log = _copy(signed_run, tmp_path)
+    lines = log.read_text().splitlines()
+    if where == "torn end":
+        log.write_text("\n".join(lines) + "\n" + '{"seq": 9, "ki')
+    else:
+        at, junk = (0, "this is not a record") if where == "top" else (1, "{}" if where == "middle" else "")
+        log.write_text("\n".join([*lines[:at], junk, *lines[at:]]) + "\n")
+    for key in (["--audit-key-file", str(signed_run["key"])], []):
+        code = main(["verify", str(ckpt), "--audit-log", str(log), *key])
+        out = capsys.readouterr().out
+        if where == "torn end":
+            assert code == (0 if key else 3) and "an incomplete record" in out and "PASS  audit log chain" in out
+        else:
+            assert code == 1 and "FAIL  audit log chain: audit log line" in out and "FAIL: " in out
+
+
 def test_the_key_stays_outside_the_log_and_a_signed_log_takes_no_unsigned_record(signed_run, tmp_path,
                                                                                  monkeypatch):
     cfg = tiny_config(signed_run["folder"], tmp_path / "runs", "x", epochs=1)
@@ -129,7 +152,7 @@ def test_the_key_stays_outside_the_log_and_a_signed_log_takes_no_unsigned_record
         train(cfg)
 
 
-def test_a_torn_last_line_is_reported_and_appends_resume_after_it(tmp_path):
+def test_a_torn_last_line_is_reported_and_the_next_append_cuts_it_off(tmp_path):
     log = AuditLog(tmp_path / "audit.jsonl")
     for i in range(3):
         log.append("run", {"run_id": f"r{i}"})
@@ -139,18 +162,22 @@ def test_a_torn_last_line_is_reported_and_appends_resume_after_it(tmp_path):
     assert [(p.line, p.torn) for p in problems] == [(4, True)]
     rec = log.append("run", {"run_id": "after"})  # crashed with JSONDecodeError before
     assert rec["seq"] == 3 and rec["prev"] == json.loads(log.path.read_text().splitlines()[2])["hash"]
-    assert [(p.line, p.torn) for p in log.check_chain()] == [(4, True)]
+    assert log.check_chain() == []  # the fragment was never a record: cut off, so no junk stays mid-log
     # A complete record that lost only its newline is kept, never dropped.
     text = log.path.read_text()
     log.path.write_text(text.rstrip("\n"))
     rec2 = log.append("run", {"run_id": "next"})
     assert rec2["prev"] == rec["hash"] and rec2["seq"] == 4
-    assert [(p.line, p.torn) for p in log.check_chain()] == [(4, True)]
-    # An edited line is not a torn one: the record after it does not link over it.
+    assert log.check_chain() == []
+    # An edited line is never a torn one, wherever it is: only an unterminated LAST line is.
     lines = log.path.read_text().splitlines()
-    lines[1] = lines[1][:-5]
-    log.path.write_text("\n".join(lines) + "\n")
-    assert [(p.line, p.torn) for p in log.check_chain()][:1] == [(2, False)]
+    for n, damaged in ((0, lines[0][:-5]), (1, lines[1][:-5]), (4, "not json")):
+        log.path.write_text("\n".join([*lines[:n], damaged, *lines[n + 1:]]) + "\n")
+        assert (n + 1, False) in [(p.line, p.torn) for p in log.check_chain()]
+    log.path.write_text("\n".join(lines) + "\n" + "garbage")  # junk at the end: a torn line (reported)
+    with pytest.raises(UserError, match="last line is not a record"):  # ...but junk before it refuses appends
+        log.path.write_text("\n".join(lines) + "\nnot a record\n")
+        log.append("run", {"run_id": "refused"})
 
 
 def test_verify_reports_a_torn_line_and_a_changed_date_created(signed_run, tmp_path, capsys):

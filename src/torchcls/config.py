@@ -269,9 +269,14 @@ class GovernanceConfig:
     lineage: bool = opt(True, "append this run to the hash-chained audit log and stamp its checkpoints "
                         "with the lineage id")
     audit_log: str | None = opt(None, "audit log file (default: OUT_DIR/_governance/audit.jsonl)")
-    audit_key_file: str | None = opt(None, "file holding the audit key that signs each audit record (HMAC); "
-                                     "keep it outside the run and log directories (default: the "
-                                     "TORCHCLS_AUDIT_KEY environment variable; unset = unsigned)")
+    audit_key_file: str | None = opt(None, "file holding the legacy audit key that signs each audit record (HMAC: "
+                                     "proves nothing to anyone else, who would need the same secret); keep it "
+                                     "outside the run and log directories (default: the TORCHCLS_AUDIT_KEY "
+                                     "environment variable; unset = unsigned)")
+    signing_key_file: str | None = opt(None, "private key (PEM, from `torchcls governance keygen`) that signs each "
+                                       "audit record and export; verifying needs only its public key. Keep it outside "
+                                       "the run and log directories, mode 0600 (default: the TORCHCLS_SIGNING_KEY "
+                                       "environment variable; used instead of the audit key when both are set)")
 
 
 @dataclass

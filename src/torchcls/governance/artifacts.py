@@ -18,6 +18,7 @@ from torchcls.errors import UserError
 from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.keys import load_key
 from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.governance.signing import signer_from
 from torchcls.io_files import read_bytes, regular_path
 
 LINEAGE_KEY = "torchcls.lineage"
@@ -77,12 +78,14 @@ def read_lineage(path: str | Path) -> dict[str, Any] | None:
 
 def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str = "export",
                       details: dict[str, Any] | None = None, key_file: str | None = None,
-                      sha256: str | None = None) -> str:
+                      sha256: str | None = None, signing_key_file: str | None = None) -> str:
     """For exporters: record `path` (built from `source_checkpoint`) in the audit log; returns its lineage id.
 
     The source checkpoint must carry a lineage id (runs stamp theirs); the new artifact gets a
     sidecar naming its own id, its parent and the hash of its audit record (the log's head, pinned),
-    and the log gets both files' hashes, signed with the audit key when one is set (keys.load_key).
+    and the log gets both files' hashes. With a signing key (`signing_key_file`, else
+    $TORCHCLS_SIGNING_KEY) the record is signed with it and a signed in-toto attestation is written
+    beside the artifact (attestation.py); else with the legacy audit key when one is set (keys.load_key).
     `sha256`: the artifact's digest as its builder took it (else it is hashed here, where it lies now).
     """
     path, source_checkpoint = Path(path), Path(source_checkpoint)
@@ -93,15 +96,30 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
         raise UserError(f"{source_checkpoint} carries no lineage id: it was not produced by a run with lineage on")
     artifact_id = uuid.uuid4().hex
     log_path = Path(parent["audit_log"])
-    log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]))
+    signer = signer_from(signing_key_file, near=[log_path.parent])
+    log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]), signer)
+    digest, parent_sha256 = sha256 or sha256_file(path), sha256_file(source_checkpoint)
     record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
-                                     "parent_sha256": sha256_file(source_checkpoint), "path": str(path.resolve()),
-                                     "sha256": sha256 or sha256_file(path), "artifact_kind": kind, "details": details or {}})
+                                     "parent_sha256": parent_sha256, "path": str(path.resolve()),
+                                     "sha256": digest, "artifact_kind": kind, "details": details or {}})
+    if signer is not None:
+        from torchcls.governance.attestation import statement, write_attestation
+
+        write_attestation(path, statement(path, digest, source_checkpoint, parent_sha256, _run_manifests(log, parent),
+                                          kind, details or {}, artifact_id), signer)
     lineage = {"run_id": parent["run_id"], "artifact_id": artifact_id, "audit_log": parent["audit_log"],
                "outputs": parent.get("outputs", {}), "chain_head": {"seq": record["seq"], "hash": record["hash"]},
-               **{k: parent[k] for k in ("policy", "key_id") if k in parent}}
+               **{k: parent[k] for k in ("policy", "key_id", "signer") if k in parent},
+               **({"signer": signer.keyid} if signer is not None else {})}
     sidecar(path).write_text(json.dumps(lineage, indent=2, sort_keys=True))
     return artifact_id
+
+
+def _run_manifests(log: AuditLog, parent: dict[str, Any]) -> list[dict[str, Any]]:
+    """The data manifests the source checkpoint's run recorded (none while that run has not finished)."""
+    runs = [r for _, r, _ in log.records() if r and r["kind"] == "run" and r.get("run_id") == parent["run_id"]]
+    found = runs[-1].get("manifests") if runs else None
+    return [m for m in found or [] if isinstance(m, dict) and isinstance(m.get("manifest_sha256"), str)]
 
 
 def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha256: str | None = None) -> str | None:

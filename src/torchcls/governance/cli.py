@@ -1,4 +1,5 @@
-"""The governance subcommands: `torchcls data manifest`, `torchcls verify`, `torchcls lineage`.
+"""The governance subcommands: `torchcls data manifest`, `torchcls verify`, `torchcls lineage`, and
+`torchcls governance keygen|verify-log|verify-attestation`.
 
 Kept here so cli.py gains one line; imports stay light until a command runs.
 """
@@ -42,9 +43,7 @@ def add_governance_commands(sub):
     p.add_argument("--rehash", action=argparse.BooleanOptionalAction, default=True,
                    help="re-read and hash every data file (the default); --no-rehash trusts the hash cache "
                    "(OUT_DIR/_governance/hash_cache.sqlite) for files whose size, mtime and inode are unchanged")
-    p.add_argument("--audit-key-file", help="the audit key, to check every record's signature (default: the "
-                   "TORCHCLS_AUDIT_KEY environment variable)")
-    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    _key_flags(p)
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("lineage", help="which runs and artifacts used a file (for erasure requests)",
@@ -54,7 +53,47 @@ def add_governance_commands(sub):
                    help="audit log (default: runs/_governance/audit.jsonl)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_lineage)
+    _add_signing_commands(sub)
     return dsub
+
+
+EXIT_HELP = "exit 0: verified; 3: intact but unverified (no trusted key given: provenance unproven); 1: failed"
+
+
+def _key_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--public-key", action="append", metavar="FILE", help="a trusted public key (PEM, from `torchcls "
+                   "governance keygen`), repeatable: every record must be signed by a trusted key (default: the "
+                   "files in TORCHCLS_TRUSTED_KEYS, separated by ':')")
+    p.add_argument("--audit-key-file", help="the legacy HMAC audit key, to check HMAC-signed records (default: the "
+                   "TORCHCLS_AUDIT_KEY environment variable)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+
+
+def _add_signing_commands(sub) -> None:
+    g = sub.add_parser("governance", help="signing keys and audit log checks (keygen, verify-log, "
+                       "verify-attestation)", description="Key pairs that sign the audit log and exports, and checks "
+                       "that need only the public key.")
+    gsub = g.add_subparsers(dest="governance_command", required=True, metavar="GOVERNANCE_COMMAND")
+    p = gsub.add_parser("keygen", help="write a new signing key pair", description="Write DIR/signing-key.pem "
+                        "(the private key, mode 0600: keep it outside runs/, pass it as --signing-key-file or "
+                        "TORCHCLS_SIGNING_KEY) and DIR/signing-key.pub.pem (give it to verifiers: --public-key).")
+    p.add_argument("--out", required=True, metavar="DIR", help="directory for the two key files (never overwritten)")
+    p.add_argument("--algorithm", default="ed25519", choices=["ed25519", "ecdsa-p256"],
+                   help="ed25519 (default) or ecdsa-p256 (the curve OpenSSF model_signing's key mode and cosign take)")
+    p.set_defaults(func=_cmd_keygen)
+    p = gsub.add_parser("verify-log", help="check an audit log: every line a record, its chain, its signatures",
+                        description=f"Check an audit log on its own. {EXIT_HELP}.")
+    p.add_argument("audit_log", metavar="AUDIT_LOG", help="e.g. runs/_governance/audit.jsonl")
+    p.add_argument("--policy", help="a policy TOML whose [provenance] trusts key ids or requires signatures")
+    _key_flags(p)
+    p.set_defaults(func=_cmd_verify_log)
+    p = gsub.add_parser("verify-attestation", help="check an export's signed in-toto attestation (no audit log)",
+                        description="Check ARTIFACT.intoto.jsonl: signed by a trusted public key and naming "
+                        "this file's SHA-256. Exit 0: verified; 1: not.")
+    p.add_argument("artifact", metavar="ARTIFACT", help="an exported artifact with its .intoto.jsonl beside it")
+    p.add_argument("--public-key", action="append", metavar="FILE", help="a trusted public key (PEM), repeatable "
+                   "(default: the files in TORCHCLS_TRUSTED_KEYS)")
+    p.set_defaults(func=_cmd_verify_attestation)
 
 
 def _cmd_manifest(args: argparse.Namespace) -> int:
@@ -74,14 +113,56 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from torchcls.governance.verification import verify
 
     res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log, rehash=args.rehash,
-                 key_file=args.audit_key_file)
-    if args.json:
+                 key_file=args.audit_key_file, public_keys=args.public_key)
+    return _print_result(res, args.json)
+
+
+def _print_result(res, as_json: bool) -> int:
+    from torchcls.governance.logcheck import EXIT_CODES
+
+    if as_json:
         print(json.dumps(res.to_dict(), indent=2))
+        return EXIT_CODES[res.status]
+    for c in res.checks:
+        print(f"{c.status.upper():4}  {c.name}: {c.detail}")
+    if res.status == "unverified":
+        print(f"UNVERIFIED: {res.artifact}: {res.unproven}")
     else:
-        for c in res.checks:
-            print(f"{c.status.upper():4}  {c.name}: {c.detail}")
-        print(f"{'PASS' if res.ok else 'FAIL'}: {args.artifact}")
-    return 0 if res.ok else 1
+        print(f"{'PASS' if res.ok else 'FAIL'}: {res.artifact}" + (" (verified)" if res.ok else ""))
+    return EXIT_CODES[res.status]
+
+
+def _cmd_verify_log(args: argparse.Namespace) -> int:
+    from torchcls.governance.logcheck import verify_log
+
+    return _print_result(verify_log(args.audit_log, args.audit_key_file, args.public_key, args.policy), args.json)
+
+
+def _cmd_keygen(args: argparse.Namespace) -> int:
+    from torchcls.governance.signing import SIGNING_KEY_ENV, keygen
+
+    private, public, keyid = keygen(args.out, args.algorithm)
+    print(f"wrote {private} (private key, mode 0600: keep it secret, outside runs/; use it with --signing-key-file "
+          f"or {SIGNING_KEY_ENV})\nwrote {public} (public key: give it to verifiers, --public-key)\nkey id {keyid}")
+    return 0
+
+
+def _cmd_verify_attestation(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from torchcls.errors import UserError
+    from torchcls.governance.attestation import attestation_path, verify_attestation
+    from torchcls.governance.digest import sha256_file
+    from torchcls.governance.signing import load_public_key, trusted_key_files
+
+    path = Path(args.artifact)
+    if not path.is_file() or not attestation_path(path).is_file():
+        raise UserError(f"{path} or its attestation {attestation_path(path).name} is missing (exports signed with "
+                        "a key pair write one)")
+    ok, detail = verify_attestation(path, sha256_file(path),
+                                    dict(load_public_key(f) for f in trusted_key_files(args.public_key)))
+    print(f"{'PASS' if ok else 'FAIL' if ok is False else 'UNVERIFIED'}: {path}: {detail}")
+    return 0 if ok else 1 if ok is False else 3
 
 
 def _cmd_lineage(args: argparse.Namespace) -> int:

@@ -2,11 +2,15 @@
 before it (a hash chain). Changing, removing or reordering any record breaks every link after
 it, and `check_chain` names the first record that no longer fits.
 
-A record is {"seq", "prev", "time", "kind", ...payload, ["key_id"], "hash", ["hmac"]} where hash =
-SHA-256 of the canonical JSON of everything but hash and hmac, and hmac = HMAC-SHA256(audit key,
-hash) when a key is set (keys.py). Appends hold an exclusive lock on the file, so runs in parallel
-processes cannot fork the chain. An append interrupted mid-line (disk full) leaves a torn last
-line: the next append closes it off and links to the last complete record.
+A record is {"seq", "prev", "time", "kind", ...payload, ["signer"], "hash"} where hash = SHA-256 of
+the canonical JSON of everything but hash (and a legacy hmac). With a signing key (signing.py) each
+line is a DSSE envelope (dsse.py) whose payload is the record, signed with the private key and naming
+its signer {keyid, public_key}: anyone with the public key can check it, only the key's holder can
+write it. With only a legacy audit key (keys.py) the line is the record itself plus key_id and
+hmac = HMAC-SHA256(key, hash); without either, the record unsigned. Appends hold an exclusive lock on
+the file, so runs in parallel processes cannot fork the chain. An append interrupted mid-line (disk
+full) leaves a torn last line: the next append cuts it off and links to the last complete record.
+Reading is bounded and strict (records.py): every line must be a record, except a torn last one.
 """
 
 from __future__ import annotations
@@ -15,17 +19,30 @@ import datetime as dt
 import fcntl
 import json
 import os
-from collections.abc import Iterator
+import stat
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_json
-from torchcls.governance.keys import KEY_ENV, key_id, sign, signature_ok
+from torchcls.governance import dsse
+from torchcls.governance.digest import canonical_json
+from torchcls.governance.keys import KEY_ENV, key_id, sign
+from torchcls.governance.records import (
+    GENESIS,
+    MAX_LINE_BYTES,
+    Entry,
+    read_entries,
+    read_tail,
+    record_hash,
+    signed_how,
+)
+from torchcls.governance.signatures import Trusted, check_signatures
+from torchcls.governance.signing import SIGNING_KEY_ENV, Signer, short
 
-GENESIS = "0" * 64
 STORE_DIR = "_governance"
+__all__ = ["GENESIS", "STORE_DIR", "AuditLog", "ChainProblem", "record_hash"]
 
 
 def default_audit_log(out_dir: str | Path = "runs") -> Path:
@@ -35,11 +52,6 @@ def default_audit_log(out_dir: str | Path = "runs") -> Path:
 def manifest_store(audit_log: Path) -> Path:
     """Manifests are kept beside the log, content-addressed by their hash, so records stay small."""
     return audit_log.parent / "manifests"
-
-
-def record_hash(record: dict[str, Any]) -> str:
-    """SHA-256 of everything but the hash and the signature (which signs this hash)."""
-    return sha256_json({k: v for k, v in record.items() if k not in ("hash", "hmac")})
 
 
 @dataclass
@@ -52,140 +64,158 @@ class ChainProblem:
         return f"audit log line {self.line}: {self.message}"
 
 
-TORN = ("an incomplete record (an append was interrupted, e.g. the disk was full); no complete record is "
-        "missing, the chain continues after it")
+def open_regular(path: Path) -> IO[bytes]:
+    """`path` opened for reading without blocking (a FIFO would wait for a writer), refused unless it
+    is a regular file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError as e:
+        raise UserError(f"audit log {path} cannot be read ({e.strerror}; runs append to "
+                        f"OUT_DIR/{STORE_DIR}/audit.jsonl; pass --audit-log FILE)") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"audit log {path} is not a regular file: refusing to read it")
+    return os.fdopen(fd, "rb")
+
+
+def _open_for_append(path: Path) -> IO[bytes]:
+    """Read-write and appending, created when missing; like open_regular, never blocks on or writes into
+    anything but a regular file (the log's path can come from an artifact's lineage)."""
+    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UserError(f"audit log {path} is not a regular file: refusing to append to it")
+    return os.fdopen(fd, "r+b")
 
 
 class AuditLog:
-    """`key`: the audit key (keys.load_key); with it every appended record is signed, and a log
-    whose last record is signed refuses unsigned appends or appends signed with another key."""
+    """`signer`: the signing key (signing.signer_from); `key`: the legacy HMAC audit key (keys.load_key),
+    used only when there is no signer. A log whose last record is signed refuses unsigned appends, and
+    appends signed more weakly (an HMAC after a key pair) or with another HMAC key."""
 
-    def __init__(self, path: str | Path, key: bytes | None = None):
+    def __init__(self, path: str | Path, key: bytes | None = None, signer: Signer | None = None):
         self.path = Path(path)
         self.key = key
+        self.signer = signer
 
     def append(self, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a+") as f:
+        with _open_for_append(self.path) as f:
             fcntl.flock(f, fcntl.LOCK_EX)
             try:
-                f.seek(0)
-                text = f.read()
-                prev = _last_record(text)
-                self._check_key(prev)
+                tail = self._tail(f)
+                self._check_key(tail.last)
+                prev = tail.last
                 record = {"seq": prev["seq"] + 1 if prev else 0, "prev": prev["hash"] if prev else GENESIS,
                           "time": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "kind": kind,
                           **payload}
-                if self.key is not None:
-                    record["key_id"] = key_id(self.key)
-                record["hash"] = record_hash(record)
-                if self.key is not None:
-                    record["hmac"] = sign(self.key, record["hash"])
-                # A torn last line (no newline) is closed off, so that the new record gets its own line.
-                torn = "\n" if text and not text.endswith("\n") else ""
-                f.seek(0, os.SEEK_END)
-                f.write(torn + json.dumps(record, sort_keys=True) + "\n")
+                line = self._signed_line(record)
+                if tail.torn_at is not None:  # an interrupted append's fragment: never a record, cut off
+                    f.truncate(tail.torn_at)
+                f.write((b"\n" if tail.needs_newline else b"") + line + b"\n")  # (a+: always at the end)
                 f.flush()
                 os.fsync(f.fileno())
             finally:
                 fcntl.flock(f, fcntl.LOCK_UN)
         return record
 
+    def _signed_line(self, record: dict[str, Any]) -> bytes:
+        """The line for `record` (completed in place with its signer and hash)."""
+        if self.signer is not None:
+            record["signer"] = {"keyid": self.signer.keyid, "public_key": self.signer.public_b64}
+        elif self.key is not None:
+            record["key_id"] = key_id(self.key)
+        record["hash"] = record_hash(record)
+        if self.signer is not None:
+            env = dsse.sign(dsse.RECORD_TYPE, canonical_json(record), self.signer)
+            line = json.dumps(env.to_json(), sort_keys=True).encode()
+        else:
+            if self.key is not None:
+                record["hmac"] = sign(self.key, record["hash"])
+            line = json.dumps(record, sort_keys=True).encode()
+        if len(line) > MAX_LINE_BYTES:
+            raise UserError(f"audit record '{record['kind']}' is {len(line)} bytes, more than a line of the audit "
+                            f"log may hold ({MAX_LINE_BYTES}); nothing was written")
+        return line
+
+    def _tail(self, f: IO[bytes]):
+        try:
+            return read_tail(f, f"audit log {self.path}")
+        except ValueError as e:
+            raise UserError(f"{e}: the log was edited or damaged; check it with `torchcls governance verify-log "
+                            f"{self.path}` and start a new --audit-log") from None
+
+    def _last(self) -> dict[str, Any] | None:
+        if not self.path.exists():
+            return None
+        with open_regular(self.path) as f:
+            return self._tail(f).last
+
     def head(self) -> dict[str, Any] | None:
         """{"seq", "hash"} of the last complete record (None for an empty or missing log): what an
         artifact pins, so that a log rewritten up to that record no longer matches it."""
-        last = _last_record(self.path.read_text()) if self.path.is_file() else None
+        last = self._last()
         return {"seq": last["seq"], "hash": last["hash"]} if last else None
 
     def check_key(self) -> None:
-        """Refuse (before any work) to append to a signed log without its key, or with another key."""
-        self._check_key(_last_record(self.path.read_text()) if self.path.is_file() else None)
+        """Refuse (before any work) to append to a signed log without a key, or with a weaker or other one."""
+        self._check_key(self._last())
 
     def _check_key(self, last: dict[str, Any] | None) -> None:
-        signed_by = (last or {}).get("key_id")
-        if signed_by is None:
-            return
+        how = signed_how(last)
+        if how == "key pair" and self.signer is None:
+            raise UserError(f"audit log {self.path} is signed with a key pair (key id {short(last['signer']['keyid'])}): "
+                            f"set {SIGNING_KEY_ENV} or --signing-key-file to a signing key, or use another --audit-log")
+        if how != "hmac" or self.signer is not None:
+            return  # unsigned so far, or signed with a key pair: any signing key may append (verify decides trust)
         if self.key is None:
-            raise UserError(f"audit log {self.path} is signed (key id {signed_by}): set {KEY_ENV} or pass "
-                            "--audit-key-file with its key, or use another --audit-log")
-        if key_id(self.key) != signed_by:
-            raise UserError(f"audit log {self.path} is signed with key id {signed_by}, not with the given key "
+            raise UserError(f"audit log {self.path} is signed (key id {last['key_id']}): set {KEY_ENV} or pass "
+                            "--audit-key-file with its key (or a signing key: --signing-key-file), or use another "
+                            "--audit-log")
+        if key_id(self.key) != last["key_id"]:
+            raise UserError(f"audit log {self.path} is signed with key id {last['key_id']}, not with the given key "
                             f"({key_id(self.key)}): pass the log's key, or use another --audit-log")
 
-    def records(self) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
-        """(line number, parsed record or None when unparsable, raw line)."""
-        if not self.path.is_file():
+    def entries(self) -> Iterator[Entry]:
+        """Every line, parsed and checked for shape (records.py), read line by bounded line."""
+        if not self.path.exists():
             raise UserError(f"audit log {self.path} does not exist (runs append to OUT_DIR/{STORE_DIR}/audit.jsonl; "
                             "pass --audit-log FILE)")
-        with open(self.path) as f:
-            for n, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                yield n, _parse(line), line
+        with open_regular(self.path) as f:
+            yield from read_entries(f)
+
+    def records(self) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
+        """(line number, the record or None when the line is not one, what is wrong with the line)."""
+        for e in self.entries():
+            yield e.line, e.record, e.problem or ""
 
     def check_chain(self) -> list[ChainProblem]:
-        """Every broken link, in order; empty when the log is intact. An unparsable line that the next
-        record links over (or an unterminated last line) is a torn append, flagged `torn`."""
-        problems, prev_hash, expected_seq = [], GENESIS, 0
-        pending: list[tuple[int, str]] = []  # unparsable lines, judged by the record after them
-        for n, rec, raw in self.records():
-            if rec is None:
-                pending.append((n, raw))
-                continue
-            links_over = rec.get("prev") == prev_hash and rec.get("seq") == expected_seq
-            for m, _ in pending:
-                problems.append(ChainProblem(m, TORN, True) if links_over else
-                                ChainProblem(m, "not a JSON record (the file was edited)"))
-            if pending and not links_over:  # an edited line: judge what follows on its own
-                prev_hash, expected_seq = None, expected_seq + len(pending)
-            pending = []
-            if rec.get("hash") != record_hash(rec):
-                problems.append(ChainProblem(n, f"record seq {rec.get('seq')} ({rec.get('kind')}) does not match "
-                                                "its own hash: its content was changed"))
-            if prev_hash is not None and rec.get("prev") != prev_hash:
-                problems.append(ChainProblem(n, f"record seq {rec.get('seq')} does not link to the record before "
-                                                "it: a record was removed, inserted or reordered"))
-            if rec.get("seq") != expected_seq:
-                problems.append(ChainProblem(n, f"sequence number {rec.get('seq')} where {expected_seq} was "
-                                                "expected: records were removed or reordered"))
-            prev_hash, expected_seq = rec.get("hash"), expected_seq + 1
-        for m, raw in pending:  # at the end: torn when the write stopped before its newline
-            problems.append(ChainProblem(m, TORN, True) if not raw.endswith("\n") else
-                            ChainProblem(m, "not a JSON record (the file was edited)"))
-        return problems
+        """Every line that is not a record and every broken link, in order; empty when the log is intact.
+        Only a torn last line is flagged `torn` (reported, not failed)."""
+        return chain_problems(self.entries())
 
     def check_signatures(self, key: bytes) -> list[ChainProblem]:
-        """Every record not signed with `key` (torn lines aside): with a key, no record may be unsigned."""
-        mine, problems = key_id(key), []
-        for n, rec, _ in self.records():
-            if rec is None:
-                continue
-            seq, signer = rec.get("seq"), rec.get("key_id")
-            if signer is None or "hmac" not in rec:
-                problems.append(ChainProblem(n, f"record seq {seq} is not signed: written without the audit key "
-                                                "(before it was set up: start a new --audit-log when introducing "
-                                                "a key) or re-written by someone without it"))
-            elif signer != mine:
-                problems.append(ChainProblem(n, f"record seq {seq} is signed with key id {signer}, the given key "
-                                                f"is {mine}"))
-            elif not signature_ok(key, record_hash(rec), rec["hmac"]):
-                problems.append(ChainProblem(n, f"record seq {seq}: its signature does not match: the record was "
-                                                "changed or re-linked by someone without the key"))
-        return problems
+        """Every record not signed with the legacy HMAC `key` (unparsable lines aside: check_chain's)."""
+        report = check_signatures(self.entries(), Trusted(hmac=key))
+        return [ChainProblem(n, m) for n, m in report.problems]
 
 
-def _parse(line: str) -> dict[str, Any] | None:
-    try:
-        rec = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    return rec if isinstance(rec, dict) else None
-
-
-def _last_record(text: str) -> dict[str, Any] | None:
-    """The last complete record; unparsable (torn) lines after it are skipped, never a complete record."""
-    for line in reversed(text.splitlines()):
-        rec = _parse(line) if line.strip() else None
-        if rec is not None and "hash" in rec and isinstance(rec.get("seq"), int):
-            return rec
-    return None
+def chain_problems(entries: Iterable[Entry]) -> list[ChainProblem]:
+    """What AuditLog.check_chain reports, for entries already read."""
+    problems, prev_hash, expected_seq = [], GENESIS, 0
+    for e in entries:
+        rec = e.record
+        if rec is None:
+            problems.append(ChainProblem(e.line, e.problem, e.torn))
+            continue
+        if rec["hash"] != record_hash(rec):
+            problems.append(ChainProblem(e.line, f"record seq {rec['seq']} ({rec['kind']}) does not match its own "
+                                                 "hash: its content was changed"))
+        if rec["prev"] != prev_hash:
+            problems.append(ChainProblem(e.line, f"record seq {rec['seq']} does not link to the record before it: a "
+                                                 "record was removed, inserted or reordered"))
+        if rec["seq"] != expected_seq:
+            problems.append(ChainProblem(e.line, f"sequence number {rec['seq']} where {expected_seq} was expected: "
+                                                 "records were removed or reordered"))
+        prev_hash, expected_seq = rec["hash"], rec["seq"] + 1
+    return problems

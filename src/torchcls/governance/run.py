@@ -39,6 +39,8 @@ from torchcls.governance.manifest import (
 )
 from torchcls.governance.outputs import redact_skipped, sample_grid
 from torchcls.governance.policy import Policy, facts_of, load_policy, violations
+from torchcls.governance.signatures import check_signing
+from torchcls.governance.signing import signer_from
 from torchcls.governance.store import store_built, store_given
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
 
@@ -56,7 +58,8 @@ class Governance:
         self.lineage: dict[str, Any] | None = None if self.audit is None else {
             "run_id": self.run_id, "audit_log": str(self.audit.path.resolve()),
             "outputs": self.policy.outputs() if self.policy else {}, "chain_head": self.audit.head(),
-            **({"key_id": key_id(self.audit.key)} if self.audit.key else {}),
+            **({"signer": self.audit.signer.keyid} if self.audit.signer else
+               {"key_id": key_id(self.audit.key)} if self.audit.key else {}),
             **({"policy": {"name": self.policy.name, "file": str(Path(g.policy).resolve())}} if self.policy else {})}
         self.lineage_id: str | None = self.run_id if self.audit is not None else None
         self.hashes = HashCache(Path(cfg.run.out_dir) / STORE_DIR / CACHE_FILE)  # unchanged files are not re-read
@@ -72,6 +75,8 @@ class Governance:
         g, source = self.cfg.governance, self.cfg.data.source
         if self.audit is not None:
             self.audit.check_key()  # a signed log takes no unsigned record: say so before training
+        if self.policy is not None:  # [provenance]: a run that must be signed does not start unsigned
+            check_signing(self.policy, self.audit, g.policy)
         manifest = load_manifest(g.data_manifest) if g.data_manifest else None
         if manifest is not None and not describes(manifest, source):
             raise UserError(f"--data-manifest {g.data_manifest} describes {manifest['tc:source']}, "
@@ -302,7 +307,8 @@ def begin(cfg: Config, run_path: Path) -> Governance:
 def _audit_log(cfg: Config, run_path: Path) -> AuditLog:
     g = cfg.governance
     path = Path(g.audit_log or default_audit_log(cfg.run.out_dir))
-    return AuditLog(path, load_key(getattr(g, "audit_key_file", None), near=[run_path, path.parent]))
+    near = [run_path, path.parent]
+    return AuditLog(path, load_key(g.audit_key_file, near=near), signer_from(g.signing_key_file, near=near))
 
 
 def _previous_run_id(run_path: Path) -> str | None:

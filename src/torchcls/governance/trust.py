@@ -6,16 +6,20 @@ is read, so a `.pt2` from elsewhere is code, as a pickle is. It is loaded only w
 1. its SHA-256 equals `--expect-sha256` (the digest its publisher gave you);
 2. `torchcls export` on this machine published a file with this digest (the export record below:
    your own export -> serve path needs no flag);
-3. its registration in the audit log verifies under the audit key in TORCHCLS_AUDIT_KEY (the loaders,
-   `predict`, `serve` and load_artifact, read it from the environment only; --audit-key-file belongs to
-   the commands that write or verify the log): the sidecar's artifact record holds this digest, every
-   record of the log is intact, signed with your key, and the sidecar's pin matches;
-4. the user says so: `--trust-artifact`.
+3. its in-toto attestation (`<file>.intoto.jsonl`, written by an export signed with a key pair) is
+   signed by a public key you trust (TORCHCLS_TRUSTED_KEYS: public key files) and names this digest;
+4. its registration in the audit log verifies under a key you trust: a public key in
+   TORCHCLS_TRUSTED_KEYS, or the legacy HMAC audit key in TORCHCLS_AUDIT_KEY (the loaders, `predict`,
+   `serve` and load_artifact, read keys from the environment only; the flags belong to the commands
+   that write or verify the log): the sidecar's artifact record holds this digest, every line of the
+   log is an intact record signed by a trusted key, and the sidecar's pin matches;
+5. the user says so: `--trust-artifact`.
 
-Why a registration counts only under a key: without one, an artifact, its sidecar and an audit log
-can be forged together (the chain is only a hash chain), so a run dir sent by someone else would
-vouch for itself. The export record lives outside every run dir (TORCHCLS_EXPORT_RECORD, default
-$XDG_STATE_HOME/torchcls/exports.jsonl), where a run dir that arrives from elsewhere cannot add to it.
+Why an attestation or a registration counts only under a key you trust: without one, an artifact,
+its sidecar and an audit log can be forged together (the chain is only a hash chain; a signature
+under the forger's own key proves only that the forger signed it), so a run dir sent by someone
+else would vouch for itself. The export record lives outside every run dir (TORCHCLS_EXPORT_RECORD,
+default $XDG_STATE_HOME/torchcls/exports.jsonl), where a run dir that arrives from elsewhere cannot add to it.
 """
 
 from __future__ import annotations
@@ -29,14 +33,18 @@ from pathlib import Path
 
 from torchcls.errors import UserError
 from torchcls.governance.artifacts import sidecar
+from torchcls.governance.attestation import attestation_path, verify_attestation
 from torchcls.governance.digest import looks_like_sha256, sha256_file
-from torchcls.governance.keys import KEY_ENV, load_key
-from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.governance.keys import KEY_ENV
+from torchcls.governance.lineage import AuditLog, chain_problems, record_hash
+from torchcls.governance.records import MAX_LINE_BYTES
+from torchcls.governance.signatures import check_signatures, trusted_from
+from torchcls.governance.signing import TRUSTED_KEYS_ENV, load_public_key, trusted_key_files
 from torchcls.io_files import open_regular, read_bytes
 
 RECORD_ENV = "TORCHCLS_EXPORT_RECORD"
 TRUST_FLAG = "--trust-artifact"
-MAX_LINE = 1 << 20  # an audit record or a sidecar is a few hundred bytes
+MAX_LINE = MAX_LINE_BYTES  # an audit record or a sidecar is a few KB
 
 
 @dataclass(frozen=True)
@@ -92,22 +100,37 @@ def _registered(path: Path, digest: str) -> tuple[str | None, str]:
         return None, f"no readable registration ({side.name})"
     if not log.path.is_file():
         return None, f"its registration names {log.path}, which does not exist"
-    key = load_key(None, near=[log.path.parent])
-    if key is None:
-        return None, (f"its registration names the audit log {log.path}, but no audit key is configured ({KEY_ENV}): "
-                      "without one a registration can be forged along with the file")
+    trusted = trusted_from(None, None, near=[log.path.parent])
+    if not trusted.any():
+        return None, (f"its registration names the audit log {log.path}, but no audit key is configured ({KEY_ENV}, "
+                      f"or public keys in {TRUSTED_KEYS_ENV}): without one a registration can be forged along with "
+                      "the file")
     long_line = _first_long_line(log.path)
     if long_line is not None:
         return None, f"line {long_line} of its audit log {log.path} is longer than any record ({MAX_LINE} bytes)"
-    mine = [r for _, r, _ in log.records() if r and r.get("kind") == "artifact" and r.get("artifact_id") == artifact_id]
-    if not mine or mine[-1].get("hash") != record_hash(mine[-1]) or pin.get("hash") != mine[-1]["hash"]:
+    entries = list(log.entries())
+    mine = [e.record for e in entries if e.record and e.record["kind"] == "artifact"
+            and e.record.get("artifact_id") == artifact_id]
+    if not mine or mine[-1]["hash"] != record_hash(mine[-1]) or pin.get("hash") != mine[-1]["hash"]:
         return None, f"its record in {log.path} is missing or does not match the sidecar's pin"
     if mine[-1].get("sha256") != digest:
         return None, f"its SHA-256 {digest[:16]}… differs from the one registered in {log.path}: the file changed"
-    broken = [p for p in log.check_chain() if not p.torn] + log.check_signatures(key)
+    broken = [str(p) for p in chain_problems(entries) if not p.torn]
+    broken += [f"audit log line {n}: {m}" for n, m in check_signatures(entries, trusted).problems]
     if broken:
         return None, f"its audit log {log.path} does not verify ({broken[0]})"
-    return f"registered in {log.path} (seq {mine[-1]['seq']}), signed with the configured audit key", ""
+    how = "signed with the configured audit key" if "signer" not in mine[-1] else \
+        f"signed by trusted key sha256:{mine[-1]['signer']['keyid'][7:23]}…"
+    return f"registered in {log.path} (seq {mine[-1]['seq']}), {how}", ""
+
+
+def _attested(path: Path, digest: str) -> tuple[str | None, str]:
+    """(reason, None) when a trusted public key signed an in-toto statement naming `digest`."""
+    if not attestation_path(path).exists():
+        return None, ""
+    public = dict(load_public_key(f) for f in trusted_key_files(None))
+    ok, detail = verify_attestation(path, digest, public)
+    return (detail, "") if ok else (None, detail)
 
 
 def _read_small(path: Path) -> str:
@@ -145,10 +168,15 @@ def decide(path: str | Path, expect_sha256: str | None = None, trust: bool = Fal
     here = _exported_here(digest)
     if here:
         return Trust(digest, here)
+    attested, why_not_attested = _attested(path, digest)
+    if attested:
+        return Trust(digest, attested)
     reason, why_not = _registered(path, digest)
     if reason:
         return Trust(digest, reason)
+    why_not += f"; {why_not_attested}" if why_not_attested else ""
     raise UserError(f"{path}: refusing to load it: a .pt2 is native code, run as soon as it is loaded, and nothing "
                     f"vouches for this file ({why_not}; not exported on this machine). To load it, pass "
-                    f"--expect-sha256 with the digest its publisher gave you (this file's is {digest}), or set the "
-                    f"audit key ({KEY_ENV}) under which it was registered; or, if you trust the file, {TRUST_FLAG}")
+                    f"--expect-sha256 with the digest its publisher gave you (this file's is {digest}), or name the "
+                    f"public key that signed it in {TRUSTED_KEYS_ENV} (or the audit key in {KEY_ENV}); or, if you "
+                    f"trust the file, {TRUST_FLAG}")

@@ -1,24 +1,27 @@
-"""`torchcls verify ARTIFACT`: re-hash the artifact, check the audit log's chain, its signatures and
-anchors, walk back to the run and its data manifests, re-hash the data files when present, and
-check the policy.
+"""`torchcls verify ARTIFACT`: re-hash the artifact, check the audit log's lines, chain, signatures and
+anchors, the artifact's in-toto attestation, walk back to the run and its data manifests, re-hash the
+data files when present, and check the policy. The result is verified, unverified or failed
+(logcheck.py): only "verified" claims provenance, and only under a key the verifier brought.
 
-What a PASS proves, and against whom:
+What each check proves, and against whom:
 - The artifact is byte for byte the file the log records (artifact hash), produced by the
   recorded run from data whose manifest still hashes to what the run recorded (dateCreated, which
   drives retention, included), and the data files on disk still match it (data).
-- Audit log chain: no record was changed, removed, inserted or reordered by someone who did not
-  also recompute the chain. On its own this is no defence against a deliberate editor.
-- Audit log signatures (when a key is given: --audit-key-file or TORCHCLS_AUDIT_KEY): every record
-  was written by a holder of the key, as it stands. Against anyone without the key, a record cannot
-  be added, changed, removed from the middle or re-linked. Not against a key holder; and a log
-  cut off at its end, or swapped for an older copy, still verifies: the anchors catch that.
+- Audit log chain: every line is a record (a torn last line aside) and none was changed, removed,
+  inserted or reordered by someone who did not also recompute the chain. On its own this is no
+  defence against a deliberate editor.
+- Audit log signatures, with a trusted public key (--public-key, $TORCHCLS_TRUSTED_KEYS, a --policy's
+  [provenance] trusted_keys): every record was signed by the holder of a trusted private key, as it
+  stands. Nobody else can add, change, re-link or re-sign a record, and the public key lets anyone
+  check it. With the legacy HMAC key (--audit-key-file, $TORCHCLS_AUDIT_KEY) the same holds only
+  against people without that secret, and every verifier holds it. A log cut off at its end, or
+  swapped for an older copy, still verifies: the anchors catch that.
 - Audit log anchors: the records pinned outside the log (the chain head in a checkpoint's metadata
   or an export's sidecar, the run record's hash in the run's lineage.json) are still in the log
-  unchanged. Against anyone who can rewrite the log but not those files (an artifact already
-  deployed or copied elsewhere, a run dir kept read-only or backed up).
-Nothing here is proof against someone who can rewrite the log, the artifacts and the run dir and
-holds the key (or where there is no key). A torn last line (an interrupted append) is reported,
-not failed: no complete record is missing.
+  unchanged. Against anyone who can rewrite the log but not those files.
+- Attestation (exports signed with a key pair): `<artifact>.intoto.jsonl` names this file's SHA-256
+  and is signed by a trusted key (attestation.py).
+Without a trusted key nothing here is proof of who wrote the log: the result is then "unverified".
 
 Data files are re-read by default (`rehash=True`): a file whose mtime was restored on purpose would
 fool the hash cache that training uses. `rehash=False` trusts that cache for unchanged files."""
@@ -26,49 +29,29 @@ fool the hash cache that training uses. `rehash=False` trusts that cache for unc
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
 from torchcls.governance.anchors import check_pins, pins_of
 from torchcls.governance.artifacts import read_lineage
-from torchcls.governance.digest import sha256_file
+from torchcls.governance.attestation import attestation_path, verify_attestation
+from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
-from torchcls.governance.keys import KEY_ENV, key_id, load_key
 from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
+from torchcls.governance.logcheck import VerifyResult, check_log, listed
 from torchcls.governance.manifest import content_key, manifest_hash, records_root
-from torchcls.governance.policy import facts_of, load_policy, policy_from_dict, violations
+from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
+from torchcls.governance.signatures import Trusted, trusted_from
 
-
-@dataclass
-class Check:
-    name: str
-    status: str  # pass, fail, skip
-    detail: str
-
-
-@dataclass
-class VerifyResult:
-    artifact: str
-    checks: list[Check] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return all(c.status != "fail" for c in self.checks)
-
-    def add(self, name: str, ok: bool | None, detail: str) -> None:
-        self.checks.append(Check(name, "skip" if ok is None else "pass" if ok else "fail", detail))
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"artifact": self.artifact, "ok": self.ok, "checks": [c.__dict__ for c in self.checks]}
+__all__ = ["VerifyResult", "find_audit_log", "verify"]
 
 
 def find_audit_log(artifact: Path, lineage: dict[str, Any] | None, given: str | None) -> Path:
     if given:
         return Path(given)
-    if lineage and Path(lineage.get("audit_log", "")).is_file():
+    if lineage and Path(str(lineage.get("audit_log", ""))).is_file():
         return Path(lineage["audit_log"])
     for parent in artifact.resolve().parents:  # runs/<name>/checkpoints/x -> runs/_governance/audit.jsonl
         if (parent / STORE_DIR / "audit.jsonl").is_file():
@@ -77,68 +60,47 @@ def find_audit_log(artifact: Path, lineage: dict[str, Any] | None, given: str | 
 
 
 def verify(artifact: str | Path, policy: str | None = None, audit_log: str | None = None,
-           rehash: bool = True, key_file: str | None = None) -> VerifyResult:
+           rehash: bool = True, key_file: str | None = None, public_keys: list[str] | None = None) -> VerifyResult:
     """Every check of `artifact`'s provenance. `rehash=False`: data files unchanged since they were
     hashed (same size, mtime and inode, per the cache beside the audit log) are not read again.
-    `key_file`: the audit key (default: $TORCHCLS_AUDIT_KEY), to check the records' signatures."""
+    `public_keys`: trusted public key files (default: $TORCHCLS_TRUSTED_KEYS); `key_file`: the legacy
+    HMAC audit key (default: $TORCHCLS_AUDIT_KEY); `policy`: its [provenance] adds trusted key ids and
+    may require signatures (the run's recorded policy is never trusted for keys: it lives in the log)."""
     artifact = Path(artifact)
     if not artifact.is_file():
-        raise UserError(f"artifact {artifact} does not exist")
+        raise UserError(f"artifact {artifact} does not exist or is not a regular file")
+    given = load_policy(policy) if policy else None
     res = VerifyResult(str(artifact))
     digest = sha256_file(artifact)
     lineage = read_lineage(artifact)
+    lineage = lineage if isinstance(lineage, dict) else None
     log = AuditLog(find_audit_log(artifact, lineage, audit_log))
-    problems = log.check_chain()
-    torn = [p for p in problems if p.torn]
-    problems = [p for p in problems if not p.torn]
-    res.add("audit log chain", not problems, (f"{log.path}: intact" if not problems else _listed(problems))
-            + ("; " + _listed(torn) if torn else ""))
-    _check_signatures(res, log, load_key(key_file, near=[log.path.parent]), lineage)
-    records = [r for _, r, _ in log.records() if r]
+    trusted = trusted_from(key_file, public_keys, given, near=[log.path.parent])
+    entries = list(log.entries())
+    check_log(res, log, entries, trusted, lineage)
+    records = [e.record for e in entries if e.record is not None]
     pins = pins_of(artifact, lineage, records)
     bad, good = check_pins(pins, records)
     res.add("audit log anchors", None if not pins else not bad, "; ".join(bad or good) if pins else
             "no pinned record hash found for this artifact (made before pins were recorded, and no lineage.json)")
-    run = _artifact_and_run(res, log, artifact, digest, lineage)
+    _check_attestation(res, artifact, digest, trusted)
+    run = _artifact_and_run(res, log, records, artifact, digest, lineage)
     if run is None:
         return res
     _check_manifests(res, log, run, HashCache(None if rehash else log.path.parent / CACHE_FILE))
-    _check_policy(res, run, policy)
+    _check_policy(res, run, given, policy)
     return res
 
 
-def _listed(items: list) -> str:
-    return "; ".join(str(p) for p in items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+def _check_attestation(res: VerifyResult, artifact: Path, digest: str, trusted: Trusted) -> None:
+    if not attestation_path(artifact).exists():
+        return  # only exports signed with a key pair carry one
+    ok, detail = verify_attestation(artifact, digest, trusted.public)
+    res.add("attestation", ok, detail)
 
 
-def _check_signatures(res: VerifyResult, log: AuditLog, key: bytes | None, lineage: dict[str, Any] | None) -> None:
-    if key is not None:
-        problems = log.check_signatures(key)
-        res.add("audit log signatures", not problems, _listed(problems) if problems else
-                f"every record signed with key id {key_id(key)}")
-        return
-    # Without the key no signature can be checked, but a log does not go from signed to unsigned: a
-    # signed log refuses unsigned appends (AuditLog._check_key), so an unsigned record after a signed
-    # one, or an unsigned log under an artifact whose lineage names a key, had its signatures stripped.
-    records = [(n, r) for n, r, _ in log.records() if r]
-    first_signed = next((i for i, (_, r) in enumerate(records) if r.get("key_id")), None)
-    after = records[first_signed:] if first_signed is not None else []
-    stripped = [f"audit log line {n}: record seq {r.get('seq')} is unsigned after signed records (its signature "
-                "was removed)" for n, r in after if not (r.get("key_id") and r.get("hmac"))]
-    named = (lineage or {}).get("key_id")
-    if named and first_signed is None:
-        stripped.append(f"{res.artifact}'s lineage says its run signed the log (key id {named}), but no record "
-                        "in it is signed: the signatures were removed")
-    signers = sorted({r["key_id"] for _, r in records if r.get("key_id")})
-    res.add("audit log signatures", False if stripped else None, _listed(stripped) if stripped else
-            f"records are signed (key id {', '.join(signers)}) but no key was given ({KEY_ENV} or "
-            "--audit-key-file): not checked" if signers else
-            "the log is unsigned (no audit key was set when it was written)")
-
-
-def _artifact_and_run(res: VerifyResult, log: AuditLog, artifact: Path, digest: str,
+def _artifact_and_run(res: VerifyResult, log: AuditLog, records: list[dict[str, Any]], artifact: Path, digest: str,
                       lineage: dict[str, Any] | None) -> dict[str, Any] | None:
-    records = [r for _, r, _ in log.records() if r]
     produced = [(r, a) for r in records for a in _artifacts_of(r) if a["sha256"] == digest]
     if lineage is None and not produced:
         res.add("artifact hash", False, f"{artifact} (sha256 {digest[:16]}…) carries no readable lineage id and its "
@@ -172,42 +134,57 @@ def _artifact_and_run(res: VerifyResult, log: AuditLog, artifact: Path, digest: 
     return runs[-1]
 
 
-def _artifacts_of(rec: dict[str, Any]) -> list[dict[str, Any]]:
+def _artifacts_of(rec: dict[str, Any]) -> list[dict[str, str]]:
+    """The files a record names, {path, sha256}, as strings (a record's payload is not trusted for shape)."""
     if rec.get("kind") == "run":
-        return rec.get("artifacts", [])
-    if rec.get("kind") == "artifact":
-        return [{"path": rec["path"], "sha256": rec["sha256"]}]
-    return []
+        found = rec.get("artifacts") if isinstance(rec.get("artifacts"), list) else []
+    elif rec.get("kind") == "artifact":
+        found = [rec]
+    else:
+        return []
+    return [{"path": a["path"], "sha256": a["sha256"]} for a in found
+            if isinstance(a, dict) and isinstance(a.get("path"), str) and isinstance(a.get("sha256"), str)]
+
+
+def _manifests_of(run: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's manifest summaries that name a manifest by its digest (never by a path)."""
+    found = run.get("manifests") if isinstance(run.get("manifests"), list) else []
+    return [m for m in found if isinstance(m, dict) and looks_like_sha256(str(m.get("manifest_sha256", "")))
+            and len(str(m["manifest_sha256"])) == 64 and isinstance(m.get("merkle_root"), str)]
 
 
 def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cache: HashCache) -> None:
-    for m in run.get("manifests", []):
+    for m in _manifests_of(run):
+        name = f"manifest {m.get('name')}"
         path = manifest_store(log.path) / f"{m['manifest_sha256']}.json"
         if not path.is_file():
-            res.add(f"manifest {m['name']}", False, f"{path} is missing from the manifest store")
+            res.add(name, False, f"{path} is missing from the manifest store")
             continue
-        manifest = json.loads(path.read_text())
-        legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
-        digest = content_key(manifest) if legacy else manifest_hash(manifest)
-        if digest != m["manifest_sha256"] or records_root(manifest["tc:records"]) != m["merkle_root"]:
-            res.add(f"manifest {m['name']}", False, f"{path} was modified: it no longer hashes to the recorded "
-                                                    f"{m['manifest_sha256'][:16]}… / Merkle root {m['merkle_root'][:16]}…")
+        try:
+            manifest = json.loads(path.read_text())
+            legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
+            digest = content_key(manifest) if legacy else manifest_hash(manifest)
+            same = digest == m["manifest_sha256"] and records_root(manifest["tc:records"]) == m["merkle_root"]
+        except (ValueError, KeyError, TypeError, AttributeError):
+            same = False
+        if not same:
+            res.add(name, False, f"{path} was modified: it no longer hashes to the recorded "
+                                 f"{m['manifest_sha256'][:16]}… / Merkle root {m['merkle_root'][:16]}…")
             continue
-        res.add(f"manifest {m['name']}", True, f"{m['records']} records, Merkle root {m['merkle_root'][:16]}…"
+        res.add(name, True, f"{m.get('records')} records, Merkle root {m['merkle_root'][:16]}…"
                 + (" (recorded by an older torchcls: its dateCreated is not covered by the hash)" if legacy else ""))
         if not Path(manifest["tc:root"]).exists():
-            res.add(f"data {m['name']}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
+            res.add(f"data {m.get('name')}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue
         problems = check_data(manifest, cache=cache)
-        res.add(f"data {m['name']}", not problems, "all files match the manifest" if not problems else
-                "; ".join(problems[:5]) + (f" (+{len(problems) - 5} more)" if len(problems) > 5 else ""))
+        res.add(f"data {m.get('name')}", not problems, "all files match the manifest" if not problems else listed(problems))
         run["_facts"] = facts_of(manifest)
 
 
-def _check_policy(res: VerifyResult, run: dict[str, Any], policy_file: str | None) -> None:
-    if policy_file:
-        policy, origin = load_policy(policy_file), policy_file
-    elif run.get("policy"):
+def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, policy_file: str | None) -> None:
+    if given is not None:
+        policy, origin = given, policy_file
+    elif isinstance(run.get("policy"), dict):
         policy, origin = policy_from_dict(_as_toml_dict(run["policy"]), "recorded"), "the run's recorded policy"
     else:
         res.add("policy", None, "the run had no policy and none was given (--policy FILE)")
@@ -216,7 +193,8 @@ def _check_policy(res: VerifyResult, run: dict[str, Any], policy_file: str | Non
     if facts is None:
         res.add("policy", False, "the data's manifest could not be read, so the policy cannot be checked")
         return
-    reasons = violations(policy, facts, run.get("region"), set(run.get("hooks", [])))
+    hooks = run.get("hooks") if isinstance(run.get("hooks"), list) else []
+    reasons = violations(policy, facts, run.get("region"), {str(h) for h in hooks})
     res.add(f"policy ({origin})", not reasons, "; ".join(reasons) if reasons else
             f"'{policy.name}': region, license, jurisdictions, retention and hooks all allowed")
 
@@ -226,6 +204,7 @@ def _as_toml_dict(p: dict[str, Any]) -> dict[str, Any]:
     sections = {"policy": ["name", "description"], "processing": ["allowed_regions"],
                 "data": ["allowed_licenses", "allowed_jurisdictions", "mix_jurisdictions", "require_legal_basis",
                          "require_retention", "max_retention_days"],
-                "outputs": ["sample_images", "embeddings", "predictions", "restricted_tags"]}
+                "outputs": ["sample_images", "embeddings", "predictions", "restricted_tags"],
+                "provenance": ["require_signatures", "trusted_keys"]}
     out = {s: {k: p[k] for k in keys if p.get(k) is not None} for s, keys in sections.items()}
     return {**out, "hooks": p.get("hooks", {}), "residency": p.get("residency", {})}

@@ -1,0 +1,182 @@
+"""Reading the audit log: bounded, strict, one line at a time.
+
+Every line is one well-formed record: a JSON record (unsigned, or HMAC-signed as torchcls wrote them
+before public-key signatures), or a DSSE envelope (dsse.py) whose payload is a record naming its
+signer. The one exception is a torn last line: no newline after it and not JSON, which is what an
+interrupted append leaves (the next append removes it). Anything else, anywhere (a junk line at the
+top, an empty line, a line of JSON that is not a record, a second torn line), is a problem that
+`verify` fails on, with or without a key: an unparsable line cannot be told apart from a record
+that was removed or hidden.
+
+Bounds, each checked before memory in proportion to it is spent:
+- MAX_LINE_BYTES per line: lines are read with a capped readline, so a 1 GB line costs one cap's
+  worth of memory (it is skipped in pieces and reported), never the whole line;
+- MAX_RECORDS lines per log (verify keeps the parsed records in memory);
+- JSON nesting: a line nested deeper than the interpreter's recursion limit is "not JSON".
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import IO, Any
+
+from torchcls.governance import dsse
+from torchcls.governance.digest import sha256_json
+from torchcls.governance.signing import looks_like_key_id
+
+MAX_LINE_BYTES = 1 << 20  # a record is a few KB (a run record with its config and package versions)
+MAX_RECORDS = 1_000_000
+GENESIS = "0" * 64
+_HEX = frozenset("0123456789abcdef")
+NOT_JSON = "not a JSON record (the file was edited)"
+
+
+def record_hash(record: dict[str, Any]) -> str:
+    """SHA-256 of everything but the hash and a legacy HMAC (which signs this hash)."""
+    return sha256_json({k: v for k, v in record.items() if k not in ("hash", "hmac")})
+
+
+def signed_how(rec: dict[str, Any] | None) -> str | None:
+    """'key pair', 'hmac' or None (unsigned) for a record as read."""
+    if rec is None:
+        return None
+    return "key pair" if "signer" in rec else "hmac" if "key_id" in rec else None
+
+
+@dataclass
+class Entry:
+    """One line of the log. `record`: the record (a signed one's payload) when the line is well formed."""
+
+    line: int
+    record: dict[str, Any] | None = None
+    envelope: dsse.Envelope | None = None
+    problem: str | None = None
+    torn: bool = False  # the last line, cut off by an interrupted append: no complete record is missing
+
+
+def read_entries(f: IO[bytes]) -> Iterator[Entry]:
+    """Every line of the binary file `f`, in order; at most MAX_RECORDS of them."""
+    n = 0
+    while raw := f.readline(MAX_LINE_BYTES + 1):
+        n += 1
+        if n > MAX_RECORDS:
+            yield Entry(n, problem=f"the log has more than {MAX_RECORDS} lines, the most torchcls reads: "
+                                   "start a new --audit-log")
+            return
+        if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+            while (rest := f.readline(MAX_LINE_BYTES)) and not rest.endswith(b"\n"):
+                pass  # skip the rest of the line in bounded pieces
+            yield Entry(n, problem=f"a line longer than any record ({MAX_LINE_BYTES} bytes): not a record")
+            continue
+        yield parse_line(n, raw)
+
+
+def parse_line(n: int, raw: bytes) -> Entry:
+    content = raw.removesuffix(b"\n")
+    at_end = not raw.endswith(b"\n")  # only the last line of a file can lack its newline
+    try:
+        obj = json.loads(content.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        if at_end and content.strip():
+            return Entry(n, problem="an incomplete record (an append was interrupted, e.g. the disk was full); "
+                                    "no complete record is missing", torn=True)
+        return Entry(n, problem="an empty line (the file was edited)" if not content.strip() else NOT_JSON)
+    if dsse.is_envelope(obj):
+        return _signed(n, obj)
+    problem = record_problem(obj)
+    if problem is None and "signer" in obj:
+        signer = obj["signer"].get("keyid") if isinstance(obj["signer"], dict) else obj["signer"]
+        problem = (f"record seq {obj['seq']} names its signer ({str(signer)[:23]}…) but carries no signature: "
+                   "the signature was removed")
+    return Entry(n, obj if problem is None else None, problem=problem)
+
+
+def _signed(n: int, obj: dict[str, Any]) -> Entry:
+    try:
+        env = dsse.parse(obj)
+        if env.payload_type != dsse.RECORD_TYPE:
+            raise ValueError(f"a DSSE envelope of type {env.payload_type[:80]!r}, not an audit record")
+        rec = json.loads(env.payload.decode("utf-8"), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        return Entry(n, problem=f"a malformed signed record ({str(e)[:200]})")
+    problem = record_problem(rec) or _signer_problem(rec)
+    if problem is None and {k for k, _ in env.signatures} != {rec["signer"]["keyid"]}:
+        problem = f"record seq {rec['seq']}: its envelope is signed by another key than the one the record names"
+    return Entry(n, rec if problem is None else None, env if problem is None else None, problem)
+
+
+def record_problem(rec: Any) -> str | None:
+    """None when `rec` has a record's shape; else what is wrong. The fields every record has, typed,
+    and the legacy HMAC pair complete."""
+    if not isinstance(rec, dict):
+        return NOT_JSON
+    seq = rec.get("seq")
+    if not isinstance(seq, int) or isinstance(seq, bool) or seq < 0:
+        return "a JSON line without a record's sequence number (the file was edited)"
+    for k in ("prev", "hash"):
+        if not _is_hex64(rec.get(k)):
+            return f"record seq {seq}: '{k}' is not a SHA-256 hex digest"
+    if not isinstance(rec.get("kind"), str) or not isinstance(rec.get("time"), str):
+        return f"record seq {seq}: no 'kind' or 'time'"
+    if ("key_id" in rec) != ("hmac" in rec) or not all(isinstance(rec.get(k, ""), str) for k in ("key_id", "hmac")):
+        return f"record seq {seq}: an incomplete HMAC signature (key_id and hmac go together)"
+    return None
+
+
+def _signer_problem(rec: dict[str, Any]) -> str | None:
+    s = rec.get("signer")
+    if not (isinstance(s, dict) and set(s) == {"keyid", "public_key"} and isinstance(s["keyid"], str)
+            and looks_like_key_id(s["keyid"]) and isinstance(s["public_key"], str)):
+        return f"record seq {rec['seq']}: a signed record must name its signer {{keyid, public_key}}"
+    if "hmac" in rec:
+        return f"record seq {rec['seq']}: a record is signed one way, not with both a key pair and an HMAC"
+    return None
+
+
+def _is_hex64(v: Any) -> bool:
+    return isinstance(v, str) and len(v) == 64 and set(v) <= _HEX
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed in a record")
+
+
+@dataclass
+class Tail:
+    """The end of the log, as an append needs it: the last complete record, and where a torn last line
+    starts (it is cut off before the next record is written) or whether the last record only lost its
+    newline."""
+
+    last: dict[str, Any] | None
+    torn_at: int | None = None
+    needs_newline: bool = False
+
+
+def read_tail(f: IO[bytes], name: str) -> Tail:
+    """Reads at most two lines' worth from the end (never the whole log). ValueError when the end of the
+    log is not a record: an edited log takes no append until it is looked at."""
+    size = f.seek(0, 2)
+    start = max(0, size - 2 * (MAX_LINE_BYTES + 2))
+    f.seek(start)
+    block = f.read()
+    cut = block.rfind(b"\n") + 1  # where the last, unterminated part starts
+    if cut == 0 and start > 0:
+        raise ValueError(f"{name}: its last line is longer than any record")
+    body, rest = block[:cut], block[cut:]
+    if rest:
+        entry = parse_line(0, rest)
+        if entry.record is not None:
+            return Tail(entry.record, needs_newline=True)  # a complete record that lost only its newline
+        if not entry.torn:
+            raise ValueError(f"{name}: its last line is not a record ({entry.problem})")
+    if not body:
+        return Tail(None, start + cut if rest else None)
+    begin = body.rfind(b"\n", 0, len(body) - 1) + 1
+    if begin == 0 and start > 0:
+        raise ValueError(f"{name}: its last record is longer than any record")
+    entry = parse_line(0, body[begin:])
+    if entry.record is None:
+        raise ValueError(f"{name}: its last line is not a record ({entry.problem})")
+    return Tail(entry.record, start + cut if rest else None)
