@@ -20,8 +20,11 @@ import torch
 from torchcls.data import images as image_files
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
+from torchcls.io_files import check_regular, read_bytes, regular_path
 
 PREFIX = "hf:"
+MAX_JSON_BYTES = 64 << 20  # dataset_dict.json, dataset_info.json: features and split names, parsed whole
+MAX_IMAGE_FILE_BYTES = 256 << 20  # an image file a row names by path (what its decoder then bounds in pixels)
 # Our split names -> the names a DatasetDict may use for them.
 _SPLIT_ALIASES = {"val": ("val", "validation", "valid"), "train": ("train",), "test": ("test",)}
 
@@ -94,8 +97,10 @@ def _image_bytes(value: Any, column: str) -> bytes:
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
     if isinstance(value, str) and value:
-        try:
-            return Path(value).read_bytes()
+        try:  # a path in a table cell: opened only as a regular file, read under a bound
+            return read_bytes(value, max_bytes=MAX_IMAGE_FILE_BYTES, what="image file")
+        except UserError as e:
+            raise image_files.BadImage(f"image file {value} named in column '{column}': {e}") from None
         except OSError as e:
             raise image_files.BadImage(f"image file {value} named in column '{column}' is unreadable: {e}") from None
     raise image_files.BadImage(f"column '{column}' holds no image here ({type(value).__name__})")
@@ -105,8 +110,10 @@ def _open_table(kind: str, path: str, split: str | None):
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # never reach for the Hub, whatever the folder says
     if kind == "parquet":
         import pyarrow.parquet as pq
-        files = _parquet_files(Path(path))
-        tables = [pq.read_table(f, memory_map=True) for f in files]
+        tables = []
+        for f in _parquet_files(Path(path)):
+            with regular_path(f, what="Parquet file") as checked:  # the mapping outlives the descriptor
+                tables.append(pq.read_table(checked, memory_map=True))
         if len(tables) == 1:
             return tables[0]
         import pyarrow as pa
@@ -122,12 +129,22 @@ def _parquet_files(path: Path) -> list[Path]:
     return files
 
 
+def _check_saved_files(path: Path) -> None:
+    """Refuse a save_to_disk folder whose Arrow or JSON files (at its top or in a split's folder) are not
+    regular files, before `datasets` opens them: a FIFO would block it. (Checked, then opened by `datasets`:
+    a file swapped in between by whoever can write the folder is not caught; docs/security.md.)"""
+    for p in [*path.glob("*"), *path.glob("*/*")]:
+        if p.suffix in (".arrow", ".json"):
+            check_regular(p, what="saved data set file")
+
+
 def _load_from_disk(path: Path, split: str | None):
     os.environ["HF_DATASETS_OFFLINE"] = "1"
     try:
         import datasets
     except ModuleNotFoundError:
         raise missing_extra("hf", "--data hf:...", "datasets") from None
+    _check_saved_files(path)
     try:
         ds = datasets.load_from_disk(str(path))
     except (FileNotFoundError, ValueError) as e:
@@ -147,9 +164,9 @@ def hf_splits(path: str) -> set[str]:
     """The splits (train, val, test) a save_to_disk DatasetDict folder holds; {'train'} for anything else."""
     path = path[len(PREFIX):] if is_hf_source(path) else path
     listing = Path(path) / "dataset_dict.json"
-    if not listing.is_file():
+    if not listing.exists():
         return {"train"}
-    names = set(json.loads(listing.read_text()).get("splits", []))
+    names = set(json.loads(read_bytes(listing, max_bytes=MAX_JSON_BYTES, what="dataset_dict.json")).get("splits", []))
     return {ours for ours, theirs in _SPLIT_ALIASES.items() if names & set(theirs)}
 
 
@@ -159,7 +176,9 @@ def _hf_features(kind: str, path: Path, table: Any) -> dict:
         meta = (table.schema.metadata or {}).get(b"huggingface")
         return json.loads(meta).get("info", {}).get("features", {}) if meta else {}
     info = path / "dataset_info.json"
-    return json.loads(info.read_text()).get("features", {}) if info.is_file() else {}
+    if not info.exists():
+        return {}
+    return json.loads(read_bytes(info, max_bytes=MAX_JSON_BYTES, what="dataset_info.json")).get("features", {})
 
 
 def _labels(table: Any, column: str, feature: dict, name: str) -> tuple[list[str], torch.Tensor]:
