@@ -36,6 +36,7 @@ from torchcls.artifacts.targets.base import (
 )
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
+from torchcls.io_files import regular_path
 from torchcls.noise import EXECUTORCH_CPUINFO, stderr_without
 
 if TYPE_CHECKING:
@@ -196,8 +197,11 @@ class ExecuTorchArtifact(LoadedArtifact):
             from executorch.runtime import Runtime
         except ImportError:
             raise missing_extra("edge", "running .pte programs", "executorch") from None
-        try:
-            self.program = Runtime.get().load_program(str(path))
+        try:  # the checked regular file itself: a FIFO would block the runtime's read
+            with regular_path(path, what="ExecuTorch program") as checked:
+                self.program = Runtime.get().load_program(checked)
+        except UserError:
+            raise
         except Exception as e:  # the runtime raises RuntimeError/ValueError for foreign or broken files
             raise UserError(f"{path} is not a loadable ExecuTorch program ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target executorch`") from None

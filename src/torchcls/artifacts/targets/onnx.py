@@ -24,6 +24,7 @@ from torchcls.artifacts.targets.base import (
 )
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
+from torchcls.io_files import regular_path
 
 
 class OnnxArtifact(LoadedArtifact):
@@ -40,8 +41,11 @@ class OnnxArtifact(LoadedArtifact):
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
-        try:
-            self.session = ort.InferenceSession(str(path), opts, providers=providers)
+        try:  # the checked regular file itself (a FIFO would block the runtime's read); our exports embed their data
+            with regular_path(path, what="ONNX model") as checked:
+                self.session = ort.InferenceSession(checked, opts, providers=providers)
+        except UserError:
+            raise
         except Exception as e:  # onnxruntime raises its own exception types for foreign or broken files
             raise UserError(f"{path} is not a loadable ONNX model ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target onnx`") from None
