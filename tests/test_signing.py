@@ -10,13 +10,19 @@ in-toto statement (SLSA provenance) that fails after one byte of the artifact ch
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
+import resource
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import make_image_folder, tiny_config
 from torchcls.cli import main
@@ -296,3 +302,94 @@ def test_a_pt2_loads_when_a_trusted_public_key_vouches_for_it(signed_run, keys, 
     shutil.copy(str(model) + ".lineage.json", str(bare) + ".lineage.json")
     assert not attestation_path(bare).exists()
     assert "signed by trusted key sha256:" in decide(bare).reason
+
+
+# --- the reader is strict and bounded: any bytes give a result or a UserError ---------------------------------
+
+@functools.cache
+def _pool() -> tuple[list[bytes], str]:
+    """Real lines of a signed, an HMAC-signed and an unsigned log, and the signer's public key file."""
+    base = Path(tempfile.mkdtemp(prefix="torchcls-pool-"))
+    private, public, _ = keygen(base / "keys")
+    lines = []
+    for log in (AuditLog(base / "a.jsonl", signer=load_signer(private)), AuditLog(base / "b.jsonl", key=b"k" * 32),
+                AuditLog(base / "c.jsonl")):
+        for i in range(3):
+            log.append("run", {"run_id": f"r{i}", "artifacts": [{"path": "x", "sha256": "0" * 64}]})
+        lines += log.path.read_bytes().splitlines()
+    return lines, str(public)
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+                    lambda c: st.lists(c, max_size=4) | st.dictionaries(st.text(max_size=8), c, max_size=4),
+                    max_leaves=16)
+
+
+@st.composite
+def a_line(draw) -> bytes:
+    real = draw(st.sampled_from(_pool()[0]))
+    kind = draw(st.sampled_from(["real", "bytes", "json", "field", "cut", "envelope"]))
+    if kind == "real":
+        return real
+    if kind == "bytes":
+        return draw(st.binary(max_size=120)).replace(b"\n", b" ")
+    if kind == "json":
+        return json.dumps(draw(JSON)).encode()
+    if kind == "cut":
+        return real[:draw(st.integers(0, len(real)))]
+    obj = json.loads(real)
+    target = json.loads(base64.b64decode(obj["payload"])) if "payload" in obj else obj
+    target[draw(st.sampled_from([*target, "signer", "key_id"]))] = draw(JSON)
+    if "payload" in obj:
+        obj["payload"] = base64.b64encode(json.dumps(target).encode()).decode()
+    if kind == "envelope" and "signatures" in obj:
+        obj["signatures"] = draw(JSON)
+    return json.dumps(obj).encode()
+
+
+@settings(max_examples=150, deadline=5000, suppress_health_check=[HealthCheck.too_slow])
+@given(lines=st.lists(a_line(), max_size=8), end=st.sampled_from([b"", b"\n"]), keyed=st.booleans())
+def test_the_log_reader_returns_a_result_or_a_user_error_for_any_lines(lines, end, keyed):
+    from torchcls.governance.logcheck import verify_log
+
+    with tempfile.TemporaryDirectory() as d:
+        log = Path(d) / "audit.jsonl"
+        log.write_bytes(b"\n".join(lines) + end)
+        start = time.monotonic()
+        try:
+            res = verify_log(log, public_keys=[_pool()[1]] if keyed else None)
+        except UserError:
+            return
+        assert res.status in ("verified", "unverified", "failed")
+        assert time.monotonic() - start < 5
+        if res.status != "failed":  # nothing but records (and at most a torn end) got through
+            entries = list(AuditLog(log).entries())
+            assert all(e.record is not None or (e.torn and e is entries[-1]) for e in entries)
+
+
+def test_hostile_lines_are_refused_as_lines(tmp_path, capsys):
+    """Nesting deeper than the recursion limit, a 5000-digit number, NaN, bytes that are not UTF-8."""
+    log = tmp_path / "audit.jsonl"
+    for line in (b"[" * 200_000, b"9" * 5000, b'{"seq": NaN}', b"\xff\xfe{}", b'{"payloadType": 1}'):
+        log.write_bytes(line + b"\n")
+        code, out = verify_log(capsys, log)
+        assert code == 1 and "FAIL  audit log chain: audit log line 1:" in out
+
+
+def test_a_1_gib_line_is_read_in_bounded_pieces(keys, tmp_path, capsys):
+    """A sparse 1 GiB line, then a real record: read MAX_LINE_BYTES at a time, reported, never held whole."""
+    log = signed_log(tmp_path / "audit.jsonl", keys["signer"], n=1)
+    record = log.read_bytes()
+    with log.open("r+b") as f:
+        f.truncate(1 << 30)  # 1 GiB of NUL bytes, no newline, costs no disk
+        f.seek(0, os.SEEK_END)
+        f.write(b"\n" + record)
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    code, out = verify_log(capsys, log, "--public-key", str(keys["pub"]))
+    grew_mib = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - peak_before) / 1024
+    assert code == 1 and f"a line longer than any record ({MAX_LINE_BYTES} bytes)" in out
+    assert grew_mib < 128 and time.monotonic() - start < 120, (grew_mib, time.monotonic() - start)
+    with pytest.raises(UserError, match="last line is longer than any record"):  # no append goes on after it
+        log.write_bytes(b"x" * (3 * MAX_LINE_BYTES) + b"\n")
+        AuditLog(log, signer=keys["signer"]).append("note", {})

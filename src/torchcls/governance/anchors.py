@@ -14,7 +14,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torchcls.errors import UserError
+from torchcls.io_files import read_bytes
+
 Pin = tuple[str, dict[str, Any]]  # (where it is kept, {"seq", "hash"})
+LINEAGE_JSON_BYTES = 1 << 20  # a run's lineage.json is a few hundred bytes
 
 
 def pins_of(artifact: Path, lineage: dict[str, Any] | None, records: list[dict[str, Any]]) -> list[Pin]:
@@ -27,11 +31,11 @@ def pins_of(artifact: Path, lineage: dict[str, Any] | None, records: list[dict[s
     run_id = lineage.get("run_id")
     dirs = {artifact.resolve().parent.parent}  # runs/<name>/checkpoints/<file>
     dirs |= {Path(r["run_dir"]) for r in records if r.get("kind") == "run" and r.get("run_id") == run_id
-             and r.get("run_dir")}
+             and isinstance(r.get("run_dir"), str) and r["run_dir"]}
     for f in sorted({d / "lineage.json" for d in dirs}):
-        try:
-            data = json.loads(f.read_text()) if f.is_file() else None
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        try:  # (the run dir is named by the log: read only a regular file, and only as much as a lineage.json)
+            data = json.loads(read_bytes(f, max_bytes=LINEAGE_JSON_BYTES, what="lineage.json")) if f.exists() else None
+        except (UserError, OSError, ValueError, RecursionError):
             data = {"record_seq": -1, "record_hash": "unreadable", "run_id": run_id}
         if isinstance(data, dict) and data.get("run_id") == run_id and "record_seq" in data:
             pins.append((str(f), {"seq": data["record_seq"], "hash": data.get("record_hash")}))

@@ -16,12 +16,13 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
+from torchcls.errors import UserError
 from torchcls.governance import dsse
 from torchcls.governance.signing import Signer, short, verify_signature
+from torchcls.io_files import read_bytes
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -70,12 +71,12 @@ def verify_attestation(artifact: Path, digest: str, trusted: dict[str, Any]) -> 
     `trusted`: key id -> public key (signing.load_public_key)."""
     side = attestation_path(artifact)
     try:
-        env = dsse.parse(json.loads(_read_bounded(side)))
+        env = dsse.parse(json.loads(read_bytes(side, max_bytes=MAX_ATTESTATION_BYTES, what="attestation")))
         if env.payload_type != dsse.INTOTO_TYPE:
             raise ValueError(f"payloadType {env.payload_type[:80]!r} is not in-toto's")
         stmt = json.loads(env.payload.decode())
         subjects = _subjects(stmt)
-    except (OSError, ValueError, RecursionError) as e:
+    except (OSError, UserError, ValueError, RecursionError) as e:  # (not a regular file, or too large: UserError)
         return False, f"{side.name} is not a well-formed signed in-toto statement ({str(e)[:200]})"
     signers = [k for k, _ in env.signatures]
     if not trusted:
@@ -108,17 +109,6 @@ def _subjects(stmt: Any) -> dict[str, str]:
             for s in subj):
         raise ValueError("subject must list {name, digest: {sha256}}")
     return {str(s.get("name")): s["digest"]["sha256"] for s in subj}
-
-
-def _read_bounded(path: Path) -> bytes:
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO would block a plain open's read)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError("not a regular file")
-        data = f.read(MAX_ATTESTATION_BYTES + 1)
-    if len(data) > MAX_ATTESTATION_BYTES:
-        raise ValueError(f"larger than any attestation ({MAX_ATTESTATION_BYTES} bytes)")
-    return data
 
 
 def _now() -> str:

@@ -40,6 +40,7 @@ from torchcls.governance.records import (
 )
 from torchcls.governance.signatures import Trusted, check_signatures
 from torchcls.governance.signing import SIGNING_KEY_ENV, Signer, short
+from torchcls.io_files import open_regular
 
 STORE_DIR = "_governance"
 __all__ = ["GENESIS", "STORE_DIR", "AuditLog", "ChainProblem", "record_hash"]
@@ -64,23 +65,9 @@ class ChainProblem:
         return f"audit log line {self.line}: {self.message}"
 
 
-def open_regular(path: Path) -> IO[bytes]:
-    """`path` opened for reading without blocking (a FIFO would wait for a writer), refused unless it
-    is a regular file."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError as e:
-        raise UserError(f"audit log {path} cannot be read ({e.strerror}; runs append to "
-                        f"OUT_DIR/{STORE_DIR}/audit.jsonl; pass --audit-log FILE)") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise UserError(f"audit log {path} is not a regular file: refusing to read it")
-    return os.fdopen(fd, "rb")
-
-
 def _open_for_append(path: Path) -> IO[bytes]:
-    """Read-write and appending, created when missing; like open_regular, never blocks on or writes into
-    anything but a regular file (the log's path can come from an artifact's lineage)."""
+    """Read-write and appending, created when missing; never blocks on or writes into anything but a
+    regular file (the log's path can come from an artifact's lineage)."""
     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
@@ -148,7 +135,7 @@ class AuditLog:
     def _last(self) -> dict[str, Any] | None:
         if not self.path.exists():
             return None
-        with open_regular(self.path) as f:
+        with open_regular(self.path, what="audit log") as f:
             return self._tail(f).last
 
     def head(self) -> dict[str, Any] | None:
@@ -181,7 +168,7 @@ class AuditLog:
         if not self.path.exists():
             raise UserError(f"audit log {self.path} does not exist (runs append to OUT_DIR/{STORE_DIR}/audit.jsonl; "
                             "pass --audit-log FILE)")
-        with open_regular(self.path) as f:
+        with open_regular(self.path, what="audit log") as f:
             yield from read_entries(f)
 
     def records(self) -> Iterator[tuple[int, dict[str, Any] | None, str]]:

@@ -175,7 +175,7 @@ def read_tail(f: IO[bytes], name: str) -> Tail:
         return Tail(None, start + cut if rest else None)
     begin = body.rfind(b"\n", 0, len(body) - 1) + 1
     if begin == 0 and start > 0:
-        raise ValueError(f"{name}: its last record is longer than any record")
+        raise ValueError(f"{name}: its last line is longer than any record")
     entry = parse_line(0, body[begin:])
     if entry.record is None:
         raise ValueError(f"{name}: its last line is not a record ({entry.problem})")

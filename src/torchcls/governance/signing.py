@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
+from torchcls.io_files import read_bytes
 
 SIGNING_KEY_ENV = "TORCHCLS_SIGNING_KEY"  # the private key file, for commands without --signing-key-file
 TRUSTED_KEYS_ENV = "TORCHCLS_TRUSTED_KEYS"  # public key files (os.pathsep-separated) that verify and loaders trust
@@ -110,13 +111,9 @@ def public_key_from_der(der: bytes, origin: str) -> Any:
 
 
 def _read_key_file(path: Path, what: str) -> bytes:
-    if not path.is_file():  # (a FIFO would block the read)
-        raise UserError(f"{what} {path} does not exist or is not a regular file")
-    with open(path, "rb") as f:
-        data = f.read(MAX_KEY_FILE_BYTES + 1)
-    if len(data) > MAX_KEY_FILE_BYTES:
-        raise UserError(f"{what} {path} is larger than any PEM key ({MAX_KEY_FILE_BYTES} bytes): not a key file")
-    return data
+    if not path.exists():
+        raise UserError(f"{what} {path} does not exist")
+    return read_bytes(path, max_bytes=MAX_KEY_FILE_BYTES, what=what)  # a regular file, not a FIFO; bounded
 
 
 def load_public_key(path: str | Path) -> tuple[str, Any]:
