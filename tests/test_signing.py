@@ -393,3 +393,25 @@ def test_a_1_gib_line_is_read_in_bounded_pieces(keys, tmp_path, capsys):
     with pytest.raises(UserError, match="last line is longer than any record"):  # no append goes on after it
         log.write_bytes(b"x" * (3 * MAX_LINE_BYTES) + b"\n")
         AuditLog(log, signer=keys["signer"]).append("note", {})
+
+
+def test_a_policy_requiring_signatures_refuses_an_unsigned_run_before_it_starts(keys, tmp_path):
+    from torchcls import governance
+    from torchcls.governance.cli_api import write_manifest
+    from torchcls.governance.manifest import DatasetMeta
+
+    folder = make_image_folder(tmp_path / "shapes", per_class=2)
+    manifest, _ = write_manifest(str(folder), tmp_path / "m.json", meta=DatasetMeta(license="MIT"))
+    policy = tmp_path / "policy.toml"
+    policy.write_text(f'[provenance]\nrequire_signatures = true\ntrusted_keys = ["{keys["id"]}"]\n')
+    cfg = tiny_config(folder, tmp_path / "runs", "r")
+    cfg.governance.policy, cfg.governance.data_manifest = str(policy), str(manifest)
+    with pytest.raises(UserError, match="requires signed audit records .*--signing-key-file"):
+        governance.begin(cfg, tmp_path / "runs" / "r")
+    other = keygen(tmp_path / "other")[0]
+    cfg.governance.signing_key_file = str(other)
+    with pytest.raises(UserError, match="is not one of them"):
+        governance.begin(cfg, tmp_path / "runs" / "r")
+    cfg.governance.signing_key_file = str(keys["priv"])
+    gov = governance.begin(cfg, tmp_path / "runs" / "r")
+    assert gov.lineage["signer"] == keys["id"]
