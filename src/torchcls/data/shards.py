@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from torchcls.errors import UserError
-from torchcls.io_files import open_regular, read_bytes
+from torchcls.io_files import check_regular, open_regular, read_bytes
 from torchcls.made_dirs import make_dir, remove_made
 
 if TYPE_CHECKING:
@@ -344,8 +344,9 @@ def _shardset_of(index: dict, index_path: Path, source: str, chosen: list[Path] 
 
 def _check_files(shardset: ShardSet, verify: bool) -> None:
     for s in shardset.shards:
-        if not s.path.is_file():
+        if not s.path.exists():
             raise UserError(f"shard {s.path} is listed in {shardset.index} but missing")
+        check_regular(s.path, what="shard")  # (a FIFO's size says nothing, and reading it would block)
         size = s.path.stat().st_size
         if size == 0:
             raise UserError(f"shard {s.path} is empty (0 bytes); re-copy or re-write it")
@@ -381,6 +382,7 @@ def _scan(source: str, paths: list[Path]) -> ShardSet:
     """Count samples and collect labels of shards that have no index (headers and .cls members only)."""
     shards, top = [], -1
     for p in paths:
+        check_regular(p, what="shard")
         size = p.stat().st_size
         if size == 0:
             raise UserError(f"shard {p} is empty (0 bytes); re-copy or re-write it")
