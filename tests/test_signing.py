@@ -415,3 +415,12 @@ def test_a_policy_requiring_signatures_refuses_an_unsigned_run_before_it_starts(
     cfg.governance.signing_key_file = str(keys["priv"])
     gov = governance.begin(cfg, tmp_path / "runs" / "r")
     assert gov.lineage["signer"] == keys["id"]
+
+
+def test_the_record_count_is_bounded(keys, tmp_path, capsys, monkeypatch):
+    from torchcls.governance import records
+
+    log = signed_log(tmp_path / "audit.jsonl", keys["signer"], n=4)
+    monkeypatch.setattr(records, "MAX_RECORDS", 3)
+    code, out = verify_log(capsys, log, "--public-key", str(keys["pub"]))
+    assert code == 1 and "more than 3 lines, the most torchcls reads" in out
