@@ -1,7 +1,8 @@
-"""The shell examples in README.md and docs/*.md run as shown, and name only commands and flags that exist.
+"""The examples in README.md and docs/*.md run as shown, name only commands and flags that exist, and
+docs/architecture.md's layout names every module.
 
 Marking an example as tested: put the HTML comment `<!-- test: cheap -->` on its own line right
-before a ```bash fence (blank lines between are allowed). GitHub does not render the comment.
+before a ```bash or ```python fence (blank lines between are allowed). GitHub does not render the comment.
 
     <!-- test: cheap -->
     ```bash
@@ -9,12 +10,16 @@ before a ```bash fence (blank lines between are allowed). GitHub does not render
     torchcls evaluate runs/digits   # expect: top1
     ```
 
-- The cheap blocks run in reading order (README.md first, then docs/*.md by name), each block as one
-  `bash -e -o pipefail` script, all in one fresh temporary directory, so a later block (or a doc
-  page) uses the runs an earlier one wrote, as a reader following the README would: README's tour
-  trains `runs/digits`, and the pages may use it. The project's .venv/bin is first on PATH and
-  `.venv` is linked into that directory, so `torchcls ...` and `.venv/bin/python ...` work as
-  written. Each block must exit with code 0.
+- The cheap blocks run in reading order (README.md first, then docs/*.md by name), each shell block
+  as one `bash -e -o pipefail` script and each Python block as one `python -c` program, all in one
+  fresh temporary directory, so a later block (or a doc page) uses the runs an earlier one wrote, as
+  a reader following the README would: README's quickstart trains `runs/digits`, and the pages may
+  use it. The project's .venv/bin is first on PATH and `.venv` is linked into that directory, so
+  `source .venv/bin/activate`, `torchcls ...` and `.venv/bin/python ...` work as written. Each block
+  must exit with code 0.
+- The placeholders the docs use for the reader's own images exist there, tiny (PLACEHOLDERS):
+  `path/to/images` is a plain class-folder tree (two classes of 32 px PNGs), `path/to/dataset` the
+  same laid out as `train/` and `val/`.
 - `# expect: TEXT` at the end of a line (or on its own line) in a cheap block: the block's
   combined stdout and stderr must contain TEXT.
 - A cheap block's output must not contain a line that reads as an error on a successful run (ALARMING:
@@ -27,6 +32,10 @@ Every `torchcls COMMAND [SUBCOMMAND]` in a code block or inline code span of the
 command of the CLI, and every `--flag` after it must appear in that command's `--help`; an inline
 code span that starts with `--` (an option list) must name flags of some command. So the docs cannot
 drift from the parser.
+
+The "Layout" section of docs/architecture.md names every module under src/torchcls, each as its path
+in backquotes (`training/build.py`, a package's `__init__.py` as `training/`), and names no file that
+does not exist: a new module without a line there fails, as does a line left behind by a removed one.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ from functools import cache
 from pathlib import Path
 
 import pytest
+
+from conftest import make_image_folder
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -90,13 +101,19 @@ def expectations(script: str) -> list[str]:
     return [m.group(1).strip() for m in re.finditer(r"#\s*expect:\s*(.+)$", script, re.MULTILINE)]
 
 
+SHELLS = ("bash", "sh", "shell")
+
+
 def run_block(block: Block, workdir: Path) -> None:
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
            "TMPDIR": str(workdir / ".tmp"), "TORCHINDUCTOR_CACHE_DIR": str(workdir / ".inductor"),
            "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPATH", None)
-    result = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", block.text], cwd=workdir, env=env,
-                            capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
+    if block.lang == "python":  # the interpreter the README's venv gives, as `python` after activating it
+        command = [str(VENV_BIN / "python"), "-c", block.text]
+    else:
+        command = ["bash", "-e", "-o", "pipefail", "-c", block.text]
+    result = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=BLOCK_TIMEOUT_S)
     output = result.stdout + result.stderr
     where = f"{block.path.relative_to(REPO)}:{block.line}"
     assert result.returncode == 0, f"{where}: exit code {result.returncode}\n{block.text}\n--- output ---\n{output[-4000:]}"
@@ -116,7 +133,17 @@ def docs_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("docs")
     (workdir / ".tmp").mkdir()
     (workdir / ".venv").symlink_to(VENV_BIN.parent)
+    make_placeholders(workdir)
     return workdir
+
+
+PLACEHOLDERS = {"path/to/images": 12, "path/to/dataset/train": 8, "path/to/dataset/val": 4}  # images per class
+
+
+def make_placeholders(workdir: Path) -> None:
+    """The reader's own images that the docs' examples name, as small class-folder trees."""
+    for folder, per_class in PLACEHOLDERS.items():
+        make_image_folder(workdir / folder, per_class=per_class, size=32)
 
 
 @pytest.mark.slow
@@ -125,7 +152,7 @@ def docs_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_cheap_examples_run(path: Path, docs_workdir: Path):
     for block in blocks(path):
         if block.cheap:
-            assert block.lang in ("bash", "sh", "shell"), f"{path.name}:{block.line}: only shell blocks can be cheap"
+            assert block.lang in (*SHELLS, "python"), f"{path.name}:{block.line}: only shell and Python blocks run"
             run_block(block, docs_workdir)
 
 
@@ -259,3 +286,54 @@ def test_flag_checker_catches_drift():
     assert check_segment("torchcls bench speed") == ["unknown command 'torchcls bench speed'"]
     assert check_segment("--data --root --no-such-flag") == ["no torchcls command has --no-such-flag"]
     assert check_segment("from torchcls import load_artifact") == []
+
+
+# --- the layout in docs/architecture.md names every module ---
+
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+PACKAGE = REPO / "src" / "torchcls"
+
+
+def layout_names(text: str) -> set[str]:
+    """The backquoted names in the "## Layout" section (up to the next second-level heading)."""
+    section = re.split(r"^## Layout\s*$", text, maxsplit=1, flags=re.MULTILINE)
+    assert len(section) == 2, f"{ARCHITECTURE.name} has no '## Layout' section"
+    body = re.split(r"^## ", section[1], maxsplit=1, flags=re.MULTILINE)[0]
+    return set(re.findall(r"`([^`\s]+)`", body))
+
+
+def module_names(path: Path, package: Path = PACKAGE) -> set[str]:
+    """The names a layout may give one module: its path under src/torchcls, or its dotted name."""
+    rel = path.relative_to(package)
+    dotted = ".".join(("torchcls", *rel.with_suffix("").parts))
+    if rel.name == "__init__.py":
+        folder = rel.parent.as_posix()
+        dotted = dotted.removesuffix(".__init__")
+        return {rel.as_posix(), dotted} | ({f"{folder}/"} if folder != "." else set())
+    return {rel.as_posix(), dotted}
+
+
+def layout_problems(names: set[str], package: Path) -> list[str]:
+    modules = sorted(package.rglob("*.py"))
+    missing = [p.relative_to(package).as_posix() for p in modules if not module_names(p, package) & names]
+    stale = [n for n in sorted(names) if n.endswith((".py", "/")) and not (package / n).exists()]
+    return ([f"no line for {m}" for m in missing]
+            + [f"names {n}, which is not under src/torchcls" for n in stale])
+
+
+def test_architecture_layout_names_every_module():
+    problems = layout_problems(layout_names(ARCHITECTURE.read_text()), PACKAGE)
+    assert not problems, f"{ARCHITECTURE.relative_to(REPO)} '## Layout' is out of date:\n" + "\n".join(problems)
+
+
+def test_layout_check_catches_a_new_and_a_removed_module(tmp_path: Path):
+    pkg = tmp_path / "torchcls"
+    (pkg / "data").mkdir(parents=True)
+    for name in ("__init__.py", "cli.py", "data/__init__.py", "data/scan.py"):
+        (pkg / name).write_text("")
+    text = "## Layout\n\n- `__init__.py`\n- `cli.py`\n- `data/`\n- `torchcls.data.scan`\n\n## Next\n`new.py`\n"
+    assert layout_problems(layout_names(text), pkg) == []
+    (pkg / "data" / "new.py").write_text("")
+    (pkg / "cli.py").unlink()
+    assert layout_problems(layout_names(text), pkg) == ["no line for data/new.py",
+                                                        "names cli.py, which is not under src/torchcls"]
