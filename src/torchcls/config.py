@@ -19,7 +19,7 @@ from typing import Any
 import tomli_w
 
 from torchcls.errors import UserError
-from torchcls.toml_compat import tomllib
+from torchcls.toml_files import read_toml  # bounded before parsed: a run dir's config.toml is input
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: str | None = None,
@@ -262,8 +262,10 @@ class GovernanceConfig:
                                     "re-hashed before training (default: computed at the start of the run)")
     region: str | None = opt(None, "region of this processing host as configured (e.g. eu-west-1), "
                              "checked against the policy and recorded in the audit log")
-    hooks: str = opt("", "comma-separated processing hooks: strip-exif, redact-samples, or module:function "
-                     "for your own (see torchcls.governance.hooks)")
+    hooks: str = opt("", "comma-separated names of processing hooks: the built-in strip-exif and redact-samples, "
+                     "a hook an installed package publishes (entry point group torchcls.hooks), or one your own "
+                     "Python registered with @torchcls.governance.hook before torchcls.train; a name, never a "
+                     "module path (see torchcls.governance.hooks)")
     sample_grid: int = opt(0, "show N training samples in report.html and TensorBoard (restricted samples "
                            "are redacted or withheld per policy)")
     lineage: bool = opt(True, "append this run to the hash-chained audit log and stamp its checkpoints "
@@ -347,11 +349,7 @@ def load_toml(path: str | Path, base: Config | None = None) -> Config:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"config file {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UserError(f"config file {path} is not valid TOML: {e}") from None
-    return Config.from_dict(raw, origin=str(path), base=base)
+    return Config.from_dict(read_toml(path, "config file"), origin=str(path), base=base)
 
 
 def field_type(f: dataclasses.Field) -> type:

@@ -25,7 +25,7 @@ from torchcls.errors import UserError
 from torchcls.governance.digest import sha256_json
 from torchcls.governance.signing import looks_like_key_id
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT, check_tags
-from torchcls.toml_compat import tomllib
+from torchcls.toml_files import read_toml
 
 _SCHEMA: dict[str, dict[str, type]] = {
     "policy": {"name": str, "description": str},
@@ -72,11 +72,7 @@ def load_policy(path: str | Path) -> Policy:
     path = Path(path)
     if not path.is_file():
         raise UserError(f"policy file {path} does not exist")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"policy {path} does not parse as TOML: {e}") from None
-    return policy_from_dict(raw, str(path))
+    return policy_from_dict(read_toml(path, "policy", invalid="does not parse as TOML"), str(path))
 
 
 def policy_from_dict(raw: dict[str, Any], origin: str = "policy") -> Policy:
