@@ -16,7 +16,11 @@ from torchcls.errors import UserError
 
 def load_audit_model(target: str, img_size: int | None = None, batch: int = 2) -> tuple[nn.Module, torch.Tensor, str]:
     """A model and an example input (`batch` images) from a checkpoint / run dir, a `package.module:factory`
-    callable (returns a module, or (module, example_input)), or a model name (random init)."""
+    callable (returns a module, or (module, example_input)), or a model name (random init).
+
+    `target` is code the user names on the command line (`audit kernels --model`, `bench compile --models`)
+    or passes to the API, never a value read from a file: a checkpoint or run dir given here is loaded as
+    data (its meta.json names an architecture, built from the model registry, never a module)."""
     if ":" in target and not Path(target).exists():
         module_name, attr = target.split(":", 1)
         try:

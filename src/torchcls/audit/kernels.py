@@ -56,6 +56,8 @@ def _device() -> dict[str, Any]:
 
 
 def _import_targets(names: list[str]) -> list[Path]:
+    """Import the packages under audit: `names` come from `audit kernels --import PKG` (or the API's
+    `imports`), code the user names on the command line to audit it, never a value read from a file."""
     dirs = []
     for name in names:
         try:

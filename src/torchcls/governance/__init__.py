@@ -5,8 +5,7 @@ Light to import: submodules are loaded on first use.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from torchcls.lazy import lazy_api
 
 _API = {
     "begin": "torchcls.governance.run",
@@ -16,6 +15,8 @@ _API = {
     "DatasetMeta": "torchcls.governance.manifest",
     "load_policy": "torchcls.governance.policy",
     "hook": "torchcls.governance.hooks",
+    "register_hook": "torchcls.governance.hooks",
+    "available_hooks": "torchcls.governance.hooks",
     "SampleInfo": "torchcls.governance.hooks",
     "OutputItem": "torchcls.governance.hooks",
     "AuditLog": "torchcls.governance.lineage",
@@ -29,8 +30,4 @@ _API = {
 
 __all__ = list(_API)
 
-
-def __getattr__(name: str) -> Any:
-    if name in _API:
-        return getattr(importlib.import_module(_API[name]), name)
-    raise AttributeError(f"module 'torchcls.governance' has no attribute {name!r}")
+__getattr__ = lazy_api(globals(), _API)

@@ -10,16 +10,23 @@ Four stages, each a plain function registered under a name (policies require hoo
             run would write to its report, TensorBoard or files; None withholds the item.
 - "model":  (nn.Module) -> nn.Module. Runs once on the model before training.
 
-User hooks: decorate a function with `@hook("blur-faces", "file")` in an importable module and
-pass `--hooks strip-exif,mypkg.faces:blur_faces`; the policy then names "blur-faces".
+Hooks are chosen by registered NAME only (`--hooks strip-exif,blur-faces`, `[governance] hooks`):
+an option or a file (config, policy, run dir) never names a module or a function to import, so a
+received run dir cannot make torchcls run its code. A name is one of:
 
-Built-in hooks (registered at the end of this module): strip-exif (file stage) and redact-samples
-(output stage).
+- a built-in: strip-exif (file stage) and redact-samples (output stage), registered at the end of
+  this module; no other code may take their names;
+- a hook the caller's own Python registered before training, with `@hook("blur-faces", "file")` or
+  `register_hook(...)` (the API: `torchcls.train(cfg)` after defining it);
+- an entry point of an installed package in the group "torchcls.hooks", whose name is the hook's
+  name (pyproject.toml: `[project.entry-points."torchcls.hooks"]  blur-faces = "mypkg.faces:blur_faces"`).
+  Only the entry point asked for is loaded, after every name given was found, and it must be the
+  function registered under that very name.
 """
 
 from __future__ import annotations
 
-import importlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -27,9 +34,16 @@ from typing import TYPE_CHECKING, Any
 from torchcls.errors import UserError
 
 if TYPE_CHECKING:
+    from importlib.metadata import EntryPoint
+
     from PIL import Image
 
 STAGES = ("file", "tensor", "output", "model")
+ENTRY_POINT_GROUP = "torchcls.hooks"
+BUILTIN = ("strip-exif", "redact-samples")
+# A hook name is a plain word: no '.', ':' or '/', so no name can be read as a module path.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
+_OPTION = "--hooks ([governance] hooks)"
 
 
 @dataclass(frozen=True)
@@ -60,41 +74,107 @@ class Hook:
 REGISTRY: dict[str, Hook] = {}
 
 
-def hook(name: str, stage: str) -> Callable[[Callable], Callable]:
-    """Register `fn` as hook `name` for `stage`; returns fn unchanged (with `.torchcls_hook` set)."""
+def register_hook(name: str, stage: str, fn: Callable) -> Hook:
+    """Register `fn` as hook `name` for `stage` (sets `fn.torchcls_hook`); returns the Hook.
+
+    A name is taken once: registering it again for another function is an error (a package must not
+    silently replace a hook that a policy requires), except for the same function defined again
+    (a module or notebook cell run twice). The built-ins' names belong to them."""
     if stage not in STAGES:
         raise ValueError(f"hook stage must be one of {STAGES}, got {stage!r}")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"hook name must be letters, digits, '-' and '_' (at most 64), got {name!r}")
+    old = REGISTRY.get(name)
+    if old is not None and old.fn is fn and old.stage == stage:
+        return old
+    if old is not None and old.fn is not fn and (name in BUILTIN or _where(old.fn) != _where(fn)):
+        raise ValueError(f"hook name {name!r} is already registered by {_where(old.fn)}; choose another name")
+    REGISTRY[name] = Hook(name, stage, fn)
+    fn.torchcls_hook = REGISTRY[name]
+    return REGISTRY[name]
+
+
+def hook(name: str, stage: str) -> Callable[[Callable], Callable]:
+    """Decorator: register the function as hook `name` for `stage`; returns it unchanged."""
 
     def register(fn: Callable) -> Callable:
-        REGISTRY[name] = Hook(name, stage, fn)
-        fn.torchcls_hook = REGISTRY[name]
+        register_hook(name, stage, fn)
         return fn
 
     return register
 
 
+def _where(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}"
+
+
 def resolve_hooks(spec: str | None) -> list[Hook]:
-    """'strip-exif,redact-samples,pkg.mod:fn' -> hooks, in that order."""
-    hooks = []
-    for entry in (e.strip() for e in (spec or "").split(",")):
-        if not entry:
-            continue
-        if ":" in entry:
-            module, _, attr = entry.partition(":")
-            try:
-                fn = getattr(importlib.import_module(module), attr)
-            except (ImportError, AttributeError) as e:
-                raise UserError(f"--hooks: cannot import {entry!r} ({e})") from None
-            if not hasattr(fn, "torchcls_hook"):
-                raise UserError(f"--hooks: {entry} is not a hook; decorate it with "
-                                "@torchcls.governance.hook(name, stage)")
-            hooks.append(fn.torchcls_hook)
-        elif entry in REGISTRY:
-            hooks.append(REGISTRY[entry])
-        else:
-            raise UserError(f"--hooks: unknown hook {entry!r}; built-in: {', '.join(sorted(REGISTRY))}, "
-                            "or module:function for your own")
-    return hooks
+    """'strip-exif,redact-samples,blur-faces' -> hooks, in that order.
+
+    Every name is checked before any code is loaded: its form, then that it is registered or
+    declared by an installed package's entry point (metadata only); only then are the entry
+    points of the names asked for loaded, each checked to be the hook registered under its name."""
+    names = [e.strip() for e in (spec or "").split(",") if e.strip()]
+    for name in names:
+        _check_form(name)
+    found = {name: _entry_point(name) for name in names if name not in REGISTRY}
+    unknown = [name for name, ep in found.items() if ep is None]
+    if unknown:
+        raise UserError(f"{_OPTION}: unknown hook{'s' * (len(unknown) > 1)} {', '.join(map(repr, unknown))}; available: "
+                        f"{', '.join(available_hooks()) or 'none'}. A hook is published by an installed "
+                        f"package's entry point (group {ENTRY_POINT_GROUP!r}) or registered by your own Python "
+                        "with @torchcls.governance.hook(name, stage) before training")
+    for name, ep in found.items():
+        _load_entry_point(name, ep)
+    return [REGISTRY[name] for name in names]
+
+
+def available_hooks() -> list[str]:
+    """The names a run may choose: registered ones and installed entry points (nothing is loaded)."""
+    from importlib.metadata import entry_points
+
+    return sorted(set(REGISTRY) | set(entry_points(group=ENTRY_POINT_GROUP).names))
+
+
+def _check_form(name: str) -> None:
+    if ":" in name or "." in name:
+        raise UserError(
+            f"{_OPTION}: {name!r} names code to import (module:function); torchcls no longer imports code named "
+            "by an option or a file, so hooks are chosen by registered name. Publish yours as an entry point of "
+            f'an installed package (pyproject.toml: [project.entry-points."{ENTRY_POINT_GROUP}"] '
+            'blur-faces = "mypkg.faces:blur_faces", then --hooks blur-faces), or register it from your own '
+            'Python with @torchcls.governance.hook("blur-faces", "file") before calling torchcls.train(cfg)')
+    if not NAME.fullmatch(name):
+        raise UserError(f"{_OPTION}: {name!r} is not a hook name (letters, digits, '-' and '_', at most 64)")
+
+
+def _entry_point(name: str) -> EntryPoint | None:
+    """The installed entry point named `name` (read from package metadata; nothing is imported)."""
+    from importlib.metadata import entry_points
+
+    eps = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
+    if len(eps) > 1:
+        raise UserError(f"{_OPTION}: hook {name!r} is declared by several installed packages "
+                        f"({', '.join(_origin(ep) for ep in eps)}); uninstall all but one")
+    return eps[0] if eps else None
+
+
+def _load_entry_point(name: str, ep: EntryPoint) -> None:
+    """Import the one entry point asked for; it must be the function registered as `name`."""
+    try:
+        obj = ep.load()
+    except Exception as e:  # the installed package's import error is its own: say which one
+        raise UserError(f"{_OPTION}: hook {name!r} ({_origin(ep)}) failed to load: {type(e).__name__}: {e}") from None
+    h = getattr(obj, "torchcls_hook", None)
+    if not isinstance(h, Hook) or h.fn is not obj or REGISTRY.get(name) is not h:
+        what = f"is registered as {h.name!r}" if isinstance(h, Hook) else "is not a registered hook"
+        raise UserError(f"{_OPTION}: entry point {name!r} ({_origin(ep)}) {what}; its target must be a function "
+                        f"decorated with @torchcls.governance.hook({name!r}, stage)")
+
+
+def _origin(ep: EntryPoint) -> str:
+    dist = getattr(ep, "dist", None)
+    return f"{ep.value} from {dist.name} {dist.version}" if dist is not None else ep.value
 
 
 def by_stage(hooks: list[Hook], stage: str) -> list[Hook]:
