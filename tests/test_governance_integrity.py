@@ -235,9 +235,9 @@ def no_predictions_run(tmp_path_factory):
 def test_export_is_registered_so_verify_and_lineage_find_it(no_predictions_run, capsys):
     onnx = no_predictions_run["onnx"]
     assert Path(str(onnx) + ".lineage.json").is_file()
-    assert main(["verify", str(onnx)]) == 0
+    assert main(["verify", str(onnx)]) == 3  # an unsigned log: intact, provenance unproven
     out = capsys.readouterr().out
-    assert "PASS  artifact hash" in out and "PASS  audit log anchors" in out
+    assert "PASS  artifact hash" in out and "PASS  audit log anchors" in out and "UNVERIFIED: " in out
     some_file = next((no_predictions_run["folder"] / "circle").glob("*.png"))
     assert main(["lineage", "--file", str(some_file), "--audit-log", str(no_predictions_run["log"]), "--json"]) == 0
     found = json.loads(capsys.readouterr().out)
