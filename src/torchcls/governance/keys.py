@@ -1,7 +1,10 @@
-"""The audit key: an optional secret that signs every audit record (HMAC-SHA256 of its hash).
+"""The legacy audit key: an optional secret that signs every audit record (HMAC-SHA256 of its hash).
 
-Without a key, the hash chain shows damage and edits by anyone who does not also recompute the
-chain; with one, a record can only be written, changed or re-linked by someone who holds the key.
+Superseded by key pairs (signing.py): an HMAC proves nothing to a third party, since whoever holds
+the key to check a record can also forge one. It still signs when no signing key is configured, and
+logs signed with it still verify (--audit-key-file). Without a key, the hash chain shows damage and
+edits by anyone who does not also recompute the chain; with one, a record can only be written,
+changed or re-linked by someone who holds the key.
 The key is read from a file (--audit-key-file) or the TORCHCLS_AUDIT_KEY environment variable,
 never from the run or the log's directory: a key stored beside the log protects nothing.
 """
