@@ -154,7 +154,7 @@ def test_only_allowed_formats_are_opened(tmp_path, monkeypatch):
 
     im = Image.new("RGB", (8, 6), (10, 200, 30))
     for fmt, suffix in (("PNG", "png"), ("JPEG", "jpg"), ("GIF", "gif"), ("BMP", "bmp"), ("TIFF", "tif"),
-                        ("WEBP", "webp"), ("PPM", "ppm"), ("TGA", "tga")):
+                        ("WEBP", "webp"), ("PPM", "ppm"), ("ICO", "ico")):
         assert fmt in ALLOWED_FORMATS
         assert load_image(_save(tmp_path, f"a.{suffix}", im, format=fmt), 3).shape == (3, 6, 8), fmt
     # A `gs` on PATH that leaves a mark if anything starts it.

@@ -204,6 +204,28 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server, trained_run):
     assert httpx.post(url, json=good).status_code == 200  # still serving
 
 
+def _server_memory_mb(pid: int, field: str) -> float:
+    return int(re.search(rf"{field}:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1)) / 1024
+
+
+def test_hostile_ico_uploads_get_400_and_the_server_stays_small(server):
+    """Issue 30, finding 2: two concurrent uploads of an .ico whose 16x16 entry embeds a 30000x30000 PNG took a
+    server from 757 MiB to 4.25 GB and answered 500; each is now refused from its headers, nothing decoded."""
+    from test_image_bounds import hostile_ico
+
+    ico = hostile_ico(zeros_mb=800)  # ~830 KB, under --max-body-mb 1; it used to inflate 800 MiB of rows
+    assert len(ico) < 2**20 - 4096
+    Path(f"/proc/{server.proc.pid}/clear_refs").write_text("5")  # its peak RSS from here on
+    before = _server_memory_mb(server.proc.pid, "VmRSS")
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: httpx.post(f"{server.url}/predict", files={"file": ("favicon.ico", ico)},
+                                                      timeout=60), range(2)))
+    for r in answers:
+        assert r.status_code == 400 and "entry 1 embeds a 30000x30000 PNG" in r.json()["error"], r.text
+    assert _server_memory_mb(server.proc.pid, "VmHWM") - before < 100
+    assert httpx.get(f"{server.url}/v2/health/ready").status_code == 200
+
+
 def test_token_is_required(guarded):
     assert httpx.get(f"{guarded.url}/v2/health/ready").status_code == 200  # probes stay open
     for headers in ({}, {"Authorization": "Bearer wrong"}):

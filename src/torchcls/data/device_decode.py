@@ -29,7 +29,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from torchcls.data.images import BadImage, decode_bytes, plan_decode
+from torchcls.data.images import BadImage, decode_bytes, plan_decode, probe_bytes
 from torchcls.data.sampling import EpochSampler
 from torchcls.data.sources import ImageSet
 from torchcls.errors import UserError
@@ -154,6 +154,8 @@ def _plain_jpeg_size(data: bytes) -> tuple[int, int] | None:
     """(height, width) of a JPEG that decode_jpeg decodes as the per-sample path would (RGB or grey, no EXIF
     rotation); None for anything else, which the per-sample decoder then handles."""
     try:
+        if probe_bytes(data).format != "JPEG":  # bounded header reading first, as for every decode
+            return None
         with Image.open(io.BytesIO(data), formats=("JPEG",)) as im:
             if im.format != "JPEG" or im.mode not in ("RGB", "L") or im.getexif().get(EXIF_ORIENTATION, 1) != 1:
                 return None

@@ -8,7 +8,6 @@ when it has one, else from the sorted string labels, else '0', '1', ...
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from dataclasses import dataclass, field
@@ -76,14 +75,12 @@ class HFImageSet:
 
     def encoded(self, i: int) -> tuple[bytes, str]:
         """Row i's image as stored (no re-encode) and its format's extension, for write_shards."""
-        from PIL import Image, UnidentifiedImageError
         if self._column is None:
             self._column = _open_table(*self.location).column(self.image_column)
         try:
             data = _image_bytes(self._column[i].as_py(), self.image_column)
-            with Image.open(io.BytesIO(data), formats=image_files.ALLOWED_FORMATS) as im:
-                fmt = (im.format or "img").lower()
-        except (image_files.BadImage, UnidentifiedImageError, OSError) as e:
+            fmt = image_files.probe_bytes(data).format.lower()  # from the bytes, never Pillow
+        except image_files.BadImage as e:
             raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
         return data, {"jpeg": "jpg"}.get(fmt, fmt)
 

@@ -3,12 +3,16 @@
 Handled by conversion: EXIF orientation, palette, RGBA/LA (composited on white),
 CMYK/YCbCr/LAB, 1-bit, 16/32-bit integer and float greyscale. Handled by reduced decoding:
 JPEGs far larger than the model's input (the JPEG decoder scales by 1/2, 1/4 or 1/8).
-Reported as a bad file (`BadImage`, with the reason): zero-byte, non-image,
-truncated/corrupted, images above the --max-pixels limit that cannot be decoded reduced,
+Reported as a bad file (`BadImage`, with the reason): zero-byte, non-image, a format outside the
+allow-list, truncated/corrupted, images above the --max-pixels limit that cannot be decoded reduced,
 and images whose resize to the model's input would allocate more than `RESIZE_LIMIT`.
 
-Every size check is decided from the header (`plan_decode`), before any pixel is decoded,
-so the start-up scan and the decoder in training, predict and serve refuse the same files.
+Bounded before built: `image_formats.probe` names the format from the bytes and reads every size
+the file declares (each embedded image of a container, frame 0's extent) with bounded counts;
+`plan_decode` decides from those sizes, and only then does Pillow see the bytes, restricted to the
+format named, and decode frame 0 alone. The start-up scan (`read_header`) reads the same header
+the same way, so it refuses what the decoder would (one exception: a progressive JPEG's scan count
+is read only when it is decoded). Every bound is in `image_formats.Bounds`.
 """
 
 from __future__ import annotations
@@ -17,37 +21,70 @@ import contextlib
 import io
 import math
 import os
+import stat
+import struct
+import threading
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
+
+from torchcls.data.image_formats import ALLOWED_FORMATS, BOUNDS, BadImage, Probe, probe
+
+__all__ = ["ALLOWED_FORMATS", "MAX_PIXELS", "RESIZE_LIMIT", "BadImage", "decode_bytes", "load_image",
+           "decode_to_pil", "normalize_mode", "plan_decode", "probe_bytes",
+           "read_header", "read_image_file"]
 
 # 64 MP: above any photo a classifier needs; the default of --max-pixels.
-MAX_PIXELS = 64_000_000
+MAX_PIXELS = BOUNDS.max_pixels
 # Resize(short side -> img_size) of a 2,000,000x4 strip would allocate gigabytes: refuse any
 # image whose resized copy exceeds this many pixels (at 224 px: aspect ratios beyond ~1:330).
-RESIZE_LIMIT = 16_000_000
-# Formats Pillow may open: raster formats with decoders inside Pillow. Never EPS/PS/PDF-like
-# plugins (EPS starts Ghostscript on the file), nor rarely used plugins whose parsers see little
-# hostile input. Multi-picture JPEGs (MPO) open through the JPEG entry.
-ALLOWED_FORMATS = ("JPEG", "PNG", "GIF", "BMP", "DIB", "TIFF", "WEBP", "PPM", "ICO", "TGA", "QOI")
-# Our own checks replace Pillow's global bomb limit, which cannot be set per call and would
-# refuse the big JPEGs that draft mode decodes reduced.
-Image.MAX_IMAGE_PIXELS = None
+RESIZE_LIMIT = BOUNDS.resize_limit
+# What Pillow raises on malformed input, seen by fuzzing its plugins (MPO's adopt asserts, GIF raises
+# EOFError for a missing frame, parsers index past short buffers). Raised while Pillow parses or decodes
+# bytes that `probe` has already bounded, each means a damaged file, never a state of this process.
+_DECODER_ERRORS = (OSError, SyntaxError, ValueError, EOFError, struct.error, IndexError, KeyError, TypeError,
+                   AssertionError, ZeroDivisionError, OverflowError)
 
 
-class BadImage(Exception):
-    """An image file that cannot become a tensor; str() is the reason."""
+def _stored_bound(max_pixels: int) -> int | None:
+    """The most pixels a file accepted under `max_pixels` may store (None: no limit): a one-scan JPEG
+    decoded reduced stores up to `reduced_jpeg_factor` times what is decoded."""
+    return max_pixels * BOUNDS.reduced_jpeg_factor if max_pixels else None
+
+
+# Pillow's own decompression-bomb check, on at the project's bound: Image.open refuses (DecompressionBombError)
+# any image storing more than twice this and warns above it; `probe` and `plan_decode` have refused anything
+# above it before Pillow is called, so Pillow's check is the second line, for a size our reader missed.
+Image.MAX_IMAGE_PIXELS = _stored_bound(MAX_PIXELS)
+_pillow_lock = threading.Lock()
+
+
+def _let_pillow_allow(max_pixels: int) -> None:
+    """Raise Pillow's process-wide bound to admit what a call with `max_pixels` accepts (a user's higher
+    --max-pixels, or 0 = none), never lower it: a lower value would refuse another, concurrent call's
+    accepted image (serve decodes in threads). Each call's own limit is applied per call by plan_decode,
+    so the most permissive limit asked in this process relaxes only Pillow's second line, never a call's."""
+    bound, current = _stored_bound(max_pixels), Image.MAX_IMAGE_PIXELS
+    if current is None or (bound is not None and bound <= current):
+        return
+    with _pillow_lock:
+        if Image.MAX_IMAGE_PIXELS is not None:
+            Image.MAX_IMAGE_PIXELS = None if bound is None else max(bound, Image.MAX_IMAGE_PIXELS)
 
 
 def plan_decode(fmt: str | None, width: int, height: int, min_side: int | None = None,
-                max_pixels: int = MAX_PIXELS) -> int:
+                max_pixels: int = MAX_PIXELS, *, reducible: bool | None = None) -> int:
     """The JPEG DCT scale (1, 2, 4 or 8) to decode at, or BadImage if the image must be refused.
 
     `min_side`: the shortest side the transform needs (None: decode at full size, no resize check).
+    `reducible`: a JPEG that libjpeg decodes reduced in one streaming pass (`Probe.reducible`; None: any
+    JPEG). A progressive or multi-scan JPEG is decoded from every coefficient of the full image, so its
+    stored size is held to --max-pixels too; a one-scan JPEG may store `reduced_jpeg_factor` times more.
     """
     short, long = min(width, height), max(width, height)
     if short <= 0:
@@ -67,6 +104,13 @@ def plan_decode(fmt: str | None, width: int, height: int, min_side: int | None =
         raise BadImage(f"{width}x{height} = {width * height:,} pixels is above the --max-pixels limit of "
                        f"{max_pixels:,} (a guard against decompression bombs); raise --max-pixels "
                        "(0 = no limit) or downscale the file")
+    one_pass = fmt == "JPEG" and (reducible is None or reducible)
+    stored_limit = _stored_bound(max_pixels) if one_pass else max_pixels
+    if stored_limit and width * height > stored_limit:
+        why = (f"{BOUNDS.reduced_jpeg_factor} x --max-pixels, for a JPEG decoded reduced" if one_pass else
+               "--max-pixels: a progressive or multi-scan JPEG is decoded from every coefficient of the full image")
+        raise BadImage(f"{width}x{height} = {width * height:,} pixels is above {stored_limit:,} ({why}); raise "
+                       "--max-pixels (0 = no limit) or downscale the file")
     return scale
 
 
@@ -141,22 +185,39 @@ def _check_entry(path: Path) -> None:
         raise BadImage(f"broken symlink (points to {os.readlink(path)}, which does not exist)")
     if path.is_dir():
         raise BadImage("a directory, not an image file")
-    if path.stat().st_size == 0:
-        raise BadImage("empty file (0 bytes)")
+
+
+@contextlib.contextmanager
+def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
+    """(file, size), opened without blocking (open() of a FIFO would wait for a writer) and refused unless
+    a regular file, checked on the opened descriptor so the path cannot be swapped after the check."""
+    with _entry_errors():
+        _check_entry(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadImage("not a regular file (a pipe, socket or device)")
+            if st.st_size == 0:
+                raise BadImage("empty file (0 bytes)")
+            yield f, st.st_size
 
 
 def load_image(path: str | Path, channels: int, min_side: int | None = None,
                max_pixels: int = MAX_PIXELS) -> torch.Tensor:
     """Decode the file `path` to a uint8 tensor of shape (channels, H, W), or raise BadImage
-    (see `decode_bytes`; here also: missing, unreadable, a directory, a broken symlink)."""
-    path = Path(path)
+    (see `decode_bytes`; here also: missing, unreadable, a directory, a broken symlink, not a regular file)."""
+    return decode_bytes(read_image_file(path), channels, min_side, max_pixels)
+
+
+def read_image_file(path: str | Path) -> bytes:
+    """The bytes of the regular file `path`, or BadImage naming why not (missing, unreadable, a directory,
+    a broken symlink, a pipe or device, empty)."""
     try:
-        with _entry_errors():
-            _check_entry(path)
-            data = path.read_bytes()
+        with _open_regular(Path(path)) as (f, _):
+            return f.read()
     except OSError as e:  # anything else the disk says (EIO...): still a named bad file, not a crash
         raise BadImage(f"unreadable: {e}") from None
-    return decode_bytes(data, channels, min_side, max_pixels)
 
 
 @contextlib.contextmanager
@@ -174,6 +235,46 @@ def _entry_errors() -> Iterator[None]:
         raise BadImage("a directory, not an image file") from None
 
 
+@contextlib.contextmanager
+def _pillow(data: bytes, found: Probe, max_pixels: int) -> Iterator[Image.Image]:
+    """Pillow's image of `data`, opened as the one format `probe` named (no other plugin parses the bytes);
+    whatever Pillow raises on a malformed file, while opening or decoding in the caller's block, is BadImage."""
+    _let_pillow_allow(max_pixels)
+    try:
+        with Image.open(io.BytesIO(data), formats=[found.format]) as im:
+            if im.width > found.width or im.height > found.height:
+                raise BadImage(f"{found.format}: its header reads {found.width}x{found.height} here but "
+                               f"{im.width}x{im.height} to Pillow: refused as malformed")
+            yield im
+    except BadImage:
+        raise
+    except Image.DecompressionBombError as e:
+        raise BadImage(f"too large, possible decompression bomb: {e}") from None
+    except UnidentifiedImageError:
+        raise BadImage(f"truncated or corrupted: Pillow's {found.format} reader cannot open it") from None
+    except _DECODER_ERRORS as e:
+        raise BadImage(f"truncated or corrupted: {e or type(e).__name__}") from None
+
+
+def probe_bytes(data: bytes) -> Probe:
+    """The format `data` holds (named from its bytes) and every size in it, or BadImage: no Pillow involved."""
+    if not data:
+        raise BadImage("empty file (0 bytes)")
+    return probe(io.BytesIO(data), len(data))
+
+
+# EXIF orientation -> the transpose that displays the image upright (as ImageOps.exif_transpose maps it,
+# without its rewriting of the metadata, which a tensor does not keep).
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
+
+
+def _upright(im: Image.Image) -> Image.Image:
+    method = _UPRIGHT.get(im.getexif().get(0x0112, 1))
+    return im if method is None else im.transpose(method)
+
+
 def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
                  max_pixels: int = MAX_PIXELS) -> torch.Tensor:
     """Encoded image bytes (a file's, a shard member's, an Arrow cell's, an upload's) -> uint8
@@ -182,43 +283,37 @@ def decode_bytes(data: bytes, channels: int, min_side: int | None = None,
 
     `min_side`: the shortest side the transform needs; big JPEGs are decoded reduced to the
     smallest DCT scale still at least that size, and extreme aspect ratios are refused."""
-    if not data:
-        raise BadImage("empty file (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:
-            scale = plan_decode(im.format, im.width, im.height, min_side, max_pixels)
-            if im.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
-                decoded = _decode_turbo(data, channels)
-                if decoded is not None:
-                    return decoded
-            if scale > 1:
-                im.draft("L" if channels == 1 else "RGB", (im.width // scale, im.height // scale))
-            im.load()  # decode everything now: a truncated file fails here with its reason
-            im = ImageOps.exif_transpose(im)
-            im = normalize_mode(im, channels)
-    except BadImage:
-        raise
-    except UnidentifiedImageError:
-        raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})") from None
-    except Image.DecompressionBombError as e:
-        raise BadImage(f"too large, possible decompression bomb: {e}") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise BadImage(f"truncated or corrupted: {e}") from None
-    arr = np.asarray(im)
+    found = probe_bytes(data)  # the format from the bytes, and every size in them, before Pillow
+    scale = plan_decode(found.format, found.width, found.height, min_side, max_pixels, reducible=found.reducible)
+    with _pillow(data, found, max_pixels) as im:
+        if found.format == "JPEG" and scale == 1 and im.mode in ("RGB", "L", "CMYK"):
+            decoded = _decode_turbo(data, channels)
+            if decoded is not None:
+                return decoded
+        if scale > 1:
+            im.draft("L" if channels == 1 else "RGB", (im.width // scale, im.height // scale))
+        im.load()  # frame 0, the only one ever decoded: a truncated file fails here with its reason
+        arr = np.asarray(normalize_mode(_upright(im), channels))
     tensor = torch.from_numpy(arr.copy())
     return tensor.unsqueeze(0) if tensor.ndim == 2 else tensor.permute(2, 0, 1).contiguous()
 
 
+def decode_to_pil(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
+    """A loaded, upright PIL image of `data` at full size, after the checks `decode_bytes` makes: for code that
+    needs Pillow's image itself (the governance "file" hooks) rather than a tensor."""
+    found = probe_bytes(data)
+    plan_decode(found.format, found.width, found.height, None, max_pixels, reducible=found.reducible)
+    with _pillow(data, found, max_pixels) as im:
+        im.load()
+        return _upright(im)
+
+
 def read_header(path: Path) -> tuple[str, int, int]:
-    """(format, width, height) from the header alone, never the pixels; BadImage if unidentifiable."""
+    """(format, width, height) from the header alone, never the pixels and never Pillow: `probe` reads the
+    sizes decode_bytes will check (each ICO entry's embedded image included); BadImage if unidentifiable."""
     try:
-        with _entry_errors():
-            _check_entry(path)
-            with Image.open(path, formats=ALLOWED_FORMATS) as im:
-                return im.format or "?", im.width, im.height
-    except BadImage:
-        raise
-    except UnidentifiedImageError:
-        raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})") from None
-    except (OSError, SyntaxError, ValueError) as e:
-        raise BadImage(f"truncated or corrupted header: {e}") from None
+        with _open_regular(Path(path)) as (f, size):
+            found = probe(f, size, whole=False)
+    except OSError as e:
+        raise BadImage(f"unreadable: {e}") from None
+    return found.format, found.width, found.height

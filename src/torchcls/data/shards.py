@@ -111,9 +111,8 @@ def _sample_bytes(images: ImageSet, i: int) -> tuple[bytes, str]:
     path = Path(images.paths[i])
     ext = path.suffix.lower().lstrip(".")
     if ext not in IMAGE_EXTS:  # keep the true format visible to other readers
-        from PIL import Image
-        with Image.open(path) as im:
-            ext = (im.format or "img").lower()
+        from torchcls.data.images import read_header
+        ext = read_header(path)[0].lower()  # named from the bytes, never by Pillow
     return path.read_bytes(), ext
 
 

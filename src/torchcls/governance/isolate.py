@@ -9,13 +9,11 @@ from __future__ import annotations
 
 import csv
 import os
-import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from PIL import Image
-
+from torchcls.data.images import decode_to_pil, read_image_file
 from torchcls.errors import UserError
 from torchcls.governance.hooks import Hook, SampleInfo
 from torchcls.governance.integrity import record_path
@@ -33,12 +31,10 @@ def isolate(manifest: dict[str, Any], infos: list[SampleInfo], hooks: list[Hook]
     def one(i: int) -> tuple[str | None, str | None]:
         r, info = records[i], infos[i]
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("error", Image.DecompressionBombWarning)
-                with Image.open(record_path(manifest, r)) as im:
-                    im.load()
-                    for h in hooks:
-                        im = h.fn(im, info)
+            # The one decoder's checks (format from the bytes, every size bounded before decoding), upright.
+            im = decode_to_pil(read_image_file(record_path(manifest, r)))
+            for h in hooks:
+                im = h.fn(im, info)
             suffix = ".png" if im.mode in _PNG_MODES else ".tiff"
             out = workdir / f"{r['sha256']}{suffix}"
             im.save(out)

@@ -1,0 +1,258 @@
+"""Bounded before built: every size an image file declares (each frame, each embedded image) is read and
+checked before Pillow decodes a pixel, the format comes from the bytes, and Pillow's own bomb check is on.
+
+Issue 30, finding 2: a 3.5 MB .ico whose directory says 16x16 embeds a 30000x30000 RGBA PNG, which
+Pillow decoded inside Image.open (1.8 GB and 58 s in decode_bytes on 0bcf6c5; two uploads took a
+server from 757 MiB to 4.25 GB and answered 500).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from torchcls.data.images import ALLOWED_FORMATS, MAX_PIXELS, BadImage, decode_bytes, load_image, read_header
+
+
+def _status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    raise KeyError(field)
+
+
+@contextmanager
+def bounded(seconds: float = 1.0, rss_mb: float = 100):
+    """Fails if the block takes longer than `seconds` or its peak RSS rises `rss_mb` above the RSS at its start
+    (the peak is reset first through /proc/self/clear_refs, so earlier tests' peaks do not hide anything)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    start_rss, start = _status_mb("VmRSS"), time.perf_counter()
+    yield
+    took, grew = time.perf_counter() - start, _status_mb("VmHWM") - start_rss
+    assert took < seconds, f"took {took:.2f} s"
+    assert grew < rss_mb, f"peak RSS grew {grew:.0f} MB"
+
+
+def png_chunk(kind: bytes, body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+
+def zero_png(width: int, height: int, zeros_mb: int, colour_type: int = 6) -> bytes:
+    """A PNG of `width`x`height` whose IDAT inflates to `zeros_mb` MiB of zeros (all of it when that covers
+    every row: a transparent black image). Built in milliseconds: each MiB of zeros after a full flush
+    compresses to the same ~1 KB, so one block is repeated instead of compressing gigabytes."""
+    c = zlib.compressobj(9)
+    first = c.compress(bytes(2**20)) + c.flush(zlib.Z_FULL_FLUSH)
+    again = c.compress(bytes(2**20)) + c.flush(zlib.Z_FULL_FLUSH)
+    idat = first + again * (zeros_mb - 1)  # the stream ends without its checksum: the decoder stops there
+    header = struct.pack(">IIBBBBB", width, height, 8, colour_type, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + png_chunk(b"IHDR", header) + png_chunk(b"IDAT", idat) + png_chunk(b"IEND", b"")
+
+
+def hostile_ico(zeros_mb: int = 3433, side: int = 16, embedded: bytes | None = None) -> bytes:
+    """Finding 2's file: one directory entry saying `side`x`side`, holding a 30000x30000 RGBA PNG (3433 MiB of
+    zeros is every row of it: the 3.5 MB file of the report)."""
+    body = embedded if embedded is not None else zero_png(30000, 30000, zeros_mb)
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", side, side, 0, 0, 1, 32, len(body), 22) + body
+
+
+def test_ico_embedding_a_30000px_png_is_refused_before_any_pixel(tmp_path):
+    data = hostile_ico()
+    assert 3_000_000 < len(data) < 4_000_000
+    with bounded(seconds=1.0, rss_mb=100), pytest.raises(BadImage, match="entry 1 embeds a 30000x30000 PNG"):
+        decode_bytes(data, 3, 224)
+    path = tmp_path / "favicon.ico"
+    path.write_bytes(data)
+    with bounded(seconds=1.0, rss_mb=100):  # the start-up scan reads the same headers and refuses the same file
+        with pytest.raises(BadImage, match="30000x30000"):
+            read_header(path)
+        with pytest.raises(BadImage, match="30000x30000"):
+            load_image(path, 3)
+
+
+def test_two_concurrent_hostile_icos_stay_bounded():
+    data, errors = hostile_ico(), []
+
+    def one() -> None:
+        try:
+            decode_bytes(data, 3, 224)
+        except BadImage as e:
+            errors.append(str(e))
+
+    with bounded(seconds=2.0, rss_mb=100):
+        threads = [threading.Thread(target=one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(errors) == 2 and all("30000x30000" in e for e in errors)
+
+
+def test_every_ico_entry_is_read_not_only_the_one_pillow_picks():
+    good = io.BytesIO()
+    Image.new("RGB", (16, 16), (1, 2, 3)).save(good, format="PNG")
+    bomb = zero_png(30000, 30000, 4)
+    entries = [(16, good.getvalue()), (8, bomb)]  # the bomb is the smaller entry by its directory
+    head = struct.pack("<HHH", 0, 1, len(entries))
+    offset, table, body = 6 + 16 * len(entries), b"", b""
+    for side, blob in entries:
+        table += struct.pack("<BBBBHHII", side, side, 0, 0, 1, 32, len(blob), offset + len(body))
+        body += blob
+    with bounded(), pytest.raises(BadImage, match="entry 2 embeds a 30000x30000 PNG"):
+        decode_bytes(head + table + body, 3)
+    dib = struct.pack("<IiiHHIIiiII", 40, 30000, 60000, 1, 32, 0, 0, 0, 0, 0, 0)  # a BMP entry: mask doubles h
+    with bounded(), pytest.raises(BadImage, match="embeds a 30000x30000 BMP"):
+        decode_bytes(hostile_ico(embedded=dib), 3)
+
+
+def _saved(fmt: str, frames: int = 1, size=(8, 6), **kw) -> bytes:
+    ims = [Image.new("RGB", size, (40 * i, 200, 30)) for i in range(frames)]
+    kw = {"sizes": [size], **kw} if fmt == "ICO" else kw
+    buf = io.BytesIO()
+    ims[0].save(buf, format=fmt, save_all=frames > 1, append_images=ims[1:], **kw)
+    return buf.getvalue()
+
+
+def _tiff_page_size(data: bytes, page: int, width: int, height: int) -> bytes:
+    """`data` (a little-endian TIFF) with page `page`'s width and length tags rewritten as LONGs."""
+    out, ifd = bytearray(data), struct.unpack_from("<I", data, 4)[0]
+    for _ in range(page):
+        ifd = struct.unpack_from("<I", data, ifd + 2 + 12 * struct.unpack_from("<H", data, ifd)[0])[0]
+    for i in range(struct.unpack_from("<H", data, ifd)[0]):
+        at = ifd + 2 + 12 * i
+        tag = struct.unpack_from("<H", data, at)[0]
+        if tag in (256, 257):
+            struct.pack_into("<HHII", out, at, tag, 4, 1, width if tag == 256 else height)
+    return bytes(out)
+
+
+def test_multi_page_and_multi_frame_files_decode_frame_0_only():
+    """A huge later page or frame is never decoded (nor counted): frame 0 comes back, quickly."""
+    tiff = _tiff_page_size(_saved("TIFF", 2), 1, 30000, 30000)
+    gif = _saved("GIF", 2)
+    frames = [i for i in range(len(gif)) if gif[i:i + 9] == b"," + struct.pack("<4H", 0, 0, 8, 6)]
+    assert len(frames) == 2
+    gif = gif[:frames[1] + 5] + struct.pack("<HH", 65535, 65535) + gif[frames[1] + 9:]
+    apng = bytearray(_saved("PNG", 2))
+    fctl = [i - 4 for i in range(len(apng)) if apng[i:i + 4] == b"fcTL"][1]
+    struct.pack_into(">II", apng, fctl + 12, 30000, 30000)
+    apng[fctl + 34:fctl + 38] = struct.pack(">I", zlib.crc32(apng[fctl + 4:fctl + 34]))
+    for name, data in {"TIFF page 2": tiff, "GIF frame 2": gif, "APNG frame 2": bytes(apng)}.items():
+        with bounded():
+            assert tuple(decode_bytes(data, 3).shape) == (3, 6, 8), name
+    with bounded(), pytest.raises(BadImage, match="above the --max-pixels limit"):
+        decode_bytes(_tiff_page_size(_saved("TIFF", 2), 0, 30000, 30000), 3)
+
+
+def test_huge_screens_canvases_and_frames_are_refused_from_their_headers():
+    gif = _saved("GIF")
+    screen = gif[:6] + struct.pack("<HH", 65535, 65535) + gif[10:]
+    first = gif.index(b"," + struct.pack("<4H", 0, 0, 8, 6))
+    extent = gif[:first + 1] + struct.pack("<4H", 60000, 60000, 8, 6) + gif[first + 9:]  # frame 0 off the screen
+    webp = bytearray(_saved("WEBP", 2, lossless=True))
+    canvas = bytearray(webp)
+    canvas[24:30] = (16383).to_bytes(3, "little") * 2  # VP8X canvas 16384x16384
+    anmf = [i for i in range(len(webp)) if webp[i:i + 4] == b"ANMF"][1]
+    webp[anmf + 14:anmf + 20] = (2**24 - 1).to_bytes(3, "little") * 2  # frame 2 larger than the canvas
+    cases = {"GIF screen": (screen, "above the --max-pixels"), "GIF frame 0 extent": (extent, "above the --max-pixels"),
+             "WEBP canvas": (bytes(canvas), "above the --max-pixels"), "WEBP frame": (bytes(webp), "outside its"),
+             "PNG": (zero_png(100_000, 100_000, 1, colour_type=2), "above the --max-pixels")}
+    for name, (data, reason) in cases.items():
+        with bounded(), pytest.raises(BadImage, match=reason):
+            decode_bytes(data, 3, 224)
+
+
+def test_format_comes_from_the_bytes_not_the_name(tmp_path):
+    (tmp_path / "photo.jpg").write_bytes(_saved("PNG"))
+    (tmp_path / "photo.png").write_bytes(_saved("GIF"))
+    assert read_header(tmp_path / "photo.jpg") == ("PNG", 8, 6)
+    assert read_header(tmp_path / "photo.png") == ("GIF", 8, 6)
+    assert load_image(tmp_path / "photo.jpg", 3).shape == (3, 6, 8)
+
+
+OUTSIDE = {  # formats Pillow opens that the allow-list leaves out (image_formats.py says why for each)
+    "EPS": _saved("EPS"), "PCX": _saved("PCX"), "TGA": _saved("TGA"), "QOI": b"qoif" + struct.pack(">IIBB", 8, 6, 3, 0) + b"\xfe\x0a\xc8\x1e" + bytes(7) + b"\x01", "DIB": _saved("DIB"),
+    "PSD": b"8BPS\x00\x01" + bytes(20) + b"\x00\x03" + bytes(40), "PFM": b"Pf\n2 2\n-1.0\n" + bytes(16),
+    "text": b"GIF88a is no GIF version\n", "RIFF WAVE": b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(28),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OUTSIDE))
+def test_formats_outside_the_allow_list_never_reach_pillow(name, monkeypatch):
+    def must_not_run(*args, **kwargs):
+        raise AssertionError(f"Pillow opened {name} bytes")
+
+    monkeypatch.setattr(Image, "open", must_not_run)
+    with pytest.raises(BadImage, match="not an image"):
+        decode_bytes(OUTSIDE[name], 3)
+
+
+def test_pillow_opens_only_the_format_the_bytes_name(monkeypatch):
+    seen, real_open = [], Image.open
+
+    def spy(fp, mode="r", formats=None):
+        seen.append(formats)
+        return real_open(fp, mode, formats)
+
+    monkeypatch.setattr(Image, "open", spy)
+    for fmt in ALLOWED_FORMATS:
+        assert tuple(decode_bytes(_saved(fmt), 3).shape) == (3, 6, 8), fmt
+    assert seen == [[fmt] for fmt in ALLOWED_FORMATS]
+
+
+@pytest.mark.slow  # a fresh process, so that no earlier call has raised Pillow's limit
+def test_pillow_bomb_check_is_on_and_each_call_keeps_its_own_limit():
+    """In a fresh process: Pillow's limit starts at the project's bound, a call asking more raises it (never
+    lowers it, so a concurrent call is never refused by another's lower limit), 0 turns it off; and a call's
+    own --max-pixels still holds after another call has lifted Pillow's."""
+    script = """
+import io, sys
+from PIL import Image
+from torchcls.data.images import BadImage, decode_bytes
+sys.path.insert(0, sys.argv[1])
+from test_image_bounds import zero_png
+big = zero_png(3000, 3000, 9, colour_type=0)
+seen = [Image.MAX_IMAGE_PIXELS]
+try:
+    Image.open(io.BytesIO(zero_png(30000, 30000, 1)))  # Pillow alone, past our reader: its own check refuses
+except Image.DecompressionBombError:
+    seen.append("bomb")
+for limit in (10**9, 10**6, 0):
+    try:
+        seen.append((limit, tuple(decode_bytes(big, 1, max_pixels=limit).shape), Image.MAX_IMAGE_PIXELS))
+    except BadImage as e:
+        seen.append((limit, "refused", Image.MAX_IMAGE_PIXELS))
+print(seen)
+"""
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == str([4 * MAX_PIXELS, "bomb", (10**9, (1, 3000, 3000), 4 * 10**9),
+                               (10**6, "refused", 4 * 10**9), (0, (1, 3000, 3000), None)])
+
+
+def test_metadata_and_structure_bounds():
+    exif = bytearray(_saved("PNG"))
+    at = exif.index(b"IDAT") - 4
+    exif[at:at] = png_chunk(b"eXIf", b"MM\x00*" + bytes(70_000))
+    junk = _saved("PNG")[:33] + png_chunk(b"tEXt", b"") * 100_001 + _saved("PNG")[33:]
+    tiff = bytearray(_saved("TIFF"))
+    struct.pack_into("<H", tiff, struct.unpack_from("<I", tiff, 4)[0], 5000)
+    ppm = b"P6\n#" + b"x" * 10_000 + b"\n8 6\n255\n" + bytes(144)
+    scans = _saved("JPEG", progressive=True)
+    scans = scans[:-2] + (b"\xff\xda\x00\x08\x01\x01\x00\x00\x00\x00") * 300 + b"\xff\xd9"
+    cases = {"an Exif block of 70,004 bytes": bytes(exif), "more than 100,000 chunks": junk,
+             "more than 1,024 tags": bytes(tiff), "no width and height in its first 4,096 bytes": ppm,
+             "more than 256 scans": scans}
+    for reason, data in cases.items():
+        with bounded(), pytest.raises(BadImage, match=reason):
+            decode_bytes(data, 3)
