@@ -147,8 +147,6 @@ def test_a_hook_registered_from_python_runs_through_the_api(shapes_dir, tmp_path
     assert json.loads((run / "governance.json").read_text())["hooks"] == ["count-api", "model-api"]
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing (0bcf6c5): training/build.py builds the feed, and with "
-                   "--in-memory auto its cache, before gov.install wraps the images in the tensor hooks")
 def test_tensor_hooks_also_see_the_in_memory_feed(shapes_dir, tmp_path, registry):
     _, seen, _ = _api_hooked_run(shapes_dir, tmp_path / "runs", "on")
     assert len(set(seen)) == 32

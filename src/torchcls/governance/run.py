@@ -22,7 +22,7 @@ from typing import Any
 
 from torchcls.config import Config, DataConfig
 from torchcls.errors import UserError
-from torchcls.governance.artifacts import LINEAGE_KEY, read_lineage, stamp_checkpoint
+from torchcls.governance.artifacts import LINEAGE_KEY, SIDECAR_BYTES, read_lineage, stamp_checkpoint
 from torchcls.governance.digest import sha256_file
 from torchcls.governance.environment import code_version, package_versions
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
@@ -43,6 +43,7 @@ from torchcls.governance.signatures import check_signing
 from torchcls.governance.signing import signer_from
 from torchcls.governance.store import store_built, store_given
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
+from torchcls.io_files import read_bytes
 
 
 class Governance:
@@ -203,13 +204,17 @@ class Governance:
     def has_model_hooks(self) -> bool:
         return bool(by_stage(self.hooks, "model"))
 
-    def install(self, data, model):
+    def install_data(self, data) -> None:
+        """The tensor hooks around the data set's images. Called before any feed is built: the in-memory
+        cache decodes every image once, and it must decode them through the hooks too."""
         self.images = data.images
         tensor_hooks = by_stage(self.hooks, "tensor")
         if tensor_hooks:
             infos = [self.sample_info(data.images, i) for i in range(len(data.images))]
             hooked = HookedImages(data.images, tensor_hooks, infos)
             data.train.images = data.val.images = self.images = hooked
+
+    def install_model(self, model):
         for h in by_stage(self.hooks, "model"):
             model = h.fn(model)
         return model
@@ -315,8 +320,8 @@ def _previous_run_id(run_path: Path) -> str | None:
     """A resumed run keeps its lineage id: from lineage.json, or from its last checkpoint when the
     run stopped before finishing."""
     f = run_path / "lineage.json"
-    if f.is_file():
-        return json.loads(f.read_text()).get("run_id")
+    if f.exists():
+        return json.loads(read_bytes(f, max_bytes=SIDECAR_BYTES, what="lineage.json")).get("run_id")
     stamp = read_lineage(run_path / "checkpoints" / "last.safetensors")
     return stamp.get("run_id") if stamp else None
 

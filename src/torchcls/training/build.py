@@ -30,6 +30,7 @@ from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.machine import (
     CpuActivity,
     ThreadChoice,
@@ -132,6 +133,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
     with collect():  # the unreadable files of every check before training (headers, sizes, decodes) in one refusal
         data = _open_data(gov.data_config, cfg.train.seed, run, session, source.input if source else None)
+        gov.install_data(data)  # tensor hooks first: every feed, the in-memory cache too, reads through them
         feed = build_feed(cfg, data, session, device)
     pre = data.preprocess
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
@@ -196,8 +198,8 @@ def _set_threads(cfg: Config, feed, activity: CpuActivity, run: RunDir) -> Threa
     """--threads, or the quota- and load-aware default once the feed says whether DataLoader workers share the
     CPUs (the in-memory feed has none). A resume keeps the run's count: results depend on it, bit for bit."""
     recorded = run.path / "machine.json"
-    if cfg.run.resume and not cfg.train.threads and recorded.is_file():
-        threads = json.loads(recorded.read_text()).get("torch_threads")
+    if cfg.run.resume and not cfg.train.threads and recorded.exists():
+        threads = json.loads(read_bytes(recorded, max_bytes=SMALL_JSON_BYTES, what="machine.json")).get("torch_threads")
         if isinstance(threads, int) and threads > 0:
             return apply_threads(ThreadChoice(threads, "the count this run started with (resume)"))
     workers = 0 if feed.kind == "memory" else cfg.data.workers
@@ -264,7 +266,7 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
         model = factory().to(device, memory_format=memory_format)
     if (frozen := apply_freeze(model, cfg.model.freeze)) and session.is_main:  # before DDP wraps it
         console.print(frozen)
-    model = gov.install(data, model)  # data/model hooks of the governed processing path
+    model = gov.install_model(model)  # model hooks of the governed processing path
     # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
     pre = data.preprocess  # FP8 measures each layer's tokens per step from one batch of this shape
     batch = (sharding.per_rank_batch(cfg.data.batch_size, session), pre.channels, pre.img_size, pre.img_size)
