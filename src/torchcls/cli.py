@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from torchcls import options as o
+from torchcls.cli_output import version_line
 from torchcls.config import SECTIONS
 from torchcls.errors import UserError
 from torchcls.options import add_config_flags, config_from_args  # noqa: F401  (config_from_args: public)
@@ -174,23 +175,13 @@ def _add_commands(sub, commands) -> None:
         p.set_defaults(func=lambda args, cls=cls, handler=handler: handler(o.from_args(cls, args)))
 
 
-def _version() -> str:
-    """torchcls's version and the torch it runs on: the pair a bug report needs (read from the installed
-    metadata, so --help and --version stay fast: torch is not imported)."""
-    from importlib.metadata import version
-
-    from torchcls import __version__
-
-    return f"torchcls {__version__} (torch {version('torch')}, Python {sys.version.split()[0]})"
-
-
 def build_parser() -> argparse.ArgumentParser:
     from torchcls.governance.cli import add_governance_commands
     from torchcls.serve.config import ServeConfig
 
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")
-    parser.add_argument("--version", action="version", version=_version())
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("train", help="train a model; writes runs/<name>/", usage="torchcls train [--recipe NAME] "
                        "[--config FILE.toml] [--OPTION VALUE ...]", description="Train a model. Options "

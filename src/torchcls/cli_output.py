@@ -7,6 +7,17 @@ from pathlib import Path
 from typing import Any
 
 
+def version_line() -> str:
+    """torchcls's version and the torch it runs on: the pair a bug report needs (read from the installed
+    metadata, so --help and --version stay fast: torch is not imported)."""
+    import sys
+    from importlib.metadata import version
+
+    from torchcls import __version__
+
+    return f"torchcls {__version__} (torch {version('torch')}, Python {sys.version.split()[0]})"
+
+
 def evaluation_lines(r: dict[str, Any]) -> list[str]:
     if r.get("task") == "multilabel":
         return [f"{r['data']} [{r['split']}]: mAP {r['map']:.4f}  F1 {r['f1_tuned']:.4f} at the saved thresholds "
