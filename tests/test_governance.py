@@ -31,6 +31,8 @@ MAGENTA = (250, 10, 240)  # only the restricted images have this colour (shapes:
 SECRET = "secret_patient"
 SEEN = {"n": 0}
 
+UNVERIFIED = 3  # `verify` found nothing wrong, but without a trusted key provenance is unproven
+
 
 def flip_byte(path: Path, offset: int) -> None:
     data = bytearray(path.read_bytes())
@@ -287,9 +289,9 @@ def test_audit_log_detects_a_change_to_any_record(tmp_path):
 
 def test_verify_passes_then_catches_each_tampering(runs, capsys, tmp_path):
     ckpt = runs["governed"] / "checkpoints" / "best.safetensors"
-    assert main(["verify", str(ckpt)]) == 0
+    assert main(["verify", str(ckpt)]) == UNVERIFIED  # intact, but no trusted key was given
     out = capsys.readouterr().out
-    assert "PASS: " in out and "PASS  data" in out and "PASS  policy" in out
+    assert "UNVERIFIED: " in out and "PASS  data" in out and "PASS  policy" in out
     pristine = ckpt.read_bytes()
     size = len(pristine)
     for offset in (9, size // 3, size - 1):  # header, metadata/tensors, last tensor byte
@@ -318,17 +320,17 @@ def test_verify_passes_then_catches_each_tampering(runs, capsys, tmp_path):
         assert "square_5.png: content changed" in capsys.readouterr().out
     finally:
         data_file.write_bytes(original)
-    assert main(["verify", str(ckpt)]) == 0
+    assert main(["verify", str(ckpt)]) == UNVERIFIED
     # --no-rehash trusts the hash cache for files whose size, mtime and inode are unchanged; a rewrite
     # that restores the mtime fools it, so verify re-reads every file by default.
     stat = data_file.stat()
     os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**10))  # old enough to be cached
-    assert main(["verify", str(ckpt), "--no-rehash"]) == 0
+    assert main(["verify", str(ckpt), "--no-rehash"]) == UNVERIFIED
     stat = data_file.stat()
     flip_byte(data_file, 50)
     os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     try:
-        assert main(["verify", str(ckpt), "--no-rehash"]) == 0
+        assert main(["verify", str(ckpt), "--no-rehash"]) == UNVERIFIED
         assert main(["verify", str(ckpt)]) == 1
         assert "square_5.png: content changed" in capsys.readouterr().out
     finally:
@@ -342,7 +344,7 @@ def test_lineage_finds_every_artifact_built_from_a_file(runs, dataset, tmp_path,
     exported = tmp_path / "model.pt2"
     exported.write_bytes(ckpt.read_bytes()[::-1])  # stands in for an exporter's output
     artifact_id = register_artifact(exported, ckpt, kind="aoti")
-    assert main(["verify", str(exported)]) == 0
+    assert main(["verify", str(exported)]) == UNVERIFIED
     capsys.readouterr()
     assert main(["lineage", "--file", str(dataset / f"{SECRET}_gps.jpg"), "--audit-log", str(runs["log"]),
                  "--json"]) == 0

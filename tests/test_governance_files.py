@@ -234,7 +234,7 @@ def test_val_data_is_hashed_recorded_and_verified(tmp_path, capsys):
     save_file({"w": torch.zeros(2)}, ckpt, metadata=gov.checkpoint_metadata())
     summary = gov.finish(SimpleNamespace(steps=0, val_top1=None))
     assert summary["val_manifest"]["records"] == 2
-    assert main(["verify", str(ckpt)]) == 0
+    assert main(["verify", str(ckpt)]) == 3  # intact; unverified: no trusted key given
     assert capsys.readouterr().out.count("PASS  data") == 2
     rewrite_same_size(val_dir / "circle" / "circle_000.png", OLD)
     assert main(["verify", str(ckpt)]) == 1
