@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import make_image_folder, tiny_config
+from torchcls.checkpoint.files import load_training_state
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def test_ema_with_accumulation_resumes_bit_identically_after_sigkill(split_folde
               "train(load_toml(sys.argv[1]), callbacks=[kill])\n")
     r = subprocess.run([sys.executable, "-c", script, str(toml)], capture_output=True, text=True, timeout=600)
     assert r.returncode == -9, r.stderr[-2000:]
-    state = torch.load(tmp_path / "cut" / "checkpoints" / "last.state.pt", weights_only=True)
+    state = load_training_state(tmp_path / "cut" / "checkpoints" / "last.state.safetensors")
     assert state["step"] == 6 and state["extras"]["ema"]  # the step-6 checkpoint holds the EMA
     cut.run.resume = True
     resumed = train(cut)
@@ -59,7 +60,7 @@ def test_ema_with_accumulation_resumes_bit_identically_after_sigkill(split_folde
     for name in ("last.safetensors", "best.safetensors"):
         a, b = (load_file(run / "checkpoints" / name) for run in (full.run_dir, resumed.run_dir))
         assert all(torch.equal(a[k], b[k]) for k in a), name
-    ema_full, ema_resumed = (torch.load(run / "checkpoints" / "last.state.pt", weights_only=True)["extras"]["ema"]
+    ema_full, ema_resumed = (load_training_state(run / "checkpoints" / "last.state.safetensors")["extras"]["ema"]
                              for run in (full.run_dir, resumed.run_dir))
     assert all(torch.equal(ema_full[k], ema_resumed[k]) for k in ema_full)
 

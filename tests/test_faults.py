@@ -108,6 +108,7 @@ def test_a_kill_between_the_two_checkpoint_writes_resumes_one_consistent_step(tm
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
+    from torchcls.checkpoint.files import load_training_state, save_training_state
     from torchcls.training import train
 
     full = train(tiny_config(shapes_dir, tmp_path, "full", epochs=3))
@@ -130,10 +131,10 @@ def test_a_kill_between_the_two_checkpoint_writes_resumes_one_consistent_step(tm
     assert all(torch.equal(a[k], b[k]) for k in a)  # the state's own weights were used, not the newer file
 
     # A state file from before this change (no weights inside) beside weights of another step: refused.
-    state = torch.load(ckpt / "last.state.pt", weights_only=True)
+    state = load_training_state(ckpt / "last.state.safetensors")
     del state["model"]
     state["step"] -= 1
-    torch.save(state, ckpt / "last.state.pt")
+    save_training_state(ckpt / "last.state.safetensors", state)
     cfg.train.epochs = 4  # (a run with every epoch done is not resumed at all)
     with pytest.raises(UserError, match="stopped between the two writes"):
         train(cfg)
@@ -272,7 +273,7 @@ def _without_permission_override() -> None:
 
 @pytest.mark.parametrize("mode, unwritten, why", [
     ("readonly", "metrics.jsonl", r"Permission denied \[EACCES\]"),  # the next write: step 3's log record
-    ("quota", "checkpoints/last.state.pt", r"File too large \[EFBIG\]"),  # step 4: its weights fit, its state not
+    ("quota", "checkpoints/last.state.safetensors", r"File too large \[EFBIG\]"),  # step 4: its weights fit, its state not
 ])
 def test_a_run_dir_that_stops_taking_writes_names_the_file_and_keeps_the_checkpoint(
         reference, tmp_path: Path, mode: str, unwritten: str, why: str) -> None:

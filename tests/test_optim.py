@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from conftest import tiny_config
+from torchcls.checkpoint.files import load_training_state
 from torchcls.config import OptimConfig
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
@@ -247,7 +248,7 @@ def test_plateau_and_frozen_backbone_in_a_run(tmp_path, shapes_dir):
     cfg = tiny_config(shapes_dir, tmp_path, "plateau", epochs=2)
     cfg.optim.sched, cfg.model.freeze, cfg.optim.class_weights = "plateau", "backbone", "auto"
     result = train(cfg)
-    state = torch.load(result.run_dir / "checkpoints" / "last.state.pt", weights_only=True)
+    state = load_training_state(result.run_dir / "checkpoints" / "last.state.safetensors")
     assert state["scheduler"]["sched"] == "plateau" and state["scheduler"]["plateau"]["last_epoch"] == 2
     cfg = tiny_config(shapes_dir, tmp_path, "bad", epochs=1)
     cfg.model.freeze = "stages:9"

@@ -14,7 +14,7 @@ from torch import nn
 from conftest import tiny_config
 from torchcls.artifacts.parity import compare
 from torchcls.artifacts.quantize import quantize_for_inference
-from torchcls.checkpoint.files import load_model
+from torchcls.checkpoint.files import load_model, load_training_state
 from torchcls.cli import main
 from torchcls.config import PrecisionConfig
 from torchcls.errors import UserError
@@ -192,7 +192,7 @@ def test_nonfinite_stop_mode_saves_a_checkpoint_and_says_why(tmp_path, shapes_di
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss \(nan\) at step 2 .*--nonfinite skip") as e:
         train(cfg)
     assert isinstance(e.value, UserError) and "saved the last good state" in str(e.value)
-    state = torch.load(tmp_path / "blowup" / "checkpoints" / "last.state.pt", weights_only=True)
+    state = load_training_state(tmp_path / "blowup" / "checkpoints" / "last.state.safetensors")
     assert state["step"] == 1  # the failed step was not applied
     assert (tmp_path / "blowup" / "checkpoints" / "last.safetensors").is_file()
 
@@ -204,7 +204,7 @@ def test_a_deferred_check_stops_a_run_with_its_last_good_weights(tmp_path, shape
     with pytest.raises(NonFiniteLoss, match=r"non-finite loss or gradient norm \(1 step\(s\) not applied\) .* at "
                                             r"step 2"):
         train(cfg)
-    state = torch.load(tmp_path / "deferred" / "checkpoints" / "last.state.pt", weights_only=True)
+    state = load_training_state(tmp_path / "deferred" / "checkpoints" / "last.state.safetensors")
     assert state["step"] == 2  # the skipped step is counted, its update was not applied:
     assert all(torch.isfinite(v).all() for k, v in state["model"].items() if "running" not in k)  # (BatchNorm
     # statistics took the non-finite forward, with either check)

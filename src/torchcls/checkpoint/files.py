@@ -19,11 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, safe_open, save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from torchcls.checkpoint.fit import fit_problems, fitted_model, header_shapes, misfit
+from torchcls.checkpoint.fit import fit_problems, fitted_model, misfit, read_header
 from torchcls.checkpoint.meta_check import meta_fields
 from torchcls.checkpoint.state_file import encode_state, read_legacy_state, read_state
 from torchcls.data.preprocess import Preprocess
@@ -144,18 +143,18 @@ def load_training_state(path: Path, unsafe_unpickle: bool = False) -> dict[str, 
 
 
 def read_meta(path: str | Path) -> CheckpointMeta:
+    return read_checkpoint_header(path)[0]
+
+
+def read_checkpoint_header(path: str | Path) -> tuple[CheckpointMeta, dict[str, tuple[int, ...]]]:
+    """A checkpoint's metadata (every field bounded) and its tensors' shapes, from the file's header alone."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"checkpoint {path} does not exist")
-    try:
-        with regular_path(path, what="checkpoint") as p, safe_open(p, framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path} is not a safetensors checkpoint ({e}); torchcls reads only .safetensors "
-                        "weights written by `torchcls train`") from None
+    metadata, shapes = read_header(path)
     if META_KEY not in metadata:
         raise UserError(f"{path} has no torchcls metadata: it was not written by `torchcls train`")
-    return CheckpointMeta.from_json(metadata[META_KEY], str(path))
+    return CheckpointMeta.from_json(metadata[META_KEY], str(path)), shapes
 
 
 def read_meta_json(path: Path) -> CheckpointMeta:
@@ -172,8 +171,8 @@ def load_model(path: str | Path) -> tuple[nn.Module, CheckpointMeta]:
     fields are bounded and the weights' shapes (from the file's header) compared with the model on the
     meta device before anything is allocated for it (checkpoint/fit.py)."""
     path = resolve_checkpoint(path)
-    meta = read_meta(path)
-    model = fitted_model(meta.spec, header_shapes(path), path)
+    meta, shapes = read_checkpoint_header(path)
+    model = fitted_model(meta.spec, shapes, path)
     load_weights_into(model, path)
     return model.eval(), meta
 

@@ -13,50 +13,45 @@ registry's architecture costs at a bounded num_classes, never what a number in t
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from torchcls.checkpoint.safetensors_bounds import DEFAULT_BOUNDS, METADATA, bounded_numel, check_safetensors_header
 from torchcls.errors import UserError
-from torchcls.io_files import regular_path
 from torchcls.models.registry import ModelSpec, check_spec, create_model
 
-MAX_TENSORS = 100_000  # tensors in one weights file (a ViT-g has ~600 with its optimizer-free state)
-MAX_RANK = 8  # dims of one tensor (convolution weights have 4, 3-D ones 5)
 MAX_PARAMETERS = 2_000_000_000  # elements in one weights file: 8 GB in fp32; timm's largest models have ~1.8B
 
 Shapes = Mapping[str, tuple[int, ...]]
 
 
-def header_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
-    """Each tensor's shape from a safetensors file's header; no tensor is read. The file must be a
-    regular one (checked on the open file) and its header within MAX_TENSORS and MAX_RANK."""
-    from safetensors import SafetensorError, safe_open
-
+def read_header(path: str | Path) -> tuple[dict[str, str], dict[str, tuple[int, ...]]]:
+    """A safetensors file's metadata and each tensor's shape, from its header alone, checked under
+    safetensors_bounds.DEFAULT_BOUNDS (a regular file; header size, tensor count, ranks, dims, byte
+    ranges) before any library parses it. A path a user names may be a link to the file."""
     try:
-        with regular_path(path, what="checkpoint") as p, safe_open(p, framework="pt") as f:
-            names = f.keys()
-            if len(names) > MAX_TENSORS:
-                raise UserError(f"checkpoint {path} holds {len(names):,} tensors, over the bound of {MAX_TENSORS:,}")
-            return {name: tuple(f.get_slice(name).get_shape()) for name in names}
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{path} is not a safetensors checkpoint ({e}); torchcls reads only .safetensors "
-                        "weights written by `torchcls train`") from None
+        header = check_safetensors_header(path, follow_symlinks=True)
+    except UserError as e:
+        raise UserError(f"{path} is not a safetensors checkpoint torchcls can read ({e}); torchcls reads only "
+                        ".safetensors weights written by `torchcls train`") from None
+    shapes = {name: tuple(entry["shape"]) for name, entry in header.items() if name != METADATA}
+    return header.get(METADATA, {}), shapes
 
 
 def check_sizes(shapes: Shapes, where: str | Path) -> None:
-    """Refuse tensors of too many dims, or more elements in all than MAX_PARAMETERS."""
+    """Refuse tensors of more dims than safetensors_bounds allows, or more elements in all than MAX_PARAMETERS."""
     total = 0
     for name, shape in shapes.items():
-        if len(shape) > MAX_RANK:
+        if len(shape) > DEFAULT_BOUNDS.max_ndim:
             raise UserError(f"checkpoint {where}: tensor {name[:100]} has {len(shape)} dims, over the bound of "
-                            f"{MAX_RANK}")
-        total += math.prod(shape)  # at most MAX_RANK factors each
-        if total > MAX_PARAMETERS:
+                            f"{DEFAULT_BOUNDS.max_ndim}")
+        numel = bounded_numel(list(shape), MAX_PARAMETERS - total)
+        if numel is None:
             raise UserError(f"checkpoint {where} holds more than {MAX_PARAMETERS:,} elements (MAX_PARAMETERS)")
+        total += numel
 
 
 def fit_problems(expected: Shapes, have: Shapes) -> str | None:

@@ -21,9 +21,10 @@ from torchcls.errors import UserError
 from torchcls.models.registry import MAX_CLASSES, MAX_IMG_SIZE, MAX_IN_CHANS, ModelSpec, spec_from_dict
 from torchcls.tasks import MULTICLASS, MULTILABEL
 
-# The metadata's JSON: 32 MiB holds MAX_CLASSES class names of ~300 characters with their thresholds;
-# the config it carries nests 3 levels (section, option, list value); paths are under 4096 characters.
-META_BOUNDS = JsonBounds(max_bytes=32 * 2**20, max_values=4 * MAX_CLASSES + 100_000, max_depth=8, max_str=4096)
+# The metadata's JSON: 16 MiB (safetensors_bounds' bound on a metadata value) holds MAX_CLASSES class
+# names of ~150 characters with their thresholds; the config it carries nests 3 levels (section, option,
+# list value); paths are under 4096 characters.
+META_BOUNDS = JsonBounds(max_bytes=16 * 2**20, max_values=4 * MAX_CLASSES + 100_000, max_depth=8, max_str=4096)
 MAX_CLASS_NAME = 1024  # characters of one class name (a folder name is at most 255 bytes on most file systems)
 MAX_COUNTER = 10**12  # epochs and optimizer steps
 CROP_PCT = (0.5, 2.0)  # the resize side is img_size / crop_pct: at most twice the input (timm's range: 0.875-1.15)
@@ -31,6 +32,8 @@ CROP_PCT = (0.5, 2.0)  # the resize side is img_size / crop_pct: at most twice t
 
 def meta_fields(text: str | bytes, where: str) -> dict[str, Any]:
     """CheckpointMeta's fields from its JSON `text` (read from `where`), each checked against its bound."""
+    if isinstance(text, str):  # (a lone surrogate cannot be UTF-8: it becomes bytes the parser refuses)
+        text = text.encode("utf-8", "surrogatepass")
     raw = load_bounded(text, META_BOUNDS, f"{where}: checkpoint metadata")
     if not isinstance(raw, dict):
         raise UserError(f"{where}: the checkpoint metadata must be a JSON object")

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from torchcls.checkpoint.bounded_json import load_bounded
+from torchcls.checkpoint.safetensors_bounds import METADATA, check_safetensors_header
 from torchcls.checkpoint.state_tree import STATE_BOUNDS, flatten, unflatten
 from torchcls.errors import UserError
 from torchcls.io_files import regular_path
@@ -43,10 +44,10 @@ def read_state(path: Path) -> dict[str, Any]:
     """The training state of the safetensors file `path`, every part of it checked (UserError)."""
     from safetensors.torch import load_file
 
+    metadata = _metadata(path)
+    encoded = load_bounded(metadata[STATE_KEY], STATE_BOUNDS, f"training state {path}")
     with regular_path(path, what="training state") as p:
-        metadata = _metadata(p, path)
-        encoded = load_bounded(metadata[STATE_KEY], STATE_BOUNDS, f"training state {path}")
-        tensors = load_file(p)
+        tensors = load_file(p)  # its header passed check_safetensors_header: the sizes it allocates are the file's
     state = unflatten(encoded, tensors, f"training state {path}")
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"training state {path} holds no step: the file is damaged or was not written by torchcls")
@@ -56,21 +57,16 @@ def read_state(path: Path) -> dict[str, Any]:
 def read_step(path: Path) -> int | None:
     """The optimizer step of the state file `path` from its header alone; None when it has none."""
     try:
-        with regular_path(path, what="training state") as p:
-            step = _metadata(p, path).get(STEP_KEY, "")
+        step = _metadata(path).get(STEP_KEY, "")
     except (UserError, OSError):
         return None
     return int(step) if _STEP.fullmatch(step) else None
 
 
-def _metadata(opened: str, path: Path) -> dict[str, str]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(opened, framework="pt") as f:
-            metadata = f.metadata() or {}
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"training state {path} is not a safetensors file ({e}): the file is damaged") from None
+def _metadata(path: Path) -> dict[str, str]:
+    """The state file's safetensors metadata, its header checked under safetensors_bounds first."""
+    header = check_safetensors_header(path)
+    metadata = header.get(METADATA, {})
     if metadata.get(FORMAT_KEY) != FORMAT or STATE_KEY not in metadata:
         raise UserError(f"training state {path} is not in the format {FORMAT} (written by another torchcls?)")
     return metadata

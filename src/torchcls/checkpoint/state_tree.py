@@ -116,7 +116,7 @@ def _tuple(body: Any, tensors: dict[str, torch.Tensor], where: str) -> tuple:
 
 
 def _float(body: Any, tensors: dict[str, torch.Tensor], where: str) -> float:
-    if body not in _NONFINITE:
+    if not isinstance(body, str) or body not in _NONFINITE:
         raise UserError(f"{where}: a tagged float in the training state must be nan, inf or -inf")
     return _NONFINITE[body]
 

@@ -143,6 +143,9 @@ def read_state_dict(path: str | Path, unsafe_unpickle: bool = False) -> dict[str
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
+        from torchcls.checkpoint.safetensors_bounds import check_safetensors_header
+
+        check_safetensors_header(file, follow_symlinks=True)  # a hub cache links to its blobs
         try:
             state = load_file(str(file))
         except (SafetensorError, OSError) as e:
