@@ -32,6 +32,9 @@ from torchcls.errors import UserError
 # device never becomes this process's controlling terminal by being opened.
 _FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | getattr(os, "O_NOCTTY", 0)
 _PROC_FD = Path("/proc/self/fd")
+# The bound for the small JSON records a run dir, a cache or the user hands back to torchcls (loader state,
+# step choice, machine.json, memory figures, an FP8 table...): kilobytes in practice, parsed whole.
+SMALL_JSON_BYTES = 16 << 20
 
 
 def kind_of(mode: int) -> str:

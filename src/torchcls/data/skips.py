@@ -17,6 +17,7 @@ import torch
 from torch.utils.data import default_collate
 
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular
 
 SKIP_LOG_GLOB = "decode_skips.rank*.jsonl"
 
@@ -50,7 +51,9 @@ def read_skips(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every file skipped at decode time, by any rank and worker: {"file", "reason", "times"}."""
     found: dict[str, dict[str, Any]] = {}
     for log in sorted(Path(run_dir).glob(SKIP_LOG_GLOB)):
-        for line in log.read_text().splitlines():
+        with open_regular(log, "r", what="skip log", errors="replace") as f:
+            lines = f.read().splitlines()
+        for line in lines:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:  # a line cut by a crash: the rest are still good

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.governance.hooks import Hook, OutputItem, SampleInfo, run_output_hooks
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 
 
 def sample_grid(load: Callable[[int], Any], info: Callable[[int], SampleInfo], label: Callable[[int], str],
@@ -74,7 +75,9 @@ def redact_skipped(path: Path, lookup: Callable[[str], SampleInfo | None], hooks
                    extra: list[tuple[SampleInfo, str]]) -> int:
     """Rewrite skipped_files.json so restricted samples' file names pass the output hooks; returns
     how many names were redacted or withheld."""
-    data = json.loads(path.read_text()) if path.is_file() else {"skipped_files": []}
+    data = {"skipped_files": []}
+    if path.exists():
+        data = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="skipped_files.json"))
     entries: list[dict[str, Any]] = data.get("skipped_files", [])
     entries += [{"file": s.id, "reason": reason, "_info": s} for s, reason in extra]
     out, changed = [], 0

@@ -10,6 +10,8 @@ from torchcls.errors import UserError
 from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.integrity import record_path
 from torchcls.governance.lineage import AuditLog, manifest_store
+from torchcls.governance.manifest import MAX_MANIFEST_BYTES
+from torchcls.io_files import read_bytes
 
 
 def file_lineage(path_or_hash: str, audit_log: str | Path) -> dict[str, Any]:
@@ -46,8 +48,8 @@ def _manifests_with(store: Path, digest: str, resolved: str | None) -> dict[str,
     hits: dict[str, list[str]] = {}
     for f in sorted(store.glob("*.json")) if store.is_dir() else []:
         try:
-            m = json.loads(f.read_text())
-        except json.JSONDecodeError:
+            m = json.loads(read_bytes(f, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
             continue
         ids = [r["@id"] for r in m.get("tc:records", []) if r.get("sha256") == digest
                or (resolved is not None and "contentUrl" in r and str(record_path(m, r).resolve()) == resolved)]

@@ -6,12 +6,14 @@ import html
 import json
 from pathlib import Path
 
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+
 
 def governance_html(run_dir: Path) -> str:
     f = run_dir / "governance.json"
-    if not f.is_file():
+    if not f.exists():
         return ""
-    s = json.loads(f.read_text())
+    s = json.loads(read_bytes(f, max_bytes=SMALL_JSON_BYTES, what="governance.json"))
     m = s.get("manifest") or {}
     pol = s.get("policy")
     rows = [("lineage id", s.get("lineage_id")),

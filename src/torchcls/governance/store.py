@@ -9,7 +9,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from torchcls.governance.manifest import content_key, manifest_hash, save_manifest
+from torchcls.governance.manifest import MAX_MANIFEST_BYTES, content_key, manifest_hash, save_manifest
+from torchcls.io_files import read_bytes, read_text
 
 
 def store_given(m: dict[str, Any], store: Path) -> None:
@@ -24,10 +25,11 @@ def store_built(m: dict[str, Any], store: Path) -> dict[str, Any]:
     (same data, same metadata) stored before is reused, so its first dateCreated stands and the store
     does not grow by one manifest per run. by-content/<content key> names it."""
     index = store / "by-content" / content_key(m)
-    earlier = store / f"{index.read_text().strip()}.json" if index.is_file() else None
-    if earlier is not None and earlier.is_file():
+    name = read_text(index, max_bytes=256, what="manifest store index").strip() if index.exists() else None
+    earlier = store / f"{name}.json" if name else None
+    if earlier is not None and earlier.exists():
         try:
-            old = json.loads(earlier.read_text())
+            old = json.loads(read_bytes(earlier, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"))
         except (json.JSONDecodeError, UnicodeDecodeError):
             old = None
         if isinstance(old, dict) and content_key(old) == content_key(m) and manifest_hash(old) == earlier.stem:

@@ -13,6 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.noise import KINETO_CPU_ONLY, stderr_without
 
 # Index 1.. of each timeline row, in torch.profiler._memory_profiler._CATEGORY_TO_COLORS order.
@@ -61,7 +62,7 @@ class StepProfiler:
 
 
 def timeline_peak(path: Path) -> dict[str, Any]:
-    times, sizes = json.loads(path.read_text())
+    times, sizes = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory timeline"))
     if not times:
         return {"timeline_peak_bytes": 0, "timeline_at_peak": {}}
     totals = [sum(row[1:]) for row in sizes]

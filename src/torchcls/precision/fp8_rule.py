@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 
 ROOFLINE_MIN_SPEEDUP = 1.3  # the ceiling a layer needs (see above: measured speed-ups fall 5-30% short)
 MEASURED_MIN_SPEEDUP = 1.05  # a measured gain smaller than this is within run-to-run noise
@@ -107,7 +108,7 @@ class MeasuredTable:
     @classmethod
     def load(cls, path: str | Path) -> MeasuredTable:
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="FP8 measurement table"))
             rows = [{"m": int(r["m"]), "k": int(r["k"]), "n": int(r["n"]), "recipe": str(r["recipe"]),
                      "linear_speedup": float(r["linear_speedup"])}
                     for r in data["rows"] if r.get("linear_speedup") is not None]

@@ -7,13 +7,15 @@ import html
 from pathlib import Path
 from typing import Any
 
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+
 
 def esc(value: Any) -> str:
     return html.escape(str(value))
 
 
 def img(path: Path) -> str:
-    data = base64.b64encode(path.read_bytes()).decode()
+    data = base64.b64encode(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="figure")).decode()
     return f'<img alt="{esc(path.stem)}" src="data:image/png;base64,{data}">'
 
 

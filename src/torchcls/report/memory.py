@@ -6,6 +6,8 @@ import html
 import json
 from pathlib import Path
 
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+
 
 def _mb(v: float | None) -> str:
     return "" if v is None else f"{v / 2**20:.2f}"
@@ -13,9 +15,9 @@ def _mb(v: float | None) -> str:
 
 def memory_section(run_dir: Path) -> str:
     path = run_dir / "memory.json"
-    if not path.is_file():
+    if not path.exists():
         return ""
-    m = json.loads(path.read_text())
+    m = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory.json"))
     cuda = any("cuda_peak_allocated_bytes" in r for r in m["ranks"])
     head = ["rank", "params MB", "grads MB", "optimizer MB", "total MB", "expected MB (analytic)",
             "peak RSS MB"] + (["CUDA peak MB", "CUDA reserved MB"] if cuda else [])

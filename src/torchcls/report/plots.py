@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+
 
 def curve_lines(records: list[dict[str, Any]], classes: int | None = None) -> tuple[list[dict], list[dict]]:
     """The lines of the two training panels, (loss, accuracy): each {label, x, y, style}. A line of one point
@@ -93,7 +95,7 @@ def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
             return False
         from torchcls.memory.cpu_profile import TIMELINE_CATEGORIES
 
-        times, sizes = json.loads(timeline.read_text())
+        times, sizes = json.loads(read_bytes(timeline, max_bytes=SMALL_JSON_BYTES, what="memory timeline"))
         if not times:
             plt.close(fig)
             return False

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes, read_text
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
 from torchcls.training.rundir import read_metrics
@@ -46,7 +47,7 @@ def ordered() -> list[Section]:
 
 def read_json(path: Path) -> Any | None:
     try:
-        return json.loads(path.read_text()) if path.is_file() else None
+        return json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record")) if path.exists() else None
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -90,7 +91,9 @@ def evaluation(run_dir: Path) -> str | None:
 @section("config", "Configuration", "torchcls train (writes config.toml)", 90)
 def configuration(run_dir: Path) -> str | None:
     config_file = run_dir / "config.toml"
-    return f"<pre>{esc(config_file.read_text())}</pre>" if config_file.is_file() else None
+    if not config_file.exists():
+        return None
+    return f"<pre>{esc(read_text(config_file, max_bytes=SMALL_JSON_BYTES, what='config file', errors='replace'))}</pre>"
 
 
 def class_count(run_dir: Path) -> int | None:

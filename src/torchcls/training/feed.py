@@ -28,6 +28,7 @@ from torchcls.data.loaders import Transformed, build_transform, needed_side, res
 from torchcls.data.sampling import balanced_weights, epoch_seed
 from torchcls.data.shard_data import ShardBundle
 from torchcls.errors import UserError
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
 
@@ -89,7 +90,7 @@ class Feed:
         path = _state_file(checkpoints, rank)
         if self.kind != "shards" or not path.is_file():
             return
-        saved = json.loads(path.read_text())
+        saved = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="loader state"))
         if saved["step"] == step:  # else the checkpoint is newer than the state: replay instead
             self.train.load_state_dict(saved["loader"])
             self._restored = True

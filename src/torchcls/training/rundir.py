@@ -16,7 +16,7 @@ from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of, writing
-from torchcls.io_files import read_text
+from torchcls.io_files import open_regular, read_text
 from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
@@ -144,9 +144,10 @@ def default_name(cfg: Config) -> str:
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+    if not path.exists():
         return []
-    text = path.read_text()
+    with open_regular(path, "r", what="metrics log") as f:  # (a FIFO in a received run dir would block)
+        text = f.read()
     if text and not text.endswith("\n"):  # a record cut short by a failed write (disk full): never complete
         text = text[:text.rfind("\n") + 1]
     return [json.loads(line) for line in text.splitlines() if line.strip()]

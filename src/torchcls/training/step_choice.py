@@ -33,6 +33,8 @@ import torch
 from torch import nn
 
 from torchcls.artifacts.compile import is_convnet
+from torchcls.errors import UserError
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.precision.hardware import PrecisionChoice
 
 TRIAL_ROUNDS = (3, 9)  # timed steps per candidate (fewest, most), interleaved (A B A B ...), after one warm-up
@@ -113,8 +115,8 @@ def cache_path() -> Path:
 
 def cached(key: str) -> dict | None:
     try:
-        return json.loads(cache_path().read_text()).get(key)
-    except (OSError, ValueError, AttributeError):
+        return json.loads(read_bytes(cache_path(), max_bytes=SMALL_JSON_BYTES, what="step-choice cache")).get(key)
+    except (OSError, ValueError, AttributeError, UserError):
         return None
 
 
@@ -126,8 +128,9 @@ def remember(key: str, entry: dict) -> None:
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                table = json.loads(path.read_text()) if path.is_file() else {}
-            except ValueError:
+                table = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="step-choice cache")) \
+                    if path.exists() else {}
+            except (ValueError, UserError):  # a damaged cache (or no regular file) is started again
                 table = {}
             table[key] = entry
             tmp = path.with_suffix(".tmp")
@@ -166,8 +169,8 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     from torchcls.models.early_exit import EarlyExitNet
     from torchcls.precision.hardware import choose_precision, cpu_bf16_here
 
-    if state is not None and state.is_file():
-        record = json.loads(state.read_text())
+    if state is not None and state.exists():
+        record = json.loads(read_bytes(state, max_bytes=SMALL_JSON_BYTES, what="step choice record"))
         # The run's own choice, unless this resume asks for another precision or layout: that one then applies.
         if record["precision"]["requested"] == requested and channels_last in (None, record["channels_last"]):
             return from_record(record, "resumed")

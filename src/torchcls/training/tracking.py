@@ -32,6 +32,7 @@ from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
+from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.made_dirs import MadeDir, make_dirs, remove_made
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
@@ -155,7 +156,7 @@ def _run_for(client, uri: str, experiment_id: str, cfg: Config, run_dir: Path) -
 
 def _read_tracking_file(run_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads((run_dir / TRACKING_FILE).read_text())
+        return json.loads(read_bytes(run_dir / TRACKING_FILE, max_bytes=SMALL_JSON_BYTES, what="tracking record"))
     except (OSError, ValueError):
         return {}
 
