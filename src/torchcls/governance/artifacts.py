@@ -33,9 +33,10 @@ def stamp_checkpoint(path: Path, lineage: dict[str, Any]) -> None:
 
     from torchcls.checkpoint.files import atomic_write
 
-    with safe_open(str(path), framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-    tensors = load_file(str(path))
+    with regular_path(path, what="checkpoint") as checked:
+        with safe_open(checked, framework="pt") as f:
+            metadata = dict(f.metadata() or {})
+        tensors = load_file(checked)
     metadata[LINEAGE_KEY] = json.dumps(lineage, sort_keys=True)
     atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
