@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import make_image_folder, tiny_config
+from torchcls.checkpoint.files import LAST_STATE
 from torchcls.errors import UserError
 
 pytestmark = pytest.mark.slow
@@ -199,7 +200,9 @@ def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
     from torchcls.training import train
 
     run = runs.get("fsdp2")
-    assert len(list((run / "checkpoints" / "last.dcp").glob("*.distcp"))) == 2  # one shard file per rank
+    shards = sorted(p.name for p in (run / "checkpoints" / "last.dcp").iterdir())
+    assert shards == ["meta.json", "shard-00001-model-00001-of-00001.safetensors",  # one shard file per rank,
+                      "shard-00002-model-00001-of-00001.safetensors", "state.json"]  # no pickle (.metadata)
     merged = load_file(consolidate(run, tmp_path / "merged.safetensors"))
     last = _weights(run)
     assert merged.keys() == last.keys() and all(torch.equal(merged[k], last[k]) for k in last)
@@ -215,7 +218,7 @@ def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
     cfg.model.name, cfg.data.val_fraction, cfg.data.augment, cfg.run.resume = "test_vit", 0.25, "none", True
     result = train(cfg)
     assert result.steps == 9 and [e["epoch"] for e in _epochs(copy)] == [1, 2, 3]
-    assert (copy / "checkpoints" / "last.state.pt").is_file()
+    assert (copy / "checkpoints" / LAST_STATE).is_file()
 
 
 def test_dcp_from_one_rank_resumes_on_two(runs):

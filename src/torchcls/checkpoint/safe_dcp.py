@@ -1,12 +1,15 @@
-"""Loading a distributed (DCP) checkpoint without unpickling anything but its own data types.
+"""Reading a distributed (DCP) checkpoint in torch's old pickle format without running code from it.
 
-torch's FileSystemReader.read_metadata is a plain `pickle.load` of `.metadata`, and the default
-load planner reads non-tensor entries with `torch.load(weights_only=False)`: a run dir from
-someone else could run code on `--resume` or `torchcls consolidate`. Here the metadata goes
+Only under --unsafe-unpickle (checkpoint/legacy_dcp.py): torchcls writes sharded checkpoints
+pickle-free now (checkpoint/hf_dcp.py). torch's FileSystemReader.read_metadata is a plain
+`pickle.load` of `.metadata`, and the default load planner reads non-tensor entries with
+`torch.load(weights_only=False)`: a run dir from someone else could run code. Here the metadata goes
 through a pure-Python unpickler that resolves only an explicit list of (module, name) pairs and
 builds state only into instances of DCP's own dataclasses (as torch's weights_only unpickler does),
-then the result is checked before any shard is opened: every entry must name a file of the
-checkpoint dir itself and a byte range inside it. Byte entries go through torch.load(weights_only=True).
+under bounds checked while it reads (checkpoint/dcp_metadata.py: the file's size, the stack, nested
+MARKs, each tuple's length and nesting, each list's and dict's length, dict keys of two kinds with
+few of any one hash, integer widths), then the result is checked as a schema before any shard is
+opened. Byte entries go through torch.load(weights_only=True). Every refusal is a UserError.
 """
 
 from __future__ import annotations
@@ -14,10 +17,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import io
-import math
-import os
 import pickle
-import stat
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,10 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from torchcls.checkpoint import dcp_metadata as bounds
+from torchcls.checkpoint.dcp_metadata import check_layout, is_index, is_shape
 from torchcls.errors import UserError
+from torchcls.io_files import read_bytes
 
 _DCP_TYPES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
               "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
@@ -50,8 +53,7 @@ ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
        ("torch", "Size"),
        ("torch.serialization", "_get_layout"),  # turns a layout's name back into torch.strided etc.
-       ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-       ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+       ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
     | {("torch", name) for name, value in vars(torch).items()
        if isinstance(value, (torch.dtype, torch.layout, torch.memory_format))})
 _RESOLVED = [getattr(importlib.import_module(m), n) for m, n in sorted(ALLOWED_GLOBALS)]
@@ -73,11 +75,23 @@ def _target(obj: Any, kinds: tuple[type, ...], op: str) -> Any:
     return obj
 
 
+def _bound(ok: bool, what: str) -> None:
+    if not ok:
+        raise pickle.UnpicklingError(f"{what}: over the bounds of DCP metadata (checkpoint/dcp_metadata.py)")
+
+
 class _MetadataUnpickler(pickle._Unpickler):
     """Resolves only ALLOWED_GLOBALS (anything else is refused before an object of it exists), calls only
-    them, and builds, appends and sets items only into the types DCP metadata holds."""
+    them, builds, appends and sets items only into the types DCP metadata holds, and refuses, while it
+    reads, anything over the unpickling bounds of dcp_metadata.py."""
 
     dispatch = dict(pickle._Unpickler.dispatch)
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._depth: dict[int, tuple[tuple, int]] = {}  # id -> (tuple, nesting) for tuples holding tuples
+        self._hashes: dict[int, tuple[dict, dict[int, int]]] = {}  # id(dict) -> (dict, {key hash: count})
+        self._built: dict[int, Any] = {}  # instances BUILD has filled: each once, and keys only once built
 
     def find_class(self, module: str, name: str) -> Any:
         if (module, name) not in ALLOWED_GLOBALS:
@@ -97,25 +111,69 @@ class _MetadataUnpickler(pickle._Unpickler):
             raise pickle.UnpicklingError(f"{op} of {type(cls).__name__}: only DCP metadata types are created")
         return cls
 
+    def _made(self, obj: Any) -> Any:
+        """An object an allowed callable returned: a torch.Size is a shape within the bounds."""
+        _bound(type(obj) is not torch.Size or is_shape(obj), "a torch.Size")
+        return obj
+
+    # -- tuples: length and nesting bounded, so that no hash of one recurses deep ----------------
+    def _tuple(self, items: list | tuple) -> tuple:
+        _bound(len(items) <= bounds.MAX_TUPLE, f"a tuple of {len(items)} items")
+        depth = 1 + max((self._depth[id(i)][1] if id(i) in self._depth else 1
+                         for i in items if type(i) is tuple), default=0)
+        _bound(depth <= bounds.MAX_TUPLE_DEPTH, "tuples nested in tuples")
+        made = tuple(items)
+        if depth > 1:
+            self._depth[id(made)] = (made, depth)
+        return made
+
+    def load_tuple(self) -> None:
+        items = self.pop_mark()  # before self.append is looked up: pop_mark rebinds it to the outer stack
+        self.append(self._tuple(items))
+
+    def load_tuple1(self) -> None:
+        self.stack[-1] = self._tuple(self.stack[-1:])
+
+    def load_tuple2(self) -> None:
+        self.stack[-2:] = [self._tuple(self.stack[-2:])]
+
+    def load_tuple3(self) -> None:
+        self.stack[-3:] = [self._tuple(self.stack[-3:])]
+
+    def load_long1(self) -> None:
+        n = self.read(1)[0]
+        _bound(n <= bounds.MAX_INT_BYTES, "an integer")
+        self.append(pickle.decode_long(self.read(n)))
+
+    def load_long4(self) -> None:
+        raise pickle.UnpicklingError("LONG4: an integer wider than DCP metadata holds")
+
+    # -- calls and instances ------------------------------------------------------------------
     def load_reduce(self) -> None:
         args = self.stack.pop()
-        self.stack[-1] = self._callable(self.stack[-1], "REDUCE")(*args)
+        func = self._callable(self.stack[-1], "REDUCE")
+        _bound(func is not OrderedDict or args == (), "OrderedDict with items")  # items come through SETITEMS
+        self.stack[-1] = self._made(func(*args))
 
     def load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self._class(self.stack.pop(), "NEWOBJ")
-        self.append(cls.__new__(cls, *args))
+        self.append(self._made(cls.__new__(cls, *args)))
 
     def load_newobj_ex(self) -> None:
         kwargs, args = self.stack.pop(), self.stack.pop()
         cls = self._class(self.stack.pop(), "NEWOBJ_EX")
-        self.append(cls.__new__(cls, *args, **kwargs))
+        self.append(self._made(cls.__new__(cls, *args, **_target(kwargs, (dict,), "NEWOBJ_EX kwargs"))))
 
     def _instantiate(self, klass: Any, args: list) -> None:
-        self.append(self._class(klass, "OBJ")(*args))
+        _bound(klass is not OrderedDict or not args, "OrderedDict with items")
+        self.append(self._made(self._class(klass, "OBJ")(*args)))
 
     def load_build(self) -> None:
         state, inst = self.stack.pop(), self.stack[-1]
+        if id(inst) in self._built:
+            raise pickle.UnpicklingError(f"BUILD of a {type(inst).__name__} twice")
+        self._built[id(inst)] = inst
         if type(inst) is TensorProperties:  # its own __setstate__ takes a plain tuple of its fields
             inst.__setstate__(_target(state, (tuple,), "BUILD state"))
             return
@@ -128,121 +186,88 @@ class _MetadataUnpickler(pickle._Unpickler):
             raise pickle.UnpicklingError(f"BUILD of {type(inst).__name__} with {unknown[0]!r}, not one of its fields")
         inst.__dict__.update(state)
 
+    # -- containers: lengths bounded; dict keys of two kinds, few of any one hash ------------------
     def load_append(self) -> None:
         value = self.stack.pop()
-        _target(self.stack[-1], (list,), "APPEND").append(value)
+        target = _target(self.stack[-1], (list,), "APPEND")
+        _bound(len(target) < bounds.MAX_ENTRIES, "a list")
+        target.append(value)
 
     def load_appends(self) -> None:
         items = self.pop_mark()
-        _target(self.stack[-1], (list,), "APPENDS").extend(items)
+        target = _target(self.stack[-1], (list,), "APPENDS")
+        _bound(len(target) + len(items) <= bounds.MAX_ENTRIES, "a list")
+        target.extend(items)
+
+    def _admit(self, target: dict, key: Any) -> None:
+        """Check `key` before `target` hashes it: a str (or a built MetadataIndex within the bounds)."""
+        if type(key) is not str and not (is_index(key) and id(key) in self._built):
+            raise pickle.UnpicklingError(f"a dict key of type {type(key).__name__}: DCP metadata keys are names "
+                                         "and MetadataIndex entries")
+        _bound(len(target) < bounds.MAX_ENTRIES, "a dict")
+        counts = self._hashes.setdefault(id(target), (target, {}))[1]
+        h = hash(key)
+        counts[h] = counts.get(h, 0) + 1
+        _bound(counts[h] <= bounds.MAX_SAME_HASH, f"{counts[h]} dict keys of one hash")
+
+    def _set_items(self, target: dict, items: list) -> None:
+        for i in range(0, len(items) - 1, 2):
+            self._admit(target, items[i])
+            target[items[i]] = items[i + 1]
 
     def load_setitem(self) -> None:
         value, key = self.stack.pop(), self.stack.pop()
-        _target(self.stack[-1], (dict, OrderedDict), "SETITEM")[key] = value
+        self._set_items(_target(self.stack[-1], (dict, OrderedDict), "SETITEM"), [key, value])
 
     def load_setitems(self) -> None:
         items = self.pop_mark()
-        target = _target(self.stack[-1], (dict, OrderedDict), "SETITEMS")
-        for i in range(0, len(items), 2):
-            target[items[i]] = items[i + 1]
+        self._set_items(_target(self.stack[-1], (dict, OrderedDict), "SETITEMS"), items)
 
-    def load_additems(self) -> None:
-        items = self.pop_mark()
-        _target(self.stack[-1], (set,), "ADDITEMS").update(items)
+    def load_dict(self) -> None:
+        made: dict = {}
+        self._set_items(made, self.pop_mark())
+        self.append(made)
 
-
-_MetadataUnpickler.dispatch.update({op[0]: getattr(_MetadataUnpickler, f"load_{op_name}") for op, op_name in (
-    (pickle.REDUCE, "reduce"), (pickle.NEWOBJ, "newobj"), (pickle.NEWOBJ_EX, "newobj_ex"), (pickle.BUILD, "build"),
-    (pickle.APPEND, "append"), (pickle.APPENDS, "appends"), (pickle.SETITEM, "setitem"),
-    (pickle.SETITEMS, "setitems"), (pickle.ADDITEMS, "additems"))})
+    def _refuse_sets(self) -> None:
+        raise pickle.UnpicklingError("a set: DCP metadata holds none (and hashing its items is the attack)")
 
 
-def check_layout(md: Metadata, root: Path) -> None:
-    """Refuse metadata whose entries point outside the checkpoint dir or past its files' ends, before
-    anything is opened: torch's FileSystemReader joins `root / relative_path` as written, so an absolute
-    path or `../` would read any file of the machine into a consolidated output. Each tensor must be
-    stored in as many bytes as its described size needs, so no size written in the metadata makes a
-    loader allocate more than the checkpoint's files hold."""
-    where = f"{root}/.metadata"
-    if type(md.storage_data) is not dict or type(md.state_dict_metadata) is not dict:
-        raise UserError(f"{where}: not DCP metadata (no table of entries): refused")
-    sizes: dict[str, int] = {}
-    for index, info in md.storage_data.items():
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or type(index.fqn) is not str:
-            raise UserError(f"{where}: an entry of its storage table is not DCP metadata: refused")
-        _check_entry(index.fqn, info, root, sizes, where)
-    for fqn, entry in md.state_dict_metadata.items():
-        if type(fqn) is str and type(entry) is BytesStorageMetadata and MetadataIndex(fqn) in md.storage_data:
-            continue
-        if type(fqn) is not str or type(entry) is not TensorStorageMetadata:
-            raise UserError(f"{where}: entry {str(fqn)[:80]!r} is not a stored tensor or byte entry: refused")
-        _check_tensor(fqn, entry, md.storage_data, where)
+_OPS = ((pickle.REDUCE, "reduce"), (pickle.NEWOBJ, "newobj"), (pickle.NEWOBJ_EX, "newobj_ex"), (pickle.BUILD, "build"),
+        (pickle.APPEND, "append"), (pickle.APPENDS, "appends"), (pickle.SETITEM, "setitem"),
+        (pickle.SETITEMS, "setitems"), (pickle.DICT, "dict"), (pickle.TUPLE, "tuple"), (pickle.TUPLE1, "tuple1"),
+        (pickle.TUPLE2, "tuple2"), (pickle.TUPLE3, "tuple3"), (pickle.LONG1, "long1"), (pickle.LONG4, "long4"),
+        (pickle.EMPTY_SET, "_refuse_sets"), (pickle.ADDITEMS, "_refuse_sets"), (pickle.FROZENSET, "_refuse_sets"))
 
 
-def _check_entry(fqn: str, info: _StorageInfo, root: Path, sizes: dict[str, int], where: str) -> None:
-    name = info.relative_path
-    if type(name) is not str or name in ("", ".", "..") or "/" in name or "\0" in name:
-        raise UserError(f"{where}: entry {fqn[:80]!r} is stored in {str(name)[:200]!r}, which is not the name of a "
-                        "file in the checkpoint dir (a path elsewhere or above it): refused before anything was read")
-    if name not in sizes:
-        try:
-            st = os.lstat(root / name)
-        except OSError:
-            st = None
-        if st is None or not stat.S_ISREG(st.st_mode):
-            raise UserError(f"{where}: entry {fqn[:80]!r} is stored in {name[:200]!r}, which is not a regular file in {root} "
-                            "(missing, a link or a device): refused before anything was read")
-        sizes[name] = st.st_size
-    offset, length = info.offset, info.length
-    if type(offset) is not int or type(length) is not int or offset < 0 or length < 0 or offset + length > sizes[name]:
-        raise UserError(f"{where}: entry {fqn[:80]!r} claims bytes {str(offset)[:30]}+{str(length)[:30]} of {name[:200]!r}, "
-                        f"which holds {sizes[name]}: the checkpoint is damaged or crafted; refused")
-    if info.transform_descriptors:  # compression and the like: a few bytes could expand without bound
-        raise UserError(f"{where}: entry {fqn[:80]!r} is stored through transforms ({repr(info.transform_descriptors)[:80]}),"
-                        " which torchcls never writes: refused")
+def _stack_bounded(op: Any) -> Any:
+    """Every opcode: after it, the stack and the nested MARKs are within their bounds."""
+    def run(self: _MetadataUnpickler) -> None:
+        op(self)
+        _bound(len(self.stack) <= bounds.MAX_STACK, "the unpickler's stack")
+        _bound(len(self.metastack) <= bounds.MAX_MARKS, "nested MARKs")
+    return run
+
+
+_MetadataUnpickler.dispatch.update({op[0]: getattr(_MetadataUnpickler, name if name.startswith("_") else f"load_{name}")
+                                    for op, name in _OPS})
+_MetadataUnpickler.dispatch = {code: _stack_bounded(fn) for code, fn in _MetadataUnpickler.dispatch.items()}
 
 
 def _shown(e: Exception) -> str:
     return repr(str(e)[:200])[1:-1]  # the text comes from the file: no control characters reach the terminal
 
 
-def _is_shape(size: Any) -> bool:
-    return type(size) is torch.Size and all(d >= 0 for d in size)
-
-
-def _check_tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, where: str) -> None:
-    props, size, chunks = entry.properties, entry.size, entry.chunks
-    if (type(props) is not TensorProperties or not isinstance(props.dtype, torch.dtype) or not _is_shape(size)
-            or type(chunks) is not list):
-        raise UserError(f"{where}: tensor {fqn[:80]!r} has a malformed description: refused")
-    covered = 0
-    for chunk in chunks:
-        if (type(chunk) is not ChunkStorageMetadata or not _is_shape(chunk.offsets) or not _is_shape(chunk.sizes)
-                or not len(chunk.offsets) == len(chunk.sizes) == len(size)
-                or any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size))):
-            raise UserError(f"{where}: tensor {fqn[:80]!r} has a chunk outside its size {list(size)}: refused")
-        info = storage.get(MetadataIndex(fqn, chunk.offsets))
-        need = math.prod(chunk.sizes) * props.dtype.itemsize
-        if info is None or need > info.length:
-            raise UserError(f"{where}: tensor {fqn[:80]!r}: a chunk of {list(chunk.sizes)} {props.dtype} needs {need} "
-                            f"bytes, more than stored for it: refused (damaged or crafted)")
-        covered += math.prod(chunk.sizes)
-    if covered < math.prod(size):
-        raise UserError(f"{where}: tensor {fqn[:80]!r} of size {list(size)} is not covered by its stored chunks: refused")
-
-
 class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except Exception as e:  # noqa: BLE001 - whatever a crafted file makes an allowed type raise
-                raise UserError(f"{self.path}: refused to load its .metadata ({type(e).__name__}: {_shown(e)}); "
-                                "a distributed checkpoint holds only DCP metadata types, so this one is damaged or "
-                                "was not written by torch.distributed.checkpoint. Nothing from it was run") from None
-        if not isinstance(metadata, Metadata):
-            raise UserError(f"{path} is not DCP metadata ({type(metadata).__name__})")
+        # A regular file (no link, FIFO or device), its size bounded before a byte is read.
+        data = read_bytes(path, max_bytes=bounds.MAX_METADATA_BYTES, what="DCP .metadata", follow_symlinks=False)
+        try:
+            metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        except Exception as e:  # noqa: BLE001 - whatever a crafted file makes an allowed type raise
+            raise UserError(f"{self.path}: refused to load its .metadata ({type(e).__name__}: {_shown(e)}); "
+                            "a distributed checkpoint holds only DCP metadata types, so this one is damaged or "
+                            "was not written by torch.distributed.checkpoint. Nothing from it was run") from None
         check_layout(metadata, Path(str(self.path)))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
