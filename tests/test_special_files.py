@@ -96,6 +96,19 @@ def test_open_regular_reads_regular_files_under_a_bound(tmp_path) -> None:
         read_text(tmp_path / "latin1.txt", max_bytes=10)
 
 
+def test_the_open_descriptor_decides_not_the_name(tmp_path, monkeypatch) -> None:
+    """A FIFO swapped in after the look by name (simulated: stat says "regular file") is still refused,
+    by fstat of what was actually opened, without blocking."""
+    regular = tmp_path / "regular"
+    regular.write_bytes(b"x")
+    fifo = tmp_path / "swapped"
+    os.mkfifo(fifo)
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: real_stat(regular) if str(p) == str(fifo) else real_stat(p, *a, **k))
+    with no_hang(), pytest.raises(UserError, match="this is a FIFO"):
+        read_bytes(fifo, max_bytes=10)
+
+
 def test_regular_path_hands_the_checked_file_whatever_replaces_its_name(tmp_path) -> None:
     f = tmp_path / "model.bin"
     f.write_bytes(b"checked")

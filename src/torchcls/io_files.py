@@ -69,7 +69,13 @@ def open_fd(path: str | os.PathLike, *, what: str = "file", follow_symlinks: boo
     """A blocking read-only descriptor of `path`, which must be a regular file (a symlink to one counts
     unless `follow_symlinks` is False) of at most `max_bytes` bytes. The caller closes it."""
     flags = _FLAGS if follow_symlinks else _FLAGS | os.O_NOFOLLOW
-    try:
+    try:  # a look by name first, so that a device is not even opened (opening some has effects: a tape rewinds)
+        seen = os.stat(path) if follow_symlinks else os.lstat(path)
+    except OSError:
+        seen = None  # (the open below raises the error that says why)
+    if seen is not None and not stat.S_ISREG(seen.st_mode):
+        raise _refusal(path, what, kind_of(seen.st_mode))
+    try:  # ... and the verdict that counts, on the open descriptor: the name may have changed meanwhile
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ENXIO:  # what opening a socket (or a device with nothing behind it) answers
