@@ -1,4 +1,3 @@
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -6,6 +5,7 @@ import pytest
 from torchcls.cli import build_parser, config_from_args
 from torchcls.config import Config, load_toml
 from torchcls.errors import UserError
+from torchcls.toml_compat import tomllib
 
 
 def test_toml_roundtrip_and_cli_override(tmp_path: Path):

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,6 +28,7 @@ from torchcls.machine import (
 )
 from torchcls.precision import hardware
 from torchcls.precision.hardware import choose_precision, cpu_bf16_native, require_fp16
+from torchcls.toml_compat import tomllib
 
 CPU = torch.device("cpu")
 SRC = Path(__file__).resolve().parents[1] / "src"

@@ -3,7 +3,6 @@
 import json
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ from torchcls.cli import build_parser, main
 from torchcls.options import config_from_args
 from torchcls.precision.hardware import choose_precision
 from torchcls.recipes import describe, load_recipe, names, recipe_evaluation
+from torchcls.toml_compat import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,5 +1,4 @@
 import json
-import tomllib
 
 import pytest
 import torch
@@ -8,6 +7,7 @@ from safetensors.torch import load_file
 from conftest import tiny_config
 from torchcls.checkpoint.files import load_model, read_meta
 from torchcls.errors import UserError
+from torchcls.toml_compat import tomllib
 from torchcls.training import train
 
 
