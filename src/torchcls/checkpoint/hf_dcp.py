@@ -38,7 +38,7 @@ SHARDING_KEY = "DCP_SHARDING_INFO"  # the __metadata__ key DCP's safetensors wri
 OFFSETS_KEY = "saved_offsets"
 MAX_SHARDS = 4096  # files of one checkpoint: one per rank that holds tensors
 MAX_DIR_ENTRIES = 4 * MAX_SHARDS  # entries of the dir listed before giving up (shards, meta.json, state.json)
-MAX_CHUNKS = 2_000_000  # shard entries over all files
+MAX_CHUNKS = 1_000_000  # shard entries over all files (~150 bytes each while checked)
 
 
 @dataclass

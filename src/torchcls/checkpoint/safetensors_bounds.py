@@ -34,10 +34,11 @@ ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
 
 @dataclass(frozen=True)
 class SafetensorsBounds:
-    # The header of a checkpoint of a model with 10k tensors (weights + two optimizer moments, with
-    # DCP's offsets) is ~5 MB; the safetensors library's own limit is 100 MB.
-    max_header_bytes: int = 16 * 2**20
-    max_tensors: int = 100_000  # entries of one file
+    # One rank's shard of a model of 1,000 parameters with two optimizer moments each is ~4,000 entries,
+    # ~1 MB of header with DCP's offsets; the safetensors library's own limit is 100 MB. Parsing a
+    # crafted header of this size costs at most ~100 MB (see _check_counts).
+    max_header_bytes: int = 8 * 2**20
+    max_tensors: int = 50_000  # entries of one file
     max_ndim: int = 8  # a conv3d weight has 5 dims; nothing torchcls trains has more than 6
     max_dim: int = 2**40  # one dimension (also bounds a DCP offset + size)
     max_numel: int = 2**40  # elements of one tensor
@@ -94,6 +95,7 @@ def check_safetensors_header(path: str | os.PathLike, bounds: SafetensorsBounds 
     `__metadata__`: {str: str}), once every bound above holds; else a UserError naming the file.
     `follow_symlinks`: a link to a regular file is read (e.g. a hub cache's blob); off by default."""
     header_bytes, data_size = read_header_bytes(path, bounds, follow_symlinks)
+    _check_counts(header_bytes, bounds, path)
     header = load_bounded(header_bytes, bounds.json_bounds(), f"{path}: safetensors header")
     if type(header) is not dict:
         raise UserError(f"{path}: its safetensors header is not a JSON object: refused")
@@ -112,6 +114,19 @@ def check_safetensors_header(path: str | os.PathLike, bounds: SafetensorsBounds 
         raise UserError(f"{path}: its tensors hold {end} bytes of data but the file has {data_size} after the "
                         "header: damaged (cut short?) or crafted, refused")
     return header
+
+
+def _check_counts(header: bytes, bounds: SafetensorsBounds, path: Any) -> None:
+    """What a parse of `header` could build, bounded before it starts. A header of n tensors holds about
+    3 objects/arrays, 7 strings (14 quotes, DCP's escaped ones included) and 2 x dims + 5 commas per tensor;
+    counting those bytes anywhere (inside strings too) over-counts, never under-counts the objects, strings
+    and numbers json.loads would make."""
+    n = bounds.max_tensors
+    for char, limit in ((b"{", 3 * n + 16), (b"[", 3 * n + 16), (b'"', 16 * n + 64),
+                        (b",", (5 + 2 * bounds.max_ndim) * n + 64)):
+        if header.count(char) > limit:
+            raise UserError(f"{path}: its safetensors header holds more than {limit} {char.decode()!r} characters, "
+                            f"more than {n} tensors need: refused before parsing it")
 
 
 def _check_metadata(meta: Any, path: Any, bounds: SafetensorsBounds) -> None:
