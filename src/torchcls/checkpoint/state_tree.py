@@ -27,8 +27,8 @@ from torchcls.checkpoint.bounded_json import JsonBounds
 from torchcls.errors import UserError
 
 # A training state's JSON: a few thousand parameter ids and hyperparameters (kilobytes for ResNet-50's
-# optimizer); the bounds leave a thousandfold margin and stay far from what a parser takes minutes over.
-STATE_BOUNDS = JsonBounds(max_bytes=16 * 2**20, max_values=2_000_000, max_depth=32, max_str=4096)
+# optimizer); 8 MiB is the bound on a whole safetensors header (safetensors_bounds.py) it is stored in.
+STATE_BOUNDS = JsonBounds(max_bytes=8 * 2**20, max_values=2_000_000, max_depth=32, max_str=4096)
 _BIG = 2**63
 _NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 _TAGS = ("dict", "tuple", "float", "int", "tensor")
