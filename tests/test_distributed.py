@@ -203,6 +203,9 @@ def test_dcp_from_two_ranks_loads_into_one_process(runs, tmp_path):
     shards = sorted(p.name for p in (run / "checkpoints" / "last.dcp").iterdir())
     assert shards == ["meta.json", "shard-00001-model-00001-of-00001.safetensors",  # one shard file per rank,
                       "shard-00002-model-00001-of-00001.safetensors", "state.json"]  # no pickle (.metadata)
+    for ckpt in (run, runs.get("ddp")):  # not a file of either run starts as a pickle does (PROTO 2-5)
+        assert not [p for p in ckpt.rglob("*") if p.is_file() and p.read_bytes()[:2] in {b"\x80\x02", b"\x80\x03",
+                                                                                        b"\x80\x04", b"\x80\x05"}]
     merged = load_file(consolidate(run, tmp_path / "merged.safetensors"))
     last = _weights(run)
     assert merged.keys() == last.keys() and all(torch.equal(merged[k], last[k]) for k in last)

@@ -80,7 +80,7 @@ def test_without_the_opt_in_not_a_byte_of_metadata_is_read(tmp_path: Path, monke
         consolidate(run)
 
 
-def test_an_old_checkpoint_consolidates_and_resumes_under_the_opt_in(tmp_path: Path) -> None:
+def test_an_old_checkpoint_consolidates_and_resumes_under_the_opt_in(tmp_path: Path, monkeypatch) -> None:
     from torchcls.checkpoint import dcp as sharded
 
     run, weights = _old_format_run(tmp_path)
@@ -94,7 +94,8 @@ def test_an_old_checkpoint_consolidates_and_resumes_under_the_opt_in(tmp_path: P
     from torchcls.checkpoint.checkpointer import Progress
 
     args = (run / "checkpoints" / "last.dcp", model, optimizer, scheduler, Progress(), META)
-    with pytest.raises(UserError, match="--unsafe-unpickle"):
+    with monkeypatch.context() as patch, pytest.raises(UserError, match="--unsafe-unpickle"):  # train --resume
+        patch.setattr(safe_dcp.SafeReader, "read_metadata", lambda *a, **k: pytest.fail(".metadata was read"))
         sharded.load(*args)
     fields, _ = sharded.load(*args, unsafe_unpickle=True)
     assert fields == (1, 5, 0, 0.5, None) and optimizer.param_groups[0]["lr"] == 0.01
