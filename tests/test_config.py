@@ -124,3 +124,13 @@ def test_every_cli_flag_keeps_its_name(capsys):
     cfg = config_from_args(args)
     assert (cfg.precision.precision, cfg.parallel.parallel, cfg.checkpoint.save_every) == ("bf16", "ddp", 4)
     assert cfg.parallel.fsdp_init_from_rank0 is False and cfg.train.epochs == 2
+
+
+def test_a_recorded_config_does_not_raise_this_machines_bounds():
+    """A checkpoint's recorded config (evaluate, export's parity and calibration images) keeps its options,
+    except the input bounds: a received checkpoint saying max_pixels = 0 (no limit) does not lift ours."""
+    raw = {"data": {"max_pixels": 0, "memory_limit_mb": 10**9, "batch_size": 7, "source": "fashion-mnist"}}
+    cfg = Config.recorded(raw, origin="ckpt metadata")
+    assert (cfg.data.max_pixels, cfg.data.memory_limit_mb) == (Config().data.max_pixels, Config().data.memory_limit_mb)
+    assert (cfg.data.batch_size, cfg.data.source) == (7, "fashion-mnist")
+    assert Config.from_dict(raw).data.max_pixels == 0  # the user's own config file may still set them

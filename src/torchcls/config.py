@@ -315,6 +315,18 @@ class Config:
                 set_option(cfg, moved_section(section, key), key, value, origin)
         return cfg
 
+    @classmethod
+    def recorded(cls, raw: dict[str, Any], origin: str) -> Config:
+        """The config a checkpoint recorded, for a later command (evaluate, export's parity and calibration
+        images): its options as written, except the BOUND_OPTIONS, which keep this machine's defaults. A
+        checkpoint from elsewhere describes how its model was trained; it does not raise what reading input
+        may cost here."""
+        cfg = cls.from_dict(raw, origin)
+        default = cls()
+        for section, key in BOUND_OPTIONS:
+            setattr(getattr(cfg, section), key, getattr(getattr(default, section), key))
+        return cfg
+
     def save_toml(self, path: Path) -> None:
         # TOML has no null: unset optional values are simply omitted.
         clean = {s: {k: v for k, v in vals.items() if v is not None} for s, vals in self.to_dict().items()}
@@ -329,6 +341,10 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": 
 # --config TOML, a received run dir's config.toml, a checkpoint's recorded config) never does: from_dict
 # refuses them and to_dict leaves them out, so nothing torchcls writes carries them either.
 TRUST_OPTIONS = frozenset({("checkpoint", "unsafe_unpickle")})
+
+# Options that bound what reading input may cost (pixels decoded, memory cached). A user's own --config
+# sets them; a checkpoint's recorded config, read back by evaluate or export, does not (Config.recorded).
+BOUND_OPTIONS = frozenset({("data", "max_pixels"), ("data", "memory_limit_mb")})
 
 # Options that once lived in [train] and moved to their own section. Config files written before
 # the split, and the config stored inside older checkpoints, still load: the key is read into

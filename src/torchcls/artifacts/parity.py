@@ -39,7 +39,7 @@ def held_out_images(meta: CheckpointMeta, limit: int, data: str | None = None,
     from torchcls.config import Config
     from torchcls.data import eval_dataset
 
-    cfg = Config.from_dict(meta.config, origin="checkpoint metadata")
+    cfg = Config.recorded(meta.config, origin="checkpoint metadata")
     data_cfg = cfg.data
     if data is not None:
         data_cfg = replace(data_cfg, source=data, root=root)

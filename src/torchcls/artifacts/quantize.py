@@ -43,7 +43,7 @@ def calibration_images(meta: CheckpointMeta, n: int | None, data: str | None = N
     DEFAULT_CALIBRATION, as many as the split has."""
     if n is not None and n < MIN_CALIBRATION:
         raise UserError(f"--calibration-images {n}: int8 calibration needs at least {MIN_CALIBRATION} images")
-    cfg = Config.from_dict(meta.config, origin="checkpoint metadata")
+    cfg = Config.recorded(meta.config, origin="checkpoint metadata")
     data_cfg = cfg.data if data is None else replace(cfg.data, source=data, root=root)
     if data is None and root is not None:
         data_cfg = replace(data_cfg, root=root)

@@ -85,7 +85,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     check_tta(tta)  # before any loading: a typo costs nothing
     path = resolve_checkpoint(checkpoint)
     model, meta = load_model(path)
-    train_cfg = Config.from_dict(meta.config, origin=f"{path} metadata")
+    train_cfg = Config.recorded(meta.config, origin=f"{path} metadata")
     data_cfg: DataConfig = replace(train_cfg.data, on_bad_file=on_bad_file)
     if data is not None:  # other data: the training run's --val-data does not apply to it
         data_cfg = replace(data_cfg, source=data, root=root, val_data=None)
