@@ -250,9 +250,14 @@ def test_metadata_and_structure_bounds():
     ppm = b"P6\n#" + b"x" * 10_000 + b"\n8 6\n255\n" + bytes(144)
     scans = _saved("JPEG", progressive=True)
     scans = scans[:-2] + (b"\xff\xda\x00\x08\x01\x01\x00\x00\x00\x00") * 300 + b"\xff\xd9"
+    tiles = b"".join(struct.pack("<HHII", t, 4, 1, v) for t, v in ((256, 8), (257, 6), (322, 2**16), (323, 2**16)))
+    tiled = b"II*\x00" + struct.pack("<IH", 8, 4) + tiles + bytes(4)
+    app = _saved("JPEG")
+    app = app[:2] + (b"\xff\xef\xff\xff" + bytes(65533)) * 300 + app[2:]  # 300 APP15 segments of 64 KB
     cases = {"an Exif block of 70,004 bytes": bytes(exif), "more than 100,000 chunks": junk,
              "more than 1,024 tags": bytes(tiff), "no width and height in its first 4,096 bytes": ppm,
-             "more than 256 scans": scans}
+             "more than 256 scans": scans, "a 65536x65536 tile for a 8x6 image": tiled,
+             "more than 16,777,216 bytes of metadata": app}
     for reason, data in cases.items():
         with bounded(), pytest.raises(BadImage, match=reason):
             decode_bytes(data, 3)

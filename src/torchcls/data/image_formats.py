@@ -28,6 +28,7 @@ class Bounds:
     reduced_jpeg_factor: int = 4      # a one-scan JPEG decoded reduced may store 4x --max-pixels
     max_blocks: int = 100_000         # PNG/WebP chunks, JPEG segments, GIF blocks walked in one file
     max_scans: int = 256              # scans of a progressive JPEG: each is a pass over every coefficient
+    max_jpeg_segments: int = 16 * 2**20  # bytes of JPEG segments before the image data (Pillow keeps them all)
     max_components: int = 4           # JPEG colour components (Pillow decodes 1, 3 or 4)
     max_exif_bytes: int = 65_535      # an Exif block (JPEG's own APP1 limit, kept for PNG eXIf / WebP EXIF)
     max_icon_side: int = 256          # the largest side an ICO directory can state (a 0 byte means 256)
@@ -91,7 +92,7 @@ def probe(fp: BinaryIO, size: int, whole: bool = True) -> Probe:
 
 
 def _jpeg(src: _Source, whole: bool) -> Probe:
-    pos, frame, blocks = 2, None, 0
+    pos, frame, blocks, kept = 2, None, 0, 0
     while True:
         blocks += 1
         if blocks > BOUNDS.max_blocks:
@@ -108,6 +109,10 @@ def _jpeg(src: _Source, whole: bool) -> Probe:
         (length,) = src.unpack(">H", pos + 2)
         if length < 2:
             raise src.corrupt(f"segment length {length} at byte {pos}")
+        kept += length
+        if kept > BOUNDS.max_jpeg_segments:
+            raise BadImage(f"JPEG: more than {BOUNDS.max_jpeg_segments:,} bytes of metadata segments before its "
+                           "image data (a bound on what reading its header keeps in memory)")
         if marker in _SOF:
             if frame is not None:
                 raise src.corrupt("two frame headers (SOF)")
@@ -147,7 +152,7 @@ def _png(src: _Source, whole: bool, base: int = 0) -> Probe:
             raise src.corrupt(f"chunk {kind!r} of {length} bytes")
         if kind == b"eXIf" and length > BOUNDS.max_exif_bytes:
             raise BadImage(f"PNG: an Exif block of {length:,} bytes (limit {BOUNDS.max_exif_bytes:,})")
-        if kind == b"IEND":
+        if kind == b"IEND" or (kind == b"IDAT" and not whole):  # the scan reads what Image.open reads
             break
         pos += 12 + length
     return Probe("PNG", width, height)
