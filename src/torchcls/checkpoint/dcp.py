@@ -112,6 +112,7 @@ def training_state(model: nn.Module, optimizer, scheduler, progress: Any,
     if extras:
         tree["extras"] = {k: v.state_dict() for k, v in extras.items()}
     tensors, other = sharded_state.split(tree)
+    tensors = hf_dcp.storable(tensors)  # FP8 all-gather weights: the fp32 tensors they wrap
     rest = {"epoch": progress.epoch, "step": progress.step, "step_in_epoch": progress.step_in_epoch,
             "best_top1": float(progress.best_top1), "lr": [float(lr) for lr in scheduler.get_last_lr()],
             "other": other}

@@ -70,6 +70,33 @@ def check_tensors_only(state: dict[str, Any], where: str = "") -> None:
             raise TypeError(f"{where}{key}: a {type(value).__name__} in the tensor part of a sharded checkpoint")
 
 
+def storable(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` with each tensor safetensors can store: a wrapper tensor subclass holding one tensor (torchao's
+    weight that FSDP2 all-gathers in FP8) has no storage of its own, so it is replaced by the tensor it
+    wraps (inside a DTensor, the local shard is). The tensors share storage with the originals, so a load
+    into them is a load into the model."""
+    from torch.distributed.tensor import DTensor
+
+    def plain(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor):
+            local = t.detach().to_local()
+            inner = _unwrapped(local)
+            return t if inner is local else DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False,
+                                                                shape=t.shape, stride=t.stride())
+        return _unwrapped(t)
+
+    return {k: storable(v) if isinstance(v, dict) else plain(v) if isinstance(v, torch.Tensor) else v
+            for k, v in tree.items()}
+
+
+def _unwrapped(t: torch.Tensor) -> torch.Tensor:
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # as files.plain_state
+
+    while is_traceable_wrapper_subclass(t) and len(inner := t.__tensor_flatten__()[0]) == 1:
+        t = getattr(t, inner[0])
+    return t
+
+
 def shard_files(path: Path) -> list[Path]:
     """The files HuggingFaceStorageReader would read from `path`, listed under a bound."""
     found = []
