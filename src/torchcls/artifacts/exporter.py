@@ -28,7 +28,7 @@ from torch import nn
 from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_images, measure_parity
 from torchcls.artifacts.placement import cpu_only, portable_device
 from torchcls.artifacts.targets import get_target
-from torchcls.artifacts.targets.base import ArtifactInfo, ExportRequest, LoadedArtifact, Plan
+from torchcls.artifacts.targets.base import MAX_BATCH, ArtifactInfo, ExportRequest, LoadedArtifact, Plan
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
 from torchcls.console import console, phase
 from torchcls.devices import BuildDevice
@@ -349,8 +349,8 @@ def _check_options(target: str, precision: str, max_batch: int, min_agreement: f
             raise UserError(f"{', '.join(given)} apply to --target executorch only (got --target {target})")
     if precision not in ("auto", "fp32", "bf16"):
         raise UserError(f"--precision {precision}: choose auto, fp32 or bf16")
-    if not 1 <= max_batch <= 4096:
-        raise UserError(f"--max-batch {max_batch}: must be between 1 and 4096")
+    if not 1 <= max_batch <= MAX_BATCH:
+        raise UserError(f"--max-batch {max_batch}: must be between 1 and {MAX_BATCH}")
     if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:
         raise UserError(f"--min-agreement {min_agreement}: must be a fraction between 0 and 1")
     if parity_images < 1:

@@ -18,7 +18,7 @@ from typing import Any
 from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
 from torchcls.data.preprocess import INTERPOLATIONS, Preprocess
 from torchcls.errors import UserError
-from torchcls.models.registry import MAX_CLASSES, MAX_IMG_SIZE, MAX_IN_CHANS, ModelSpec, spec_from_dict
+from torchcls.models.registry import MAX_CLASSES, MAX_IMG_SIZE, MAX_IN_CHANS, spec_from_dict
 from torchcls.tasks import MULTICLASS, MULTILABEL
 
 # The metadata's JSON: 8 MiB, the bound on a whole safetensors header (safetensors_bounds.py), holds
@@ -42,29 +42,34 @@ def meta_fields(text: str | bytes, where: str) -> dict[str, Any]:
         raise UserError(f"{where}: the checkpoint metadata lacks {', '.join(missing)}: it was not written by "
                         "`torchcls train`")
     spec = spec_from_dict(raw["spec"], f"{where}: checkpoint metadata")
-    return {"spec": spec, "classes": _classes(raw["classes"], spec, where),
-            "preprocess": _preprocess(raw["preprocess"], spec, where), "config": _config(raw["config"], where),
+    return {"spec": spec, "classes": check_classes(raw["classes"], spec.num_classes, where),
+            "preprocess": check_preprocess(raw["preprocess"], spec.in_chans, where),
+            "config": _config(raw["config"], where),
             "epoch": _counter(raw["epoch"], "epoch", where), "step": _counter(raw["step"], "step", where),
-            "thresholds": _thresholds(raw.get("thresholds"), spec, where)}
+            "thresholds": check_thresholds(raw.get("thresholds"), spec.num_classes, where)}
 
 
-def _classes(value: Any, spec: ModelSpec, where: str) -> list[str]:
-    if not isinstance(value, list) or len(value) != spec.num_classes:
-        raise UserError(f"{where}: the checkpoint metadata must list one class name for each of its "
-                        f"{spec.num_classes} classes")
+def check_classes(value: Any, num_classes: int | None, where: str) -> list[str]:
+    """One class name (a bounded string) per class; `num_classes` None: any count up to MAX_CLASSES."""
+    expected = num_classes if num_classes is not None else len(value) if isinstance(value, list) else -1
+    if not isinstance(value, list) or len(value) != expected or not 1 <= expected <= MAX_CLASSES:
+        raise UserError(f"{where}: the metadata must list one class name for each of its "
+                        f"{num_classes or f'1 to {MAX_CLASSES:,}'} classes")
     if not all(isinstance(name, str) and len(name) <= MAX_CLASS_NAME for name in value):
         raise UserError(f"{where}: every class name must be a string of at most {MAX_CLASS_NAME} characters")
     return value
 
 
-def _preprocess(value: Any, spec: ModelSpec, where: str) -> Preprocess:
+def check_preprocess(value: Any, in_chans: int | None, where: str) -> Preprocess:
+    """The preprocessing, each value in its range; `in_chans` None: any channel count up to MAX_IN_CHANS."""
     if not isinstance(value, dict):
         raise UserError(f"{where}: the checkpoint's preprocess must be a JSON object")
     value = {"interpolation": "bilinear", "crop_pct": 1.0} | value  # older checkpoints lack these two
     size, channels = value.get("img_size"), value.get("channels")
-    if not _int_in(size, 1, MAX_IMG_SIZE) or not _int_in(channels, 1, MAX_IN_CHANS) or channels != spec.in_chans:
+    if (not _int_in(size, 1, MAX_IMG_SIZE) or not _int_in(channels, 1, MAX_IN_CHANS)
+            or channels != (in_chans or channels)):
         raise UserError(f"{where}: preprocess img_size must be an integer in [1, {MAX_IMG_SIZE}] and channels the "
-                        f"model's {spec.in_chans} input channels")
+                        f"model's {in_chans or f'1 to {MAX_IN_CHANS}'} input channels")
     mean, std = value.get("mean"), value.get("std")
     if not (_numbers(mean, channels) and _numbers(std, channels) and all(s > 0 for s in std)):
         raise UserError(f"{where}: preprocess mean and std must hold {channels} finite number(s) each, std > 0")
@@ -90,12 +95,11 @@ def _counter(value: Any, name: str, where: str) -> int:
     return value
 
 
-def _thresholds(value: Any, spec: ModelSpec, where: str) -> list[float] | None:
+def check_thresholds(value: Any, num_classes: int, where: str) -> list[float] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or len(value) != spec.num_classes or not all(_number_in(t, 0, 1) for t in value):
-        raise UserError(f"{where}: the checkpoint's thresholds must be {spec.num_classes} numbers in [0, 1], one a "
-                        "label")
+    if not isinstance(value, list) or len(value) != num_classes or not all(_number_in(t, 0, 1) for t in value):
+        raise UserError(f"{where}: the thresholds must be {num_classes} numbers in [0, 1], one a label")
     return [float(t) for t in value]
 
 

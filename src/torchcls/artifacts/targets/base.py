@@ -21,12 +21,15 @@ import torch
 
 from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
+from torchcls.models.registry import MAX_EXITS
 
 if TYPE_CHECKING:
     from torchcls.checkpoint.files import CheckpointMeta
 
 META_KEY = "torchcls"
 FORMAT_VERSION = 1
+MAX_BATCH = 4096  # the largest --max-batch an export accepts (and so any artifact's metadata may say)
+MAX_FIELD = 256  # characters of a short metadata string (a name, a target, a GPU's name)
 
 
 @dataclass
@@ -53,17 +56,24 @@ class ArtifactInfo:
 
     @classmethod
     def from_json(cls, text: str, where: str) -> ArtifactInfo:
+        """The metadata an artifact carries, every value checked against its bound before anything is built
+        from it (the classes, the preprocessing's input size, the batch bound that sizes input buffers)."""
+        from torchcls.checkpoint.bounded_json import load_bounded
+        from torchcls.checkpoint.meta_check import META_BOUNDS, check_classes, check_preprocess, check_thresholds
+
+        raw = load_bounded(text.encode("utf-8", "surrogatepass"), META_BOUNDS, f"{where}: torchcls metadata")
         try:
-            raw = json.loads(text)
-            return cls(str(raw["name"]), str(raw["target"]), [str(c) for c in raw["classes"]],
-                       Preprocess.from_dict(raw["preprocess"]), int(raw["max_batch"]), str(raw["precision"]),
-                       int(raw.get("exits", 0)), str(raw.get("device", "cpu")),
-                       str(raw.get("compute_capability", "")), str(raw.get("gpu", "")),
-                       task=str(raw.get("task", "multiclass")),
-                       thresholds=[float(t) for t in raw["thresholds"]] if raw.get("thresholds") else None)
-        except (ValueError, KeyError, TypeError) as e:
+            classes = check_classes(raw["classes"], None, where)
+            info = cls(_short(raw["name"]), _short(raw["target"]), classes,
+                       check_preprocess(raw["preprocess"], None, where), _int(raw["max_batch"], 1, MAX_BATCH, where),
+                       _short(raw["precision"]), _int(raw.get("exits", 0), 0, MAX_EXITS, where),
+                       _short(raw.get("device", "cpu")), _short(raw.get("compute_capability", "")),
+                       _short(raw.get("gpu", "")), task=_short(raw.get("task", "multiclass")),
+                       thresholds=check_thresholds(raw.get("thresholds") or None, len(classes), where))
+        except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{where}: its torchcls metadata is unreadable ({e!r}); re-export it with "
                             "`torchcls export`") from None
+        return info
 
     def flat_metadata(self) -> dict[str, str]:
         """Flat string keys for consumers without a JSON parser (the C++ runner)."""
@@ -201,3 +211,16 @@ def has_cond(ep: torch.export.ExportedProgram) -> bool:
     """Whether the program branches with torch.cond (early-exit models)."""
     return any(n.op == "call_function" and n.target is torch.ops.higher_order.cond
                for gm in ep.graph_module.modules() if isinstance(gm, torch.fx.GraphModule) for n in gm.graph.nodes)
+
+
+def _short(value: Any) -> str:
+    if not isinstance(value, str) or len(value) > MAX_FIELD:
+        raise TypeError(f"expected a string of at most {MAX_FIELD} characters, got {type(value).__name__}")
+    return value
+
+
+def _int(value: Any, low: int, high: int, where: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise UserError(f"{where}: torchcls metadata holds {value!r} where an integer in [{low}, {high}] belongs")
+    return value
+
