@@ -11,12 +11,13 @@ import struct
 import time
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from test_image_bounds import bounded
+from test_image_bounds import bounded, status_mb
 from torchcls.data.images import ALLOWED_FORMATS, BadImage, decode_bytes, read_header
 
 LIMIT = 1_000_000  # --max-pixels for these examples: an accepted image stays small, so RSS bounds stay tight
@@ -99,9 +100,14 @@ def test_every_allowed_format_pillow_can_write_is_fuzzed():
     assert writable == set(SAVES), "an allowed format without fuzz seeds (or seeds for one not allowed)"
 
 
+@pytest.fixture(scope="module")
+def rss_at_start() -> float:
+    return status_mb("VmRSS")
+
+
 @FUZZ
 @given(case=hostile_image(), channels=st.sampled_from([1, 3]), min_side=st.sampled_from([None, 32]))
-def test_decoder_answers_a_bounded_tensor_or_badimage(tmp_path, case, channels, min_side):
+def test_decoder_answers_a_bounded_tensor_or_badimage(tmp_path, rss_at_start, case, channels, min_side):
     fmt, data = case
     path = tmp_path / "fuzz.img"
     path.write_bytes(data)
@@ -120,3 +126,4 @@ def test_decoder_answers_a_bounded_tensor_or_badimage(tmp_path, case, channels, 
             assert x.shape[1] * x.shape[2] <= LIMIT
             assert not isinstance(header, str), f"the scan refused what the decoder accepts: {header}"
     assert time.perf_counter() - start < 10.0
+    assert status_mb("VmRSS") - rss_at_start < 200  # nothing piles up across examples either
