@@ -363,7 +363,7 @@ def moved_section(section: str, key: str) -> str:
 
 def load_toml(path: str | Path, base: Config | None = None) -> Config:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():  # (a FIFO or device exists: read_toml refuses it, saying what it is)
         raise UserError(f"config file {path} does not exist")
     return Config.from_dict(read_toml(path, "config file"), origin=str(path), base=base)
 

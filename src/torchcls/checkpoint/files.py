@@ -135,7 +135,7 @@ def save_training_state(path: Path, state: dict[str, Any]) -> None:
 
 def load_training_state(path: Path, unsafe_unpickle: bool = False) -> dict[str, Any]:
     """The state `save_training_state` wrote; a LEGACY_STATE pickle only with `unsafe_unpickle`."""
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"training state {path} is missing: cannot resume (the weights alone are not enough)")
     if path.name == LEGACY_STATE:
         return read_legacy_state(path, unsafe_unpickle)
@@ -149,7 +149,7 @@ def read_meta(path: str | Path) -> CheckpointMeta:
 def read_checkpoint_header(path: str | Path) -> tuple[CheckpointMeta, dict[str, tuple[int, ...]]]:
     """A checkpoint's metadata (every field bounded) and its tensors' shapes, from the file's header alone."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():  # (a FIFO or device exists: the header reader refuses it, saying what it is)
         raise UserError(f"checkpoint {path} does not exist")
     metadata, shapes = read_header(path)
     if META_KEY not in metadata:
@@ -198,7 +198,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
             if (path / CHECKPOINTS / name).is_file():
                 return path / CHECKPOINTS / name
         raise UserError(f"{path} holds no {CHECKPOINTS}/{BEST} or {LAST}: is it a run dir?")
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
     return path
 

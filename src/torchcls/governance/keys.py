@@ -17,6 +17,9 @@ import os
 from pathlib import Path
 
 from torchcls.errors import UserError
+from torchcls.io_files import read_bytes
+
+MAX_KEY_BYTES = 4096  # a key is 32-64 random bytes, hex or raw: a file larger than this is not a key
 
 KEY_ENV = "TORCHCLS_AUDIT_KEY"
 MIN_KEY_BYTES = 16
@@ -27,13 +30,14 @@ def load_key(key_file: str | Path | None, near: list[Path] = ()) -> bytes | None
     must not lie in (the audit log's, the run's)."""
     if key_file:
         path = Path(key_file)
-        if not path.is_file():
+        if not path.exists():
             raise UserError(f"--audit-key-file {path} does not exist")
         for d in near:
             if path.resolve().is_relative_to(Path(d).resolve()):
                 raise UserError(f"--audit-key-file {path} lies in {d}: keep the audit key outside the run and "
                                 "audit log directories (whoever can edit the log could read the key)")
-        key, origin = path.read_bytes().strip(), f"--audit-key-file {path}"
+        key = read_bytes(path, max_bytes=MAX_KEY_BYTES, what="audit key file").strip()
+        origin = f"--audit-key-file {path}"
     elif os.environ.get(KEY_ENV):
         key, origin = os.environ[KEY_ENV].strip().encode(), KEY_ENV
     else:

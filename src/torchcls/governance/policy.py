@@ -70,7 +70,7 @@ class Policy:
 
 def load_policy(path: str | Path) -> Policy:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():  # (a FIFO or device exists: read_toml refuses it, saying what it is)
         raise UserError(f"policy file {path} does not exist")
     return policy_from_dict(read_toml(path, "policy", invalid="does not parse as TOML"), str(path))
 

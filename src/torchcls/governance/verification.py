@@ -41,9 +41,10 @@ from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
 from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
 from torchcls.governance.logcheck import VerifyResult, check_log, listed
-from torchcls.governance.manifest import content_key, manifest_hash, records_root
+from torchcls.governance.manifest import MAX_MANIFEST_BYTES, content_key, manifest_hash, records_root
 from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
 from torchcls.governance.signatures import Trusted, trusted_from
+from torchcls.io_files import read_bytes
 
 __all__ = ["VerifyResult", "find_audit_log", "verify"]
 
@@ -161,7 +162,7 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
             res.add(name, False, f"{path} is missing from the manifest store")
             continue
         try:
-            manifest = json.loads(path.read_text())
+            manifest = json.loads(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"))
             legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
             digest = content_key(manifest) if legacy else manifest_hash(manifest)
             same = digest == m["manifest_sha256"] and records_root(manifest["tc:records"]) == m["merkle_root"]

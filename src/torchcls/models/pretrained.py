@@ -28,6 +28,7 @@ from torch import nn
 
 from torchcls.data.preprocess import PretrainedInput
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular, regular_path
 from torchcls.models.hub import OWN_TAG, fetch, is_hub, read_timm_config
 
 HUB_FILES = ("model.safetensors", "pytorch_model.bin", "open_clip_model.safetensors")
@@ -147,7 +148,8 @@ def read_state_dict(path: str | Path, unsafe_unpickle: bool = False) -> dict[str
 
         check_safetensors_header(file, follow_symlinks=True)  # a hub cache links to its blobs
         try:
-            state = load_file(str(file))
+            with regular_path(file, what="--pretrained weights file") as checked:
+                state = load_file(checked)
         except (SafetensorError, OSError) as e:
             raise UserError(f"--pretrained {file}: not a readable safetensors file ({e})") from None
     elif not unsafe_unpickle:
@@ -157,7 +159,8 @@ def read_state_dict(path: str | Path, unsafe_unpickle: bool = False) -> dict[str
                         "weights_only=True)")
     else:
         try:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+            with open_regular(file, what="--pretrained weights file") as f:
+                state = torch.load(f, map_location="cpu", weights_only=True)
         except pickle.UnpicklingError as e:
             raise UserError(f"--pretrained {file}: refused, it needs unpickling beyond tensors (no code from it "
                             f"was run): {str(e).splitlines()[0][:200]}. Convert it to .safetensors where you "
