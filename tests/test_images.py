@@ -59,6 +59,11 @@ def test_exif_rotation_applied(tmp_path):
     p = tmp_path / "r.jpg"
     im.save(p, exif=exif)
     assert load_image(p, 3).shape == (3, 6, 2)
+    from PIL import ImageOps
+
+    from torchcls.data.images import decode_to_pil
+    upright = decode_to_pil(p.read_bytes())  # what the governance "file" hooks receive
+    assert upright.size == (2, 6) and ImageOps.exif_transpose(upright).size == (2, 6)  # turned once, not twice
 
 
 @pytest.mark.parametrize("name, content, reason", [

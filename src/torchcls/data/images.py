@@ -31,7 +31,7 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from torchcls.data.image_formats import ALLOWED_FORMATS, BOUNDS, BadImage, Probe, probe
 
@@ -305,7 +305,7 @@ def decode_to_pil(data: bytes, max_pixels: int = MAX_PIXELS) -> Image.Image:
     plan_decode(found.format, found.width, found.height, None, max_pixels, reducible=found.reducible)
     with _pillow(data, found, max_pixels) as im:
         im.load()
-        return _upright(im)
+        return ImageOps.exif_transpose(im)  # and the orientation tag goes, so no hook turns it twice
 
 
 def read_header(path: Path) -> tuple[str, int, int]:
