@@ -244,3 +244,17 @@ def test_meta_json_property_any_bytes(text) -> None:
         CheckpointMeta.from_json(text, "meta.json")
     except UserError:
         pass
+
+
+@pytest.mark.parametrize("text, says", [
+    (rb'"\ud800"', "not Unicode text"),  # JSON can spell a lone surrogate; no later .encode() survives one
+    (rb'{"\udc00": 1}', "not Unicode text"),
+    (b"1e999999", "does not fit a float"),  # parses to inf without a float hook
+    (b"[" + b"1," * 600_000 + b"1]", "refused before parsing"),  # scalars are counted before the parse too
+])
+def test_bounded_json_refuses_what_a_later_step_would_choke_on(text, says):
+    from torchcls.checkpoint.bounded_json import load_bounded
+    from torchcls.checkpoint.meta_check import META_BOUNDS
+
+    with pytest.raises(UserError, match=says):
+        load_bounded(text, META_BOUNDS, "meta.json")

@@ -2,16 +2,19 @@
 
 `json.loads` builds every object a text describes: a megabyte of `[[],[],...]` is half a million
 lists, and a text nested deeper than the interpreter's recursion limit ends in a RecursionError.
-Here the size is bounded first, then the number of containers the text can describe (every `{`
-and `[` byte counted, those inside strings too: an over-count, never an under-count), so the
-objects a parse can build are bounded before it starts; after it, the number of values, the
-nesting and the length of every string (keys included) are checked, and a key given twice in one
-object is refused. Every refusal is a UserError naming the file.
+Here the size is bounded first, then the number of values the text can describe (every `{`, `[`
+and `,` byte counted, those inside strings too: an over-count, never an under-count), so the
+objects a parse can build are bounded before it starts; a number too large for a float (1e999)
+is refused as it is parsed; after the parse, the number of values, the nesting and the length of
+every string (keys included) are checked, a string that is not Unicode text (a lone surrogate,
+which JSON's \ud800 escapes can spell and which no later encode survives) is refused, and a key
+given twice in one object is refused. Every refusal is a UserError naming the file.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -47,18 +50,35 @@ def _no_constant(where: str):
     return refuse
 
 
+def _finite(where: str):
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value):
+            raise UserError(f"{where}: the number {text[:40]} does not fit a float: refused")
+        return value
+    return parse
+
+
+def _unicode(text: str, what: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UserError(f"{where}: a {what} that is not Unicode text (a lone surrogate escape): refused") from None
+
+
 def load_bounded(text: str | bytes, bounds: JsonBounds, where: str) -> Any:
     """Parse `text` (the JSON of `where`) under `bounds`."""
     raw = text.encode() if isinstance(text, str) else bytes(text)
     if len(raw) > bounds.max_bytes:
         raise UserError(f"{where}: {len(raw)} bytes of JSON, over the bound of {bounds.max_bytes}: refused")
-    containers = raw.count(b"{") + raw.count(b"[")
-    if containers > bounds.max_values:
-        raise UserError(f"{where}: up to {containers} JSON objects/arrays, over the bound of "
-                        f"{bounds.max_values} values: refused before parsing")
+    values = raw.count(b"{") + raw.count(b"[") + raw.count(b",") + 1
+    if values > bounds.max_values:
+        raise UserError(f"{where}: up to {values} JSON values, over the bound of {bounds.max_values}: refused "
+                        "before parsing")
     try:
         value = json.loads(raw, object_pairs_hook=_pairs(where),
-                           parse_constant=None if bounds.allow_nonfinite else _no_constant(where))
+                           parse_constant=None if bounds.allow_nonfinite else _no_constant(where),
+                           parse_float=None if bounds.allow_nonfinite else _finite(where))
     except (ValueError, RecursionError) as e:  # also UnicodeDecodeError and ints over Python's digit limit
         raise UserError(f"{where}: not valid JSON within bounds ({type(e).__name__}: "
                         f"{repr(str(e)[:160])[1:-1]}): refused") from None
@@ -73,9 +93,11 @@ def _check_shape(value: Any, where: str, bounds: JsonBounds) -> None:
         count += 1
         if count > bounds.max_values:
             raise UserError(f"{where}: more than {bounds.max_values} JSON values: refused")
-        if isinstance(node, str) and len(node) > bounds.max_str:
-            raise UserError(f"{where}: a string of {len(node)} characters, over the bound of {bounds.max_str}: "
-                            "refused")
+        if isinstance(node, str):
+            if len(node) > bounds.max_str:
+                raise UserError(f"{where}: a string of {len(node)} characters, over the bound of {bounds.max_str}: "
+                                "refused")
+            _unicode(node, "string", where)
         if isinstance(node, (dict, list)):
             if depth > bounds.max_depth:
                 raise UserError(f"{where}: JSON nested deeper than {bounds.max_depth} levels: refused")
@@ -84,6 +106,8 @@ def _check_shape(value: Any, where: str, bounds: JsonBounds) -> None:
                 if long_key is not None:
                     raise UserError(f"{where}: a key of {len(long_key)} characters, over the bound of "
                                     f"{bounds.max_str}: refused")
+                for key in node:
+                    _unicode(key, "key", where)
             stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
 
 
