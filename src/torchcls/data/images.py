@@ -21,7 +21,6 @@ import contextlib
 import io
 import math
 import os
-import stat
 import struct
 import threading
 import warnings
@@ -34,6 +33,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from torchcls.data.image_formats import ALLOWED_FORMATS, BOUNDS, BadImage, Probe, probe
+from torchcls.errors import UserError
+from torchcls.io_files import kind_of, open_fd
 
 __all__ = ["ALLOWED_FORMATS", "MAX_PIXELS", "RESIZE_LIMIT", "BadImage", "decode_bytes", "load_image",
            "decode_to_pil", "normalize_mode", "plan_decode", "probe_bytes",
@@ -189,18 +190,20 @@ def _check_entry(path: Path) -> None:
 
 @contextlib.contextmanager
 def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
-    """(file, size), opened without blocking (open() of a FIFO would wait for a writer) and refused unless
-    a regular file, checked on the opened descriptor so the path cannot be swapped after the check."""
+    """(file, size) of `path` through io_files (a regular file only, never a blocking open, decided on the open
+    descriptor); what it refuses is a bad file here, skippable like any other."""
     with _entry_errors():
         _check_entry(path)
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fd = open_fd(path, what="image file")
+        except UserError:
+            kind = kind_of(os.stat(path).st_mode) if os.path.exists(path) else "not a regular file"
+            raise BadImage(f"{kind}, not a regular file: only regular files are read as images") from None
         with os.fdopen(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BadImage("not a regular file (a pipe, socket or device)")
-            if st.st_size == 0:
+            size = os.fstat(fd).st_size
+            if size == 0:
                 raise BadImage("empty file (0 bytes)")
-            yield f, st.st_size
+            yield f, size
 
 
 def load_image(path: str | Path, channels: int, min_side: int | None = None,
