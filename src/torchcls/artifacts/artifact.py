@@ -9,6 +9,7 @@ eagerly from the checkpoint's own metadata (torchcls.checkpoint.files).
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from pathlib import Path
 
@@ -37,14 +38,20 @@ class EagerArtifact(LoadedArtifact):
     hardware computes it natively, else fp32; `.choice` says which and why)."""
 
     def __init__(self, path: str | Path, device: str = "auto", precision: str = "auto"):
+        from torchcls.artifacts.parity import keep_if_it_agrees
         from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
         from torchcls.precision.inference import eager_for_inference
 
         self.device = portable_device(device)
         ckpt = resolve_checkpoint(path)
         model, meta = load_model(ckpt)
-        self.model, self.choice = eager_for_inference(model.to(self.device), precision, self.device,
-                                                      fp32_only(model))
+        model = model.to(self.device)
+        # auto keeps a reduced precision only where it agrees with fp32 as an exported artifact must: the
+        # fp32 model is kept for that check (the reduced one is cast in place).
+        candidate = copy.deepcopy(model) if precision == "auto" else model
+        self.model, self.choice = eager_for_inference(candidate, precision, self.device, fp32_only(model))
+        if self.choice.requested == "auto" and self.choice.precision != "fp32":
+            self.model, self.choice = keep_if_it_agrees(model.eval(), self.model, self.choice, meta, self.device)
         run_dir = run_dir_of(ckpt)
         self.info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, "eager", list(meta.classes),
                                  meta.preprocess, EAGER_MAX_BATCH, self.choice.precision, task=meta.task,
