@@ -275,7 +275,7 @@ def is_shard_source(source: str) -> bool:
 def _expand(source: str) -> list[Path]:
     from braceexpand import braceexpand
     paths = [Path(p) for p in braceexpand(source)]
-    missing = [str(p) for p in paths if not p.is_file()]
+    missing = [str(p) for p in paths if not p.exists()]  # (anything else is refused when opened: a FIFO...)
     if missing:
         raise UserError(f"--data {source}: {len(missing)} of {len(paths)} shard(s) not found, e.g. {missing[0]}")
     return paths

@@ -24,6 +24,7 @@ from torchcls.data.refusals import refuse
 from torchcls.data.scan import list_files, scan_headers
 from torchcls.data.splits import SPLIT_NAMES, available_splits, check_same_classes, csv_splits, split_folders
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular
 from torchcls.suggest import data_names, did_you_mean
 
 FASHION_MNIST_DEBIAN_DIR = "/usr/share/datasets/fashion-mnist"
@@ -119,14 +120,20 @@ def _mnist_5k(channels: int | None) -> ImageSet:
 
 
 def _read_idx(path: Path) -> np.ndarray:
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
+    with open_regular(path, what="IDX file") as packed, gzip.open(packed, "rb") as f:
+        raw = f.read(MAX_IDX_BYTES + 1)  # bounded before it is all in memory: a gzip inflates ~1000-fold
+    if len(raw) > MAX_IDX_BYTES:
+        raise UserError(f"{path} inflates to more than {MAX_IDX_BYTES:,} bytes, more than any Fashion-MNIST file "
+                        "(47,040,016): it is not one of the four official IDX files")
     magic, = struct.unpack(">I", raw[:4])
     ndim = magic & 0xFF
     if magic >> 8 != 0x08:  # 0x08 = unsigned byte data
         raise UserError(f"{path} is not an unsigned-byte IDX file (magic {magic:#x})")
     shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
     return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+
+
+MAX_IDX_BYTES = 64 << 20  # the largest Fashion-MNIST file (train images) inflates to 47,040,016 bytes
 
 
 def _fashion_mnist(root: str | None, split: str, channels: int | None) -> ImageSet:
@@ -208,7 +215,7 @@ def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) 
 def _csv_rows(csv_path: Path) -> tuple[list[dict[str, str]], bool, str]:
     """The rows, whether there is a split column, and the label column: `label` (one per row) or
     `labels` (multi-label: any number separated by ';', empty for none)."""
-    with csv_path.open(newline="") as f:
+    with open_regular(csv_path, "r", newline="", what="CSV manifest") as f:
         reader = csv.DictReader(f)
         names = set(reader.fieldnames or [])
         if "path" not in names or not names & {"label", "labels"}:
