@@ -5,7 +5,8 @@
 
 A real server process gets --requests requests from --concurrency keep-alive clients (a minimal
 asyncio HTTP/1.1 client). A fifth of them are hostile: a 2,000,000x4 PNG, a 16-bit 8000x8000
-PNG (decodes at 64 MP: one per --heavy-every hostile requests), an EPS file, garbage bytes, a
+PNG (decodes at 64 MP: one per --heavy-every hostile requests), an EPS file, an .ico whose 16x16 entry
+embeds a 30000x30000 PNG, garbage bytes, a
 truncated JPEG, an empty body, bad JSON, duplicate and unknown outputs, an oversize batch, a
 wrong shape, a binary header that lies, a body above the size limit, an unknown model. The rest
 are good OIP infer requests (JSON and binary) and /predict uploads.
@@ -44,11 +45,13 @@ import json
 import re
 import shlex
 import signal
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from collections import Counter, defaultdict
 from pathlib import Path
 
@@ -85,6 +88,22 @@ def encoded(im: Image.Image, fmt: str) -> bytes:
     return out.getvalue()
 
 
+def ico_bomb(side: int = 30000, zeros_mb: int = 64) -> bytes:
+    """An .ico whose directory says 16x16 and whose one entry embeds a `side`x`side` RGBA PNG (Pillow decodes
+    that PNG inside Image.open): ~`zeros_mb` KB on the wire. Each MiB of zeros after a full flush compresses
+    to the same block, so the file is built without compressing gigabytes."""
+    c = zlib.compressobj(9)
+    block = c.compress(bytes(2**20)) + c.flush(zlib.Z_FULL_FLUSH)
+    idat = block + (c.compress(bytes(2**20)) + c.flush(zlib.Z_FULL_FLUSH)) * (zeros_mb - 1)
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", side, side, 8, 6, 0, 0, 0))
+           + chunk(b"IDAT", idat) + chunk(b"IEND", b""))
+    return struct.pack("<HHH", 0, 1, 1) + struct.pack("<BBBBHHII", 16, 16, 0, 0, 1, 32, len(png), 22) + png
+
+
 def infer_json(shape: list[int], data: list[float] | None = None, **extra) -> bytes:
     values = data if data is not None else np.random.default_rng(0).standard_normal(int(np.prod(shape))).tolist()
     return json.dumps({"inputs": [{"name": "input", "datatype": "FP32", "shape": shape, "data": values}],
@@ -112,6 +131,7 @@ def request_kinds(name: str, channels: int, size: int, max_batch: int, heavy: bo
     hostile = {
         "wide png 2000000x4": (http("POST", predict, png(Image.new("L", (2_000_000, 4)))), REFUSED),
         "eps file": (http("POST", predict, encoded(photo, "EPS")), REFUSED),
+        "ico bomb 30000x30000": (http("POST", predict, ico_bomb()), REFUSED),
         "garbage bytes": (http("POST", predict, bytes(range(256)) * 8), REFUSED),
         "truncated jpeg": (http("POST", predict, jpeg[:len(jpeg) // 2]), REFUSED),
         "empty body": (http("POST", predict), REFUSED),
