@@ -167,3 +167,35 @@ def test_sharding_info_must_match_the_tensors(tmp_path: Path, info, message: str
     save_file({"w": torch.ones(2)}, str(tmp_path / "shard-00001-model-00001-of-00001.safetensors"), metadata=metadata)
     with pytest.raises(UserError, match=message):
         hf_dcp.check_dir(tmp_path)
+
+
+def test_overlapping_shards_that_add_up_to_the_whole_are_refused(tmp_path: Path) -> None:
+    # chunks [0:2], [1:3], [4:5] of 5 elements: 5 elements in all, distinct offsets, and index 3 in none
+    # (0bcf6c5 accepted them and the load left index 3 as it was)
+    for rank, (offset, n) in enumerate([(0, 2), (1, 2), (4, 1)]):
+        _shard(tmp_path, rank, {"w": torch.full((n,), float(rank))}, {"w": [offset]})
+    with pytest.raises(UserError, match="overlaps another shard") as refused:
+        hf_dcp.load({"w": torch.full((5,), -7.0)}, tmp_path)
+    assert "'w'" in str(refused.value) and str(tmp_path) in str(refused.value)
+
+
+def test_a_grid_of_shards_and_an_uneven_tiling_load(tmp_path: Path) -> None:
+    whole = torch.arange(24.0).reshape(4, 6)
+    layouts = {"grid": [((0, 0), (2, 3)), ((0, 3), (2, 3)), ((2, 0), (2, 3)), ((2, 3), (2, 3))],  # a 2 x 2 mesh
+               "bricks": [((0, 0), (2, 4)), ((0, 4), (2, 2)), ((2, 0), (2, 1)), ((2, 1), (2, 5))]}
+    for name, chunks in layouts.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for rank, ((r, c), (h, w)) in enumerate(chunks):
+            _shard(folder, rank, {"w": whole[r:r + h, c:c + w].clone()}, {"w": [r, c]})
+        target = {"w": torch.zeros(4, 6)}
+        hf_dcp.load(target, folder)
+        assert torch.equal(target["w"], whole), name
+
+
+def test_a_staircase_of_shards_is_refused_before_its_grid_is_counted() -> None:
+    # n chunks whose edges cut the tensor into n**2 cells: the check's cost is bounded by the chunk count
+    n = 400
+    saved = hf_dcp.SavedTensor("F32", 2, {(i, i): (1, n - i) for i in range(n)})
+    with pytest.raises(UserError, match="grid cells per shard"):
+        hf_dcp.check_cover("w", saved, Path("ckpt"), hf_dcp.DEFAULT_BOUNDS)

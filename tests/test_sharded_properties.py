@@ -162,3 +162,27 @@ def test_state_json_loads_or_is_refused(tmp_path: Path, rss_bound, state, nestin
         sharded_state.restore({"w": {"step": 1}}, saved["other"], "state.json")
     except UserError:
         pass
+
+
+boxes = st.integers(1, 3).flatmap(lambda ndim: st.dictionaries(
+    st.tuples(*[st.integers(0, 4)] * ndim), st.tuples(*[st.integers(0, 3)] * ndim), min_size=1, max_size=6))
+
+
+@SETTINGS
+@given(chunks=boxes)
+def test_chunks_are_accepted_exactly_when_they_tile_the_tensor(chunks: dict) -> None:
+    """Any set of chunks: accepted only if every element of the tensor they span is in exactly one of them
+    (counted element by element here); a tiling is refused only when its grid is over the cell bound."""
+    ndim = len(next(iter(chunks)))
+    saved = hf_dcp.SavedTensor("F32", ndim, dict(chunks))
+    count = torch.zeros(saved.size, dtype=torch.int32)
+    for offsets, shape in chunks.items():
+        count[tuple(slice(o, o + s) for o, s in zip(offsets, shape))] += 1
+    tiles = bool((count == 1).all())
+    try:
+        hf_dcp.check_cover("w", saved, Path("ckpt"), hf_dcp.DEFAULT_BOUNDS)
+        accepted = True
+    except UserError as e:
+        accepted = False
+        assert not tiles or "grid cells per shard" in str(e)
+    assert accepted <= tiles

@@ -9,12 +9,14 @@ That reader trusts the headers: it reads every `*.safetensors` entry of the dire
 each dtype, shape and offset into DCP's sizes and chunks as written. `check_dir` reads them first
 under `SafetensorsBounds` (checkpoint/safetensors_bounds.py) and checks what DCP will build from
 them: each tensor's offsets as long as its shape, its chunks of one dtype and rank, at distinct
-offsets, their elements adding up to the whole tensor's (a chunk missing would leave part of a
-tensor unloaded), the whole tensor's size bounded. Only then does the reader see the directory.
+offsets, tiling the whole tensor exactly: no two overlapping, none missing (either would leave part of
+a tensor unloaded; `check_cover`), the whole tensor's size bounded. Only then does the reader see the
+directory.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ OFFSETS_KEY = "saved_offsets"
 MAX_SHARDS = 4096  # files of one checkpoint: one per rank that holds tensors
 MAX_DIR_ENTRIES = 4 * MAX_SHARDS  # entries of the dir listed before giving up (shards, meta.json, state.json)
 MAX_CHUNKS = 1_000_000  # shard entries over all files (~150 bytes each while checked)
+MAX_CELLS_PER_CHUNK = 4  # grid cells per chunk when checking the tiling (what DCP writes: 1)
 
 
 @dataclass
@@ -154,16 +157,55 @@ def check_dir(path: Path, bounds: SafetensorsBounds = DEFAULT_BOUNDS) -> dict[st
             if chunks > MAX_CHUNKS:
                 raise UserError(f"{path}: more than {MAX_CHUNKS} tensor shards: refused")
     for name, saved in tensors.items():
-        _check_cover(name, saved, path, bounds)
+        check_cover(name, saved, path, bounds)
     return tensors
 
 
-def _check_cover(name: str, saved: SavedTensor, path: Path, bounds: SafetensorsBounds) -> None:
-    whole = bounded_numel(list(saved.size), bounds.max_numel)
-    parts = sum(bounded_numel(list(s), bounds.max_numel) or 0 for s in saved.chunks.values())
-    if whole is None or parts != whole:
-        raise UserError(f"{path}: tensor {name[:80]!r} of size {list(saved.size)} is not covered exactly by its "
-                        f"{len(saved.chunks)} shard(s) ({parts} elements): a shard file is missing or crafted")
+def check_cover(name: str, saved: SavedTensor, path: Path, bounds: SafetensorsBounds) -> None:
+    """The chunks tile the tensor exactly: every element in exactly one chunk. DCP's reader copies each
+    chunk where its offsets say and never checks, so an overlap would hide a gap (chunks [0:2], [1:3],
+    [4:5] of 5 elements add up to 5 and leave index 3 as it was before the load).
+
+    Per dimension, the chunk edges (offsets and offset + length) cut the tensor into a grid; each chunk
+    is a box of whole grid cells, and the chunks tile the tensor when every cell is in exactly one of them.
+    For what DCP writes (a product of per-dimension splits: rows for FSDP2, a grid for 2-D meshes) the
+    grid has as many cells as there are chunks; a layout whose grid has more than MAX_CELLS_PER_CHUNK
+    times as many (a crafted staircase: n chunks, n**2 cells) is refused before the cells are counted."""
+    size = saved.size
+    whole = bounded_numel(list(size), bounds.max_numel)
+    if whole is None:
+        raise UserError(f"{path}: tensor {name[:80]!r} of size {list(size)} has more than {bounds.max_numel} "
+                        "elements: refused")
+    boxes = [(o, s) for o, s in saved.chunks.items() if all(s)]  # an empty chunk covers nothing
+    cuts = [sorted({0, size[d]} | {o[d] for o, _ in boxes} | {o[d] + s[d] for o, s in boxes}) for d in range(saved.ndim)]
+    cells = bounded_numel([len(c) - 1 for c in cuts], MAX_CELLS_PER_CHUNK * max(1, len(boxes)))
+    if cells is None:
+        raise UserError(f"{path}: tensor {name[:80]!r}: its {len(boxes)} shard(s) cut it into more than "
+                        f"{MAX_CELLS_PER_CHUNK} grid cells per shard, not a layout DCP writes: refused")
+    covered = _mark_cells(boxes, cuts, cells, name, path)
+    if whole and covered != cells:
+        raise UserError(f"{path}: tensor {name[:80]!r} of size {list(size)} is not covered exactly by its "
+                        f"{len(saved.chunks)} shard(s) (a part of it is in none): a shard file is missing or crafted")
+
+
+def _mark_cells(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]], cuts: list[list[int]], cells: int,
+                name: str, path: Path) -> int:
+    """Mark the grid cells of each box (refusing a cell marked twice); returns how many were marked."""
+    index = [{c: i for i, c in enumerate(cut)} for cut in cuts]
+    strides = [1] * len(cuts)
+    for d in range(len(cuts) - 2, -1, -1):
+        strides[d] = strides[d + 1] * (len(cuts[d + 1]) - 1)
+    seen, marked = bytearray(cells), 0
+    for offsets, shape in boxes:
+        ranges = [range(index[d][o], index[d][o + s]) for d, (o, s) in enumerate(zip(offsets, shape))]
+        for cell in itertools.product(*ranges):
+            flat = sum(i * st for i, st in zip(cell, strides))
+            if seen[flat]:
+                raise UserError(f"{path}: tensor {name[:80]!r}: its shard at offsets {list(offsets)} (shape "
+                                f"{list(shape)}) overlaps another shard: not covered exactly (a crafted shard "
+                                "would leave part of the tensor unloaded)")
+            seen[flat], marked = 1, marked + 1
+    return marked
 
 
 def load(state: dict[str, Any], path: Path, bounds: SafetensorsBounds = DEFAULT_BOUNDS) -> dict[str, SavedTensor]:
