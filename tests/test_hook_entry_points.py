@@ -103,7 +103,7 @@ def test_an_unknown_name_loads_no_entry_point(site, tmp_path):
     trap = tmp_path / "trap-imported"
     install(root, "trap", {mod("trap"): TRAP_SRC.format(marker=str(trap))}, {"trap": f"{mod('trap')}:h"})
     install(root, "good", {mod("good"): HOOK_SRC.format(module="good", name="good")}, {"good": f"{mod('good')}:blur"})
-    with pytest.raises(UserError, match="unknown hook.*'nosuch'.*available: good, redact-samples, strip-exif, trap"):
+    with pytest.raises(UserError, match="unknown hook.*'nosuch'.*available: (.*, )?good, (.*, )?redact-samples, strip-exif, trap"):
         resolve_hooks("good,nosuch")
     assert [h.name for h in resolve_hooks("strip-exif")] == ["strip-exif"]
     assert "trap" in available_hooks()  # listed from metadata ...

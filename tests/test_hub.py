@@ -149,7 +149,9 @@ def test_bare_flag_takes_the_tags_weights_from_a_bin_with_weights_only(offline_h
     assert (pre.img_size, pre.crop_pct, pre.mean, pre.interpolation) == (160, 0.95, (0.5, 0.5, 0.5), "bilinear")
     assert model_for("test_resnet.r160_in1k", source, default="smallnet") == "test_resnet.r160_in1k"
     model = create_model(ModelSpec("test_resnet.r160_in1k", 3, 1, 64))  # other classes, grey
-    report = load_pretrained(model, source, num_classes=3)
+    with pytest.raises(UserError, match="pickles are not read by default.*--unsafe-unpickle"):
+        load_pretrained(model, source, num_classes=3)  # a .bin is a pickle: only with the opt-in
+    report = load_pretrained(model, source, num_classes=3, unsafe_unpickle=True)
     cached = torch.load(source.file, weights_only=True)
     assert report.adapted == ["conv1.0.weight"] and sorted(report.reinitialised) == ["fc.bias", "fc.weight"]
     torch.testing.assert_close(model.state_dict()["layer1.0.conv1.weight"], cached["layer1.0.conv1.weight"])
@@ -161,8 +163,11 @@ def test_a_pickle_on_the_hub_is_refused_and_never_run(offline_hub: Path, hf_home
     from torchcls.models import ModelSpec, create_model
     from torchcls.models.pretrained import load_pretrained
 
-    with pytest.raises(UserError, match="refused, it needs unpickling"):
-        load_pretrained(create_model(ModelSpec("test_resnet", 2, 3, 32)), "hf-hub:evil-org/pickle", 2)
+    model = create_model(ModelSpec("test_resnet", 2, 3, 32))
+    with pytest.raises(UserError, match="pickles are not read by default"):
+        load_pretrained(model, "hf-hub:evil-org/pickle", 2)  # by default a pickle is not even opened
+    with pytest.raises(UserError, match="refused, it needs unpickling"):  # opted in: torch's restricted unpickler
+        load_pretrained(model, "hf-hub:evil-org/pickle", 2, unsafe_unpickle=True)
     assert not (hf_home / "pwned").exists()
 
 

@@ -114,7 +114,7 @@ def test_drop_path_reaches_timm_models_and_is_refused_elsewhere():
         create_model(ModelSpec("smallnet", 3, 1, 28, drop_path_rate=0.1))
     with pytest.raises(UserError, match="not to 'tv/resnet18'"):
         create_model(ModelSpec("tv/resnet18", 3, 3, SIZE, drop_path_rate=0.1))
-    with pytest.raises(UserError, match=r"--drop-path must be in \[0, 1\), got 1.5"):
+    with pytest.raises(UserError, match=r"drop_path_rate \(--drop-path\) must be a number in \[0.0, 1.0\], got 1.5"):
         create_model(ModelSpec("resnet18", 3, 3, SIZE, drop_path_rate=1.5))
 
 

@@ -63,6 +63,8 @@ def create_model(spec: ModelSpec) -> nn.Module:
 _INTS = {"num_classes": (1, MAX_CLASSES), "in_chans": (1, MAX_IN_CHANS), "img_size": (1, MAX_IMG_SIZE),
          "exits": (0, MAX_EXITS)}
 _FLOATS = {"drop_rate": (0.0, 1.0), "exit_threshold": (0.0, 1.0), "drop_path_rate": (0.0, 1.0)}  # closed ranges
+_FLAGS = {"in_chans": "--channels", "img_size": "--img-size", "exits": "--exits", "drop_rate": "--drop-rate",
+          "exit_threshold": "--exit-threshold", "drop_path_rate": "--drop-path"}  # where a user sets each one
 
 
 def check_spec(spec: ModelSpec, where: str = "model spec") -> None:
@@ -72,13 +74,18 @@ def check_spec(spec: ModelSpec, where: str = "model spec") -> None:
     for name, (low, high) in _INTS.items():
         value = getattr(spec, name)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise UserError(f"{where}: {name} must be an integer in [{low}, {high:,}], got {_show(value)}"
+            raise UserError(f"{where}: {_named(name)} must be an integer in [{low}, {high:,}], got {_show(value)}"
                             + (" (MAX_CLASSES in torchcls.models.registry)" if name == "num_classes" else ""))
     for name, (low, high) in _FLOATS.items():
         value = getattr(spec, name)
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
                 or not low <= value <= high):
-            raise UserError(f"{where}: {name} must be a number in [{low}, {high}], got {_show(value)}")
+            raise UserError(f"{where}: {_named(name)} must be a number in [{low}, {high}], got {_show(value)}")
+
+
+def _named(field: str) -> str:
+    """A spec field with the option that sets it: 'exit_threshold (--exit-threshold)'."""
+    return f"{field} ({_FLAGS[field]})" if field in _FLAGS else field
 
 
 def spec_from_dict(raw: Any, where: str) -> ModelSpec:
