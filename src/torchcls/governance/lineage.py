@@ -21,7 +21,6 @@ import json
 import os
 import stat
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -31,8 +30,10 @@ from torchcls.governance.digest import canonical_json
 from torchcls.governance.keys import KEY_ENV, key_id, sign
 from torchcls.governance.records import (
     GENESIS,
-    MAX_LINE_BYTES,
+    ChainCheck,
+    ChainProblem,
     Entry,
+    check_line,
     read_entries,
     read_tail,
     record_hash,
@@ -53,16 +54,6 @@ def default_audit_log(out_dir: str | Path = "runs") -> Path:
 def manifest_store(audit_log: Path) -> Path:
     """Manifests are kept beside the log, content-addressed by their hash, so records stay small."""
     return audit_log.parent / "manifests"
-
-
-@dataclass
-class ChainProblem:
-    line: int
-    message: str
-    torn: bool = False  # an interrupted append (disk full, crash): no complete record is missing
-
-    def __str__(self) -> str:
-        return f"audit log line {self.line}: {self.message}"
 
 
 def _open_for_append(path: Path) -> IO[bytes]:
@@ -120,9 +111,7 @@ class AuditLog:
             if self.key is not None:
                 record["hmac"] = sign(self.key, record["hash"])
             line = json.dumps(record, sort_keys=True).encode()
-        if len(line) > MAX_LINE_BYTES:
-            raise UserError(f"audit record '{record['kind']}' is {len(line)} bytes, more than a line of the audit "
-                            f"log may hold ({MAX_LINE_BYTES}); nothing was written")
+        check_line(line, record["kind"])  # the bounds the reader holds it to (records.py)
         return line
 
     def _tail(self, f: IO[bytes]):
@@ -165,11 +154,15 @@ class AuditLog:
 
     def entries(self) -> Iterator[Entry]:
         """Every line, parsed and checked for shape (records.py), read line by bounded line."""
+        with self.open() as f:
+            yield from read_entries(f)
+
+    def open(self) -> IO[bytes]:
+        """The log, opened for reading (a regular file only: a FIFO would block)."""
         if not self.path.exists():
             raise UserError(f"audit log {self.path} does not exist (runs append to OUT_DIR/{STORE_DIR}/audit.jsonl; "
                             "pass --audit-log FILE)")
-        with open_regular(self.path, what="audit log") as f:
-            yield from read_entries(f)
+        return open_regular(self.path, what="audit log")
 
     def records(self) -> Iterator[tuple[int, dict[str, Any] | None, str]]:
         """(line number, the record or None when the line is not one, what is wrong with the line)."""
@@ -188,21 +181,8 @@ class AuditLog:
 
 
 def chain_problems(entries: Iterable[Entry]) -> list[ChainProblem]:
-    """What AuditLog.check_chain reports, for entries already read."""
-    problems, prev_hash, expected_seq = [], GENESIS, 0
+    """What AuditLog.check_chain reports, for entries read (streamed: records.ChainCheck keeps none)."""
+    chain = ChainCheck()
     for e in entries:
-        rec = e.record
-        if rec is None:
-            problems.append(ChainProblem(e.line, e.problem, e.torn))
-            continue
-        if rec["hash"] != record_hash(rec):
-            problems.append(ChainProblem(e.line, f"record seq {rec['seq']} ({rec['kind']}) does not match its own "
-                                                 "hash: its content was changed"))
-        if rec["prev"] != prev_hash:
-            problems.append(ChainProblem(e.line, f"record seq {rec['seq']} does not link to the record before it: a "
-                                                 "record was removed, inserted or reordered"))
-        if rec["seq"] != expected_seq:
-            problems.append(ChainProblem(e.line, f"sequence number {rec['seq']} where {expected_seq} was expected: "
-                                                 "records were removed or reordered"))
-        prev_hash, expected_seq = rec["hash"], rec["seq"] + 1
-    return problems
+        chain.feed(e)
+    return chain.all_problems()

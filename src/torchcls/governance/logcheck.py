@@ -12,13 +12,14 @@ A result has one of three statuses, and only one of them claims provenance:
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
-from torchcls.governance.lineage import AuditLog, chain_problems
-from torchcls.governance.records import Entry
-from torchcls.governance.signatures import Trusted, check_signatures, trusted_from
+from torchcls.governance.lineage import AuditLog
+from torchcls.governance.records import ChainCheck, Entry, read_entries
+from torchcls.governance.signatures import SignatureReport, Trusted, check_signatures, trusted_from
 from torchcls.governance.signing import short
 
 EXIT_CODES = {"verified": 0, "failed": 1, "unverified": 3}
@@ -60,25 +61,49 @@ class VerifyResult:
                 "checks": [c.__dict__ for c in self.checks]}
 
 
-def listed(items: list) -> str:
-    return "; ".join(str(p) for p in items[:5]) + (f" (+{len(items) - 5} more)" if len(items) > 5 else "")
+def listed(items: list, more: int = 0) -> str:
+    """The first five of `items`, and how many more (`more`: those not even kept)."""
+    more += max(0, len(items) - 5)
+    return "; ".join(str(p) for p in items[:5]) + (f" (+{more} more)" if more else "")
 
 
-def check_log(res: VerifyResult, log: AuditLog, entries: list[Entry], trusted: Trusted,
+@dataclass
+class LogScan:
+    """One pass over a log: its chain and its signatures, as running state (no record is kept)."""
+
+    chain: ChainCheck
+    signatures: SignatureReport
+
+
+def scan_log(f: IO[bytes], trusted: Trusted, see: Callable[[dict[str, Any]], None] | None = None) -> LogScan:
+    """Read the log `f` once, line by bounded line, checking its chain and signatures as it goes; `see` is
+    shown each record (a search that keeps the few it needs). Memory: one line, not the log."""
+    chain = ChainCheck()
+
+    def fed() -> Iterator[Entry]:
+        for e in read_entries(f):
+            chain.feed(e)
+            if see is not None and e.record is not None:
+                see(e.record)
+            yield e
+
+    return LogScan(chain, check_signatures(fed(), trusted))
+
+
+def check_log(res: VerifyResult, log: AuditLog, scan: LogScan, trusted: Trusted,
               lineage: dict[str, Any] | None = None) -> None:
     """The log's lines and chain, then its signatures, added to `res`."""
-    problems = chain_problems(entries)
-    torn = [p for p in problems if p.torn]
-    problems = [p for p in problems if not p.torn]
-    res.add("audit log chain", not problems, (f"{log.path}: {sum(e.record is not None for e in entries)} records, "
-                                              "every line a record, chain intact" if not problems else listed(problems))
+    torn = [p for p in scan.chain.problems if p.torn]
+    problems = [p for p in scan.chain.problems if not p.torn]
+    res.add("audit log chain", not (problems or scan.chain.dropped), (
+        f"{log.path}: {scan.chain.records} records, every line a record, chain intact"
+        if not problems else listed(problems, scan.chain.dropped))
             + ("; " + listed(torn) + " (reported, not failed)" if torn else ""))
-    _check_signatures(res, entries, trusted, lineage)
+    _check_signatures(res, scan.signatures, trusted, lineage)
 
 
-def _check_signatures(res: VerifyResult, entries: list[Entry], trusted: Trusted,
+def _check_signatures(res: VerifyResult, report: SignatureReport, trusted: Trusted,
                       lineage: dict[str, Any] | None) -> None:
-    report = check_signatures(entries, trusted)
     problems = [f"audit log line {n}: {m}" for n, m in report.problems]
     if trusted.any():
         hmac_only = trusted.hmac is not None and not report.signers
@@ -110,5 +135,6 @@ def verify_log(path: str | Path, key_file: str | None = None, public_keys: list[
     log = AuditLog(path)
     trusted = trusted_from(key_file, public_keys, load_policy(policy) if policy else None, near=[log.path.parent])
     res = VerifyResult(str(log.path))
-    check_log(res, log, list(log.entries()), trusted)
+    with log.open() as f:
+        check_log(res, log, scan_log(f, trusted), trusted)
     return res

@@ -11,8 +11,13 @@ that was removed or hidden.
 Bounds, each checked before memory in proportion to it is spent:
 - MAX_LINE_BYTES per line: lines are read with a capped readline, so a 1 GB line costs one cap's
   worth of memory (it is skipped in pieces and reported), never the whole line;
-- MAX_RECORDS lines per log (verify keeps the parsed records in memory);
-- JSON nesting: a line nested deeper than the interpreter's recursion limit is "not JSON".
+- LINE_BOUNDS on what one line (and a signed line's payload, the record) may describe: the values
+  are counted from the bytes before the parse (bounded_json), so a megabyte of `[[],[],...]` is
+  refused, not turned into half a million lists; nesting, strings, duplicate keys and non-finite
+  numbers are checked too. The writer checks the same bounds (check_line) before it appends;
+- MAX_RECORDS lines per log; readers stream the log (ChainCheck here, the signature check, verify's
+  search for an artifact's records) and keep only running state and the few records they need;
+- MAX_PROBLEMS_KEPT problems listed per check (the rest counted).
 """
 
 from __future__ import annotations
@@ -22,12 +27,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.errors import UserError
 from torchcls.governance import dsse
 from torchcls.governance.digest import sha256_json
 from torchcls.governance.signing import looks_like_key_id
 
 MAX_LINE_BYTES = 1 << 20  # a record is a few KB (a run record with its config and package versions)
 MAX_RECORDS = 1_000_000
+# A run record (the largest) holds a few hundred values nested 4 deep (record > config > section > list).
+# Strings may be as long as the line: a signed line's payload, the base64 of the record, is one string.
+LINE_BOUNDS = JsonBounds(max_bytes=MAX_LINE_BYTES, max_values=10_000, max_depth=8, max_str=MAX_LINE_BYTES)
+MAX_PROBLEMS_KEPT = 1000  # a log of a million junk lines lists the first thousand and counts the rest
 GENESIS = "0" * 64
 _HEX = frozenset("0123456789abcdef")
 NOT_JSON = "not a JSON record (the file was edited)"
@@ -56,6 +67,56 @@ class Entry:
     torn: bool = False  # the last line, cut off by an interrupted append: no complete record is missing
 
 
+@dataclass
+class ChainProblem:
+    line: int
+    message: str
+    torn: bool = False  # an interrupted append (disk full, crash): no complete record is missing
+
+    def __str__(self) -> str:
+        return f"audit log line {self.line}: {self.message}"
+
+
+class ChainCheck:
+    """The hash chain, checked one line at a time with running state only (the last record's hash and
+    sequence number, counts): a log of any length is checked in the memory of one line. Every line that
+    is not a record is a problem (a torn last line one flagged `torn`), and so is every broken link."""
+
+    def __init__(self) -> None:
+        self.head, self.next_seq = GENESIS, 0  # the last record's hash, and the seq the next record must have
+        self.lines = self.records = self.dropped = 0
+        self.problems: list[ChainProblem] = []  # the first MAX_PROBLEMS_KEPT; `dropped` counts the rest
+
+    def feed(self, e: Entry) -> None:
+        self.lines += 1
+        rec = e.record
+        if rec is None:
+            self._add(ChainProblem(e.line, e.problem or NOT_JSON, e.torn))
+            return
+        self.records += 1
+        if rec["hash"] != record_hash(rec):
+            self._add(ChainProblem(e.line, f"record seq {rec['seq']} ({rec['kind'][:80]}) does not match its own "
+                                           "hash: its content was changed"))
+        if rec["prev"] != self.head:
+            self._add(ChainProblem(e.line, f"record seq {rec['seq']} does not link to the record before it: a "
+                                           "record was removed, inserted or reordered"))
+        if rec["seq"] != self.next_seq:
+            self._add(ChainProblem(e.line, f"sequence number {rec['seq']} where {self.next_seq} was expected: "
+                                           "records were removed or reordered"))
+        self.head, self.next_seq = rec["hash"], rec["seq"] + 1
+
+    def _add(self, problem: ChainProblem) -> None:
+        if len(self.problems) < MAX_PROBLEMS_KEPT:
+            self.problems.append(problem)
+        else:
+            self.dropped += 1
+
+    def all_problems(self) -> list[ChainProblem]:
+        """The problems kept, then one line counting those that were not."""
+        more = [ChainProblem(self.lines, f"and {self.dropped} more problems")] if self.dropped else []
+        return self.problems + more
+
+
 def read_entries(f: IO[bytes]) -> Iterator[Entry]:
     """Every line of the binary file `f`, in order; at most MAX_RECORDS of them."""
     n = 0
@@ -76,13 +137,15 @@ def read_entries(f: IO[bytes]) -> Iterator[Entry]:
 def parse_line(n: int, raw: bytes) -> Entry:
     content = raw.removesuffix(b"\n")
     at_end = not raw.endswith(b"\n")  # only the last line of a file can lack its newline
+    if not content.strip():
+        return Entry(n, problem="an empty line (the file was edited)")
     try:
-        obj = json.loads(content.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError):  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
-        if at_end and content.strip():
+        obj = load_bounded(content, LINE_BOUNDS, "the line")
+    except UserError as e:
+        if at_end and _cut_short(content):
             return Entry(n, problem="an incomplete record (an append was interrupted, e.g. the disk was full); "
                                     "no complete record is missing", torn=True)
-        return Entry(n, problem="an empty line (the file was edited)" if not content.strip() else NOT_JSON)
+        return Entry(n, problem=f"{NOT_JSON}: {str(e)[:300]}")
     if dsse.is_envelope(obj):
         return _signed(n, obj)
     problem = record_problem(obj)
@@ -93,13 +156,37 @@ def parse_line(n: int, raw: bytes) -> Entry:
     return Entry(n, obj if problem is None else None, problem=problem)
 
 
+def _cut_short(content: bytes) -> bool:
+    """Whether a last line that is not a record is what an interrupted append leaves: text that stops
+    before its JSON ends. A line over LINE_BOUNDS is no prefix of a record, and one that parses whole is
+    complete (so not torn): either is a problem wherever it is."""
+    if content.count(b"{") + content.count(b"[") + content.count(b",") + 1 > LINE_BOUNDS.max_values:
+        return False
+    try:
+        json.loads(content)  # (at most LINE_BOUNDS.max_values values: counted above)
+    except (ValueError, RecursionError):
+        return True
+    return False
+
+
+def check_line(line: bytes, kind: str) -> None:
+    """What an append checks before it writes `line` (no newline): that the reader will take it as a record."""
+    if len(line) > MAX_LINE_BYTES:
+        raise UserError(f"audit record '{kind}' is {len(line)} bytes, more than a line of the audit log may hold "
+                        f"({MAX_LINE_BYTES}); nothing was written")
+    entry = parse_line(0, line + b"\n")
+    if entry.record is None:
+        raise UserError(f"audit record '{kind}' is not one the log's reader takes ({entry.problem}); nothing was "
+                        "written")
+
+
 def _signed(n: int, obj: dict[str, Any]) -> Entry:
     try:
         env = dsse.parse(obj)
         if env.payload_type != dsse.RECORD_TYPE:
             raise ValueError(f"a DSSE envelope of type {env.payload_type[:80]!r}, not an audit record")
-        rec = json.loads(env.payload.decode("utf-8"), parse_constant=_no_constant)
-    except (ValueError, RecursionError) as e:
+        rec = load_bounded(env.payload, LINE_BOUNDS, "its payload")
+    except (ValueError, UserError) as e:
         return Entry(n, problem=f"a malformed signed record ({str(e)[:200]})")
     problem = record_problem(rec) or _signer_problem(rec)
     if problem is None and {k for k, _ in env.signatures} != {rec["signer"]["keyid"]}:
@@ -137,10 +224,6 @@ def _signer_problem(rec: dict[str, Any]) -> str | None:
 
 def _is_hex64(v: Any) -> bool:
     return isinstance(v, str) and len(v) == 64 and set(v) <= _HEX
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(f"{name} is not allowed in a record")
 
 
 @dataclass

@@ -36,9 +36,10 @@ from torchcls.governance.artifacts import sidecar
 from torchcls.governance.attestation import attestation_path, verify_attestation
 from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.keys import KEY_ENV
-from torchcls.governance.lineage import AuditLog, chain_problems, record_hash
+from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.governance.logcheck import scan_log
 from torchcls.governance.records import MAX_LINE_BYTES
-from torchcls.governance.signatures import check_signatures, trusted_from
+from torchcls.governance.signatures import trusted_from
 from torchcls.governance.signing import TRUSTED_KEYS_ENV, load_public_key, trusted_key_files
 from torchcls.io_files import open_regular, read_bytes
 
@@ -108,20 +109,26 @@ def _registered(path: Path, digest: str) -> tuple[str | None, str]:
     long_line = _first_long_line(log.path)
     if long_line is not None:
         return None, f"line {long_line} of its audit log {log.path} is longer than any record ({MAX_LINE} bytes)"
-    entries = list(log.entries())
-    mine = [e.record for e in entries if e.record and e.record["kind"] == "artifact"
-            and e.record.get("artifact_id") == artifact_id]
-    if not mine or mine[-1]["hash"] != record_hash(mine[-1]) or pin.get("hash") != mine[-1]["hash"]:
+    found: list[dict] = []  # the last artifact record of this id: the one record kept while the log streams past
+
+    def see(rec: dict) -> None:
+        if rec["kind"] == "artifact" and rec.get("artifact_id") == artifact_id:
+            found[:] = [rec]
+
+    with log.open() as f:
+        scan = scan_log(f, trusted, see)
+    mine = found[-1] if found else None
+    if mine is None or mine["hash"] != record_hash(mine) or pin.get("hash") != mine["hash"]:
         return None, f"its record in {log.path} is missing or does not match the sidecar's pin"
-    if mine[-1].get("sha256") != digest:
+    if mine.get("sha256") != digest:
         return None, f"its SHA-256 {digest[:16]}… differs from the one registered in {log.path}: the file changed"
-    broken = [str(p) for p in chain_problems(entries) if not p.torn]
-    broken += [f"audit log line {n}: {m}" for n, m in check_signatures(entries, trusted).problems]
+    broken = [str(p) for p in scan.chain.all_problems() if not p.torn]
+    broken += [f"audit log line {n}: {m}" for n, m in scan.signatures.problems]
     if broken:
         return None, f"its audit log {log.path} does not verify ({broken[0]})"
-    how = "signed with the configured audit key" if "signer" not in mine[-1] else \
-        f"signed by trusted key sha256:{mine[-1]['signer']['keyid'][7:23]}…"
-    return f"registered in {log.path} (seq {mine[-1]['seq']}), {how}", ""
+    how = "signed with the configured audit key" if "signer" not in mine else \
+        f"signed by trusted key sha256:{mine['signer']['keyid'][7:23]}…"
+    return f"registered in {log.path} (seq {mine['seq']}), {how}", ""
 
 
 def _attested(path: Path, digest: str) -> tuple[str | None, str]:

@@ -40,7 +40,8 @@ from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
 from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
-from torchcls.governance.logcheck import VerifyResult, check_log, listed
+from torchcls.governance.log_search import ArtifactSearch, second_pass
+from torchcls.governance.logcheck import VerifyResult, check_log, listed, scan_log
 from torchcls.governance.manifest import MAX_MANIFEST_BYTES, content_key, manifest_hash, records_root
 from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
 from torchcls.governance.signatures import Trusted, trusted_from
@@ -77,16 +78,21 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     lineage = lineage if isinstance(lineage, dict) else None
     log = AuditLog(find_audit_log(artifact, lineage, audit_log))
     trusted = trusted_from(key_file, public_keys, given, near=[log.path.parent])
-    entries = list(log.entries())
-    check_log(res, log, entries, trusted, lineage)
-    records = [e.record for e in entries if e.record is not None]
-    pins = pins_of(artifact, lineage, records)
-    bad, good = check_pins(pins, records)
+    search = ArtifactSearch(artifact, digest, lineage)
+    with log.open() as f:  # streamed twice (log_search.py): only the few records verify needs are kept
+        scan = scan_log(f, trusted, search.see)
+        check_log(res, log, scan, trusted, lineage)
+        pins = pins_of(artifact, lineage, search.run_records())
+        seqs = {pin.get("seq") for _, pin in pins if type(pin.get("seq")) is int}
+        pinned, run, same = second_pass(f, scan.chain, seqs, search.produced_run())
+    if not same:
+        res.add("audit log", False, f"{log.path} changed while it was being verified: verify it again")
+        return res
+    bad, good = check_pins(pins, pinned)
     res.add("audit log anchors", None if not pins else not bad, "; ".join(bad or good) if pins else
             "no pinned record hash found for this artifact (made before pins were recorded, and no lineage.json)")
     _check_attestation(res, artifact, digest, trusted)
-    run = _artifact_and_run(res, log, records, artifact, digest, lineage)
-    if run is None:
+    if not _artifact_and_run(res, log, search, run):
         return res
     _check_manifests(res, log, run, HashCache(None if rehash else log.path.parent / CACHE_FILE))
     _check_policy(res, run, given, policy)
@@ -100,51 +106,32 @@ def _check_attestation(res: VerifyResult, artifact: Path, digest: str, trusted: 
     res.add("attestation", ok, detail)
 
 
-def _artifact_and_run(res: VerifyResult, log: AuditLog, records: list[dict[str, Any]], artifact: Path, digest: str,
-                      lineage: dict[str, Any] | None) -> dict[str, Any] | None:
-    produced = [(r, a) for r in records for a in _artifacts_of(r) if a["sha256"] == digest]
-    if lineage is None and not produced:
+def _artifact_and_run(res: VerifyResult, log: AuditLog, search: ArtifactSearch, run: dict[str, Any] | None) -> bool:
+    """Whether a record produced the artifact and its run has a `run` record (`run`); each finding added."""
+    artifact, digest, lineage = search.artifact, search.digest, search.lineage
+    if lineage is None and search.produced is None:
         res.add("artifact hash", False, f"{artifact} (sha256 {digest[:16]}…) carries no readable lineage id and its "
                                         "hash matches no artifact in the audit log: modified, or not produced by a "
                                         "recorded run")
-        return None
+        return False
     if lineage is not None:
-        run_id = lineage.get("run_id")
-        claimed = [(r, a) for r in records for a in _artifacts_of(r)
-                   if r.get("run_id") == run_id or r.get("parent_run_id") == run_id]
-        mine = [(r, a) for r, a in claimed if Path(a["path"]).name == artifact.name and
-                (lineage.get("artifact_id") is None or r.get("artifact_id") == lineage.get("artifact_id"))]
-        if not claimed:
-            res.add("lineage id", False, f"{artifact} names run {run_id}, which has no record in {log.path}")
-            return None
-        if not any(a["sha256"] == digest for _, a in mine):
-            recorded = mine[-1][1]["sha256"][:16] + "…" if mine else "nothing"
-            res.add("artifact hash", False, f"{artifact}: sha256 {digest[:16]}… differs from what run {run_id} "
-                                            f"recorded ({recorded}): the file was modified after it was produced")
-            return None
-        produced = [(r, a) for r, a in mine if a["sha256"] == digest]
-    rec, art = produced[-1]
+        if not search.claimed:
+            res.add("lineage id", False, f"{artifact} names run {search.run_id}, which has no record in {log.path}")
+            return False
+        if search.produced is None:
+            recorded = search.mine[1]["sha256"][:16] + "…" if search.mine else "nothing"
+            res.add("artifact hash", False, f"{artifact}: sha256 {digest[:16]}… differs from what run "
+                                            f"{search.run_id} recorded ({recorded}): the file was modified after it "
+                                            "was produced")
+            return False
+    rec = search.produced[0]
     res.add("artifact hash", True, f"sha256 {digest[:16]}… recorded in audit record seq {rec['seq']}")
-    run_id = rec.get("run_id") or rec.get("parent_run_id")
-    runs = [r for r in records if r.get("kind") == "run" and r.get("run_id") == run_id]
-    if not runs:
+    run_id = search.produced_run()
+    if run is None:
         res.add("run record", False, f"run {run_id} has no 'run' record in {log.path}")
-        return None
-    res.add("run record", True, f"run {run_id} (seq {runs[-1]['seq']}, {runs[-1].get('run_dir')}, "
-                                f"code {runs[-1].get('code_version')})")
-    return runs[-1]
-
-
-def _artifacts_of(rec: dict[str, Any]) -> list[dict[str, str]]:
-    """The files a record names, {path, sha256}, as strings (a record's payload is not trusted for shape)."""
-    if rec.get("kind") == "run":
-        found = rec.get("artifacts") if isinstance(rec.get("artifacts"), list) else []
-    elif rec.get("kind") == "artifact":
-        found = [rec]
-    else:
-        return []
-    return [{"path": a["path"], "sha256": a["sha256"]} for a in found
-            if isinstance(a, dict) and isinstance(a.get("path"), str) and isinstance(a.get("sha256"), str)]
+        return False
+    res.add("run record", True, f"run {run_id} (seq {run['seq']}, {run.get('run_dir')}, code {run.get('code_version')})")
+    return True
 
 
 def _manifests_of(run: dict[str, Any]) -> list[dict[str, Any]]:
