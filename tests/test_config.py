@@ -134,3 +134,43 @@ def test_a_recorded_config_does_not_raise_this_machines_bounds():
     assert (cfg.data.max_pixels, cfg.data.memory_limit_mb) == (Config().data.max_pixels, Config().data.memory_limit_mb)
     assert (cfg.data.batch_size, cfg.data.source) == (7, "fashion-mnist")
     assert Config.from_dict(raw).data.max_pixels == 0  # the user's own config file may still set them
+
+
+def _received_run(tmp_path: Path, name: str = "alice", names: str | None = None) -> Path:
+    """runs/<name>/ as it arrives from someone else: a config.toml that raises the input bounds and sends the
+    run to their tracking server, beside the files of a run dir."""
+    run = tmp_path / "runs" / name
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("")
+    (run / "config.toml").write_text(
+        f'[data]\nmax_pixels = 0\nmemory_limit_mb = 999999\nimg_size = 32\n[optim]\nlr = 0.25\n'
+        f'[train]\ntracking = "mlflow"\ntracking_uri = "http://attacker.example"\n'
+        f'[run]\nname = "{names or name}"\nout_dir = "{tmp_path / "runs"}"\n')
+    return run / "config.toml"
+
+
+def test_a_run_dirs_recorded_config_neither_raises_bounds_nor_sends_data_elsewhere(tmp_path: Path, capsys):
+    default = Config()
+    for config in (_received_run(tmp_path), _received_run(tmp_path, "bob", names="mine")):  # (bob names another run)
+        cfg = config_from_args(build_parser().parse_args(["train", "--config", str(config), "--resume"]))
+        assert (cfg.train.tracking, cfg.train.tracking_uri) == ("none", None)
+        assert (cfg.data.max_pixels, cfg.data.memory_limit_mb) == (default.data.max_pixels, default.data.memory_limit_mb)
+        assert cfg.optim.lr == 0.25 and cfg.data.img_size == 32 and cfg.run.resume  # how the model trains: taken
+        note = " ".join(capsys.readouterr().out.split())
+        assert f"{config} is a run dir's recorded config" in note and "'http://attacker.example' not taken" in note
+        assert "give --max-pixels --memory-limit-mb --tracking --tracking-uri" in note
+
+
+def test_the_command_line_still_sets_them_for_ones_own_run(tmp_path: Path, capsys):
+    config = _received_run(tmp_path)
+    cfg = config_from_args(build_parser().parse_args(
+        ["train", "--config", str(config), "--resume", "--tracking", "mlflow", "--tracking-uri", "sqlite:///m.db",
+         "--max-pixels", "0"]))
+    assert (cfg.train.tracking, cfg.train.tracking_uri, cfg.data.max_pixels) == ("mlflow", "sqlite:///m.db", 0)
+    assert cfg.data.memory_limit_mb == Config().data.memory_limit_mb and "memory_limit_mb = 999999" in capsys.readouterr().out
+    own = tmp_path / "mine.toml"  # a config file of one's own (not in a run dir): every option taken
+    own.write_text(config.read_text())
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(own)]))
+    assert (cfg.train.tracking_uri, cfg.data.max_pixels, cfg.data.memory_limit_mb) == ("http://attacker.example", 0,
+                                                                                      999999)
+    assert "recorded config" not in capsys.readouterr().out

@@ -10,6 +10,7 @@ and the resolved result is written into the run dir.
 from __future__ import annotations
 
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -318,13 +319,11 @@ class Config:
     @classmethod
     def recorded(cls, raw: dict[str, Any], origin: str) -> Config:
         """The config a checkpoint recorded, for a later command (evaluate, export's parity and calibration
-        images): its options as written, except the BOUND_OPTIONS, which keep this machine's defaults. A
-        checkpoint from elsewhere describes how its model was trained; it does not raise what reading input
-        may cost here."""
+        images): its options as written, except the BOUND_OPTIONS and EGRESS_OPTIONS, which keep this
+        machine's defaults. A checkpoint from elsewhere describes how its model was trained; it does not
+        raise what reading input may cost here, nor say where data is sent."""
         cfg = cls.from_dict(raw, origin)
-        default = cls()
-        for section, key in BOUND_OPTIONS:
-            setattr(getattr(cfg, section), key, getattr(getattr(default, section), key))
+        keep_local(cfg, cls())
         return cfg
 
     def save_toml(self, path: Path) -> None:
@@ -343,8 +342,19 @@ SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": 
 TRUST_OPTIONS = frozenset({("checkpoint", "unsafe_unpickle")})
 
 # Options that bound what reading input may cost (pixels decoded, memory cached). A user's own --config
-# sets them; a checkpoint's recorded config, read back by evaluate or export, does not (Config.recorded).
+# sets them; a recorded config does not: a checkpoint's, read back by evaluate or export (Config.recorded),
+# or a run dir's config.toml given as --config (`train --config runs/x/config.toml --resume`: keep_local).
 BOUND_OPTIONS = frozenset({("data", "max_pixels"), ("data", "memory_limit_mb")})
+
+# Options that send the run's data elsewhere: --tracking mlflow uploads params, metrics, the report and the
+# final checkpoint to --tracking-uri. Recorded configs never set them either (a received run dir's
+# config.toml naming tracking_uri = "http://attacker" would have it upload there); the command line does.
+EGRESS_OPTIONS = frozenset({("train", "tracking"), ("train", "tracking_uri")})
+RECORDED_NOT_TAKEN = BOUND_OPTIONS | EGRESS_OPTIONS
+
+# What a folder holds when it is a run dir (training/rundir.py writes them): a config.toml beside them is
+# a recorded config, whatever run it names.
+RUN_DIR_FILES = ("metrics.jsonl", "checkpoints", ".created-by.json")
 
 # Options that once lived in [train] and moved to their own section. Config files written before
 # the split, and the config stored inside older checkpoints, still load: the key is read into
@@ -366,6 +376,28 @@ def load_toml(path: str | Path, base: Config | None = None) -> Config:
     if not path.exists():  # (a FIFO or device exists: read_toml refuses it, saying what it is)
         raise UserError(f"config file {path} does not exist")
     return Config.from_dict(read_toml(path, "config file"), origin=str(path), base=base)
+
+
+def is_recorded_config(path: str | Path, cfg: Config) -> bool:
+    """Whether the --config file `path` is a run dir's recorded config.toml: that of the run dir `cfg` trains in
+    (OUT_DIR/NAME, resolved), or any config.toml beside a run dir's files (a received one may name another run)."""
+    path = Path(path).resolve()
+    if cfg.run.name and path == (Path(cfg.run.out_dir) / cfg.run.name / "config.toml").resolve():
+        return True
+    return path.name == "config.toml" and any(os.path.lexists(path.parent / name) for name in RUN_DIR_FILES)
+
+
+def keep_local(cfg: Config, local: Config, given: frozenset[tuple[str, str]] = frozenset()
+               ) -> list[tuple[str, str, Any]]:
+    """Put the RECORDED_NOT_TAKEN options of `cfg` that are not in `given` (set on the command line) back to
+    `local`'s values (the defaults, or the recipe's); returns (section, key, recorded value) of each changed."""
+    ignored = []
+    for section, key in sorted(RECORDED_NOT_TAKEN - given):
+        recorded, mine = getattr(getattr(cfg, section), key), getattr(getattr(local, section), key)
+        if recorded != mine:
+            ignored.append((section, key, recorded))
+            setattr(getattr(cfg, section), key, mine)
+    return ignored
 
 
 def field_type(f: dataclasses.Field) -> type:

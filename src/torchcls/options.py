@@ -9,13 +9,14 @@ import: `torchcls --help` must not pay for torch.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchcls.config import SECTIONS, Config, load_toml, opt, set_option
+from torchcls.config import SECTIONS, Config, is_recorded_config, keep_local, load_toml, opt, set_option
 from torchcls.errors import UserError
 
 BAD_FILE_CHOICES = ("error", "skip")
@@ -356,9 +357,27 @@ def config_from_args(args: argparse.Namespace) -> Config:
     from torchcls.recipes import load_recipe
 
     base = load_recipe(args.recipe) if getattr(args, "recipe", None) else Config()
+    local = copy.deepcopy(base)  # what a recorded config may not change (load_toml fills `base` in place)
     cfg = load_toml(args.config, base) if args.config else base
+    given = set()
     for dest, value in vars(args).items():
         if "." in dest:
             section, key = dest.split(".", 1)
             set_option(cfg, section, key, value, origin="command line")
+            given.add((section, key))
+    if args.config and is_recorded_config(args.config, cfg):
+        _note_ignored(args.config, keep_local(cfg, local, frozenset(given)))
     return cfg
+
+
+def _note_ignored(path: str, ignored: list[tuple[str, str, Any]]) -> None:
+    """One line naming the recorded values a run dir's config.toml may not set, and the flags that do."""
+    if not ignored:
+        return
+    from torchcls.console import console
+
+    values = ", ".join(f"{key} = {value!r}" for _, key, value in ignored)
+    flags = " ".join(f"--{key.replace('_', '-')}" for _, key, _ in ignored)
+    console.print(f"[yellow]note: {path} is a run dir's recorded config: its {values} not taken (what bounds input "
+                  f"costs or sends data elsewhere comes from the command line: give {flags} to keep them)[/]",
+                  highlight=False, soft_wrap=True)
