@@ -20,6 +20,7 @@ from typing import Any
 import tomli_w
 
 from torchcls.errors import UserError
+from torchcls.run_files import write_text_atomic
 from torchcls.toml_files import read_toml  # bounded before parsed: a run dir's config.toml is input
 
 
@@ -329,7 +330,7 @@ class Config:
     def save_toml(self, path: Path) -> None:
         # TOML has no null: unset optional values are simply omitted.
         clean = {s: {k: v for k, v in vals.items() if v is not None} for s, vals in self.to_dict().items()}
-        path.write_text(tomli_w.dumps(clean))
+        write_text_atomic(path, tomli_w.dumps(clean))  # a run dir's: the name replaced, never written through
 
 
 SECTIONS: dict[str, type] = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig, "train": TrainConfig,

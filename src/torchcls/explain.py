@@ -21,6 +21,7 @@ from torchcls.errors import UserError
 from torchcls.extras import missing_extra
 from torchcls.options import ExplainOptions as _D  # the defaults, declared once
 from torchcls.prediction import expand_inputs
+from torchcls.run_files import replace_file
 
 METHODS = ("integrated-gradients", "saliency")
 
@@ -108,5 +109,7 @@ def _overlay(x: torch.Tensor, attr: torch.Tensor, pre, path: Path, title: str, a
     a.set_title(title, fontsize=9)
     b.set_title(attr_title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        replace_file(path, lambda tmp: fig.savefig(tmp, dpi=100))  # the name replaced, never written through
+    finally:
+        plt.close(fig)

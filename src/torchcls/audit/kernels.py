@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
+from torchcls.run_files import write_text_atomic
 
 
 @dataclass
@@ -147,8 +148,8 @@ def default_out(model: str | None) -> Path:
 
 def write_audit(audit: KernelAudit, out: Path) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernel_audit.json").write_text(json.dumps(audit.as_dict(), indent=2))
-    (out / "kernel_audit.md").write_text(to_markdown(audit.as_dict()))
+    write_text_atomic(out / "kernel_audit.json", json.dumps(audit.as_dict(), indent=2))
+    write_text_atomic(out / "kernel_audit.md", to_markdown(audit.as_dict()))
     return out / "kernel_audit.json", out / "kernel_audit.md"
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.run_files import write_text_atomic
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
@@ -139,8 +140,8 @@ def _write(out: Path, cfg: BenchCompileConfig, results: list[dict[str, Any]]) ->
                 "note": f"{cfg.repeats} interleaved repeats per configuration, medians (min–max)"},
             "results": results,
             "verdicts": {m: verdict([r for r in results if r["model"] == m]) for m in cfg.models if m in done}}
-    (out / "bench_compile.json").write_text(json.dumps(data, indent=2))
-    (out / "bench_compile.md").write_text(to_markdown(data))
+    write_text_atomic(out / "bench_compile.json", json.dumps(data, indent=2))
+    write_text_atomic(out / "bench_compile.md", to_markdown(data))
     from torchcls.report.plots import compile_speedups
 
     compile_speedups(results, out / "bench_compile.png")

@@ -23,6 +23,7 @@ from typing import Any
 from torchcls.bench import memory_fit as mf
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.run_files import write_text_atomic
 
 PARALLEL = ("ddp", "fsdp2")
 
@@ -201,8 +202,8 @@ def bench_memory(cfg: BenchMemoryConfig, out_dir: str | Path) -> dict[str, Any]:
     data = {"model": cfg.model, "img_size": cfg.size, "batch_per_rank": cfg.batch, "steps": cfg.steps,
             "machine": _machine(), "results": _with_ratios(results)}
     data["fit"] = fits(cfg, results)
-    (out / "bench_memory.json").write_text(json.dumps(data, indent=2))
-    (out / "bench_memory.md").write_text(to_markdown(data))
+    write_text_atomic(out / "bench_memory.json", json.dumps(data, indent=2))
+    write_text_atomic(out / "bench_memory.md", to_markdown(data))
     from torchcls.report.plots import rank_memory_bars
 
     rank_memory_bars(data["results"], out / "bench_memory.png")

@@ -12,8 +12,6 @@ The names of the files in runs/<name>/checkpoints/ are declared here once; the C
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,9 +25,9 @@ from torchcls.checkpoint.meta_check import meta_fields
 from torchcls.checkpoint.state_file import encode_state, read_legacy_state, read_state
 from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
-from torchcls.io_errors import writing
 from torchcls.io_files import regular_path
 from torchcls.models.registry import ModelSpec
+from torchcls.run_files import replace_file
 
 META_KEY = "torchcls"
 LINEAGE_KEY = "torchcls.lineage"  # the run's lineage (governance), stamped into the weights when saved
@@ -67,29 +65,10 @@ class CheckpointMeta:
 
 
 def atomic_write(path: Path, write: callable) -> None:
-    """Call write(tmp_path), fsync, then rename over `path`: readers never see half a file. A failure
-    (no permission, disk full) leaves `path` as it was and is raised as a WriteError naming `path`."""
-    with writing(path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.close(fd)
-        _write_and_rename(path, tmp, write)
-
-
-def _write_and_rename(path: Path, tmp: str, write: callable) -> None:
-    try:
-        write(tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Call write(tmp_path), fsync, then rename over `path`: readers never see half a file, and a link at
+    `path` (a received run dir's) is replaced, never written through (run_files.replace_file; mode 0600).
+    A failure (no permission, disk full) leaves `path` as it was and is raised as a WriteError naming `path`."""
+    replace_file(path, write, durable=True, private=True)
 
 
 def model_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,6 +7,7 @@ thresholds the checkpoint carries (torchcls.tasks).
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +24,7 @@ from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_logits
 from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
+from torchcls.run_files import write_text_atomic
 from torchcls.tasks import MULTILABEL, check_task, multilabel_metrics, thresholds_for
 
 SPLITS = ("val", "test", "train", "all")
@@ -124,12 +126,12 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
         from torchcls.evaluation.gallery import worst_errors
 
         result["misclassified"] = worst_errors(logits, targets, dataset, meta.classes, out)
-    (out / "eval.json").write_text(json.dumps(result, indent=2))
+    write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
     from torchcls.report import plots, write_report
 
     if "confusion_matrix" in result:  # multiclass
         plots.confusion_matrix(result["confusion_matrix"], meta.classes, out / "confusion_matrix.png")
-    if (out / "config.toml").is_file():
+    if os.path.lexists(out / "config.toml"):  # a run dir (its report reads no link: run_files)
         write_report(out)
     result["out_dir"] = str(out)
     return result

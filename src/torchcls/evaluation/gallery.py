@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from torchcls.run_files import replace_file, sub_dir
+
 GALLERY_SIZE = 16  # a row or two in the report: enough to see a pattern, few enough to look at each
 THUMBNAIL_SIDE = 96
 
@@ -34,7 +36,7 @@ def worst_errors(logits: torch.Tensor, targets: torch.Tensor, dataset, classes: 
     wrong = (predicted != targets).nonzero().flatten()
     worst = wrong[confidence[wrong].argsort(descending=True)][:n].tolist()
     if worst:
-        folder.mkdir(parents=True, exist_ok=True)
+        sub_dir(folder, "the thumbnails folder")  # a link there would take the thumbnails wherever it points
     found = []
     for rank, i in enumerate(worst):
         j = int(indices[i])
@@ -69,4 +71,4 @@ def _thumbnail(image: torch.Tensor, path: Path) -> None:
     array = image.permute(1, 2, 0).numpy()
     pil = Image.fromarray(array[..., 0] if array.shape[2] == 1 else array)
     pil.thumbnail((THUMBNAIL_SIDE, THUMBNAIL_SIDE))
-    pil.save(path)
+    replace_file(path, lambda tmp: pil.save(tmp, format="PNG"))  # the name replaced, never written through

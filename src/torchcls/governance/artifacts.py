@@ -20,6 +20,7 @@ from torchcls.governance.keys import load_key
 from torchcls.governance.lineage import AuditLog, record_hash
 from torchcls.governance.signing import signer_from
 from torchcls.io_files import read_bytes, regular_path
+from torchcls.run_files import write_text_atomic
 
 LINEAGE_KEY = "torchcls.lineage"
 SIDECAR_BYTES = 1 << 20  # a sidecar is a JSON object of a few hundred bytes
@@ -112,7 +113,7 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
                "outputs": parent.get("outputs", {}), "chain_head": {"seq": record["seq"], "hash": record["hash"]},
                **{k: parent[k] for k in ("policy", "key_id", "signer") if k in parent},
                **({"signer": signer.keyid} if signer is not None else {})}
-    sidecar(path).write_text(json.dumps(lineage, indent=2, sort_keys=True))
+    write_text_atomic(sidecar(path), json.dumps(lineage, indent=2, sort_keys=True))
     return artifact_id
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from torchcls.errors import UserError
 from torchcls.governance import dsse
 from torchcls.governance.signing import Signer, short, verify_signature
 from torchcls.io_files import read_bytes
+from torchcls.run_files import write_text_atomic
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
@@ -60,9 +60,7 @@ def write_attestation(artifact: Path, stmt: dict[str, Any], signer: Signer) -> P
     """Sign `stmt` and write it beside `artifact` (atomically: a reader never sees half of it)."""
     env = dsse.sign(dsse.INTOTO_TYPE, json.dumps(stmt, sort_keys=True).encode(), signer)
     target = attestation_path(artifact)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(env.to_json(), sort_keys=True) + "\n")
-    os.replace(tmp, target)
+    write_text_atomic(target, json.dumps(env.to_json(), sort_keys=True) + "\n")  # (a link there is replaced)
     return target
 
 

@@ -5,12 +5,15 @@ hook redacted are withheld (and counted), never written."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchcls import run_files
 from torchcls.governance.hooks import Hook, OutputItem, SampleInfo, run_output_hooks
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.io_files import SMALL_JSON_BYTES
+from torchcls.run_files import replace_file, write_text_atomic
 
 
 def sample_grid(load: Callable[[int], Any], info: Callable[[int], SampleInfo], label: Callable[[int], str],
@@ -58,15 +61,17 @@ def _save_grid(tiles: list, titles: list[str], png: Path) -> None:
         ax.imshow(_as_rgb(tile).permute(1, 2, 0).numpy(), interpolation="nearest")
         ax.set_title(title, fontsize=7)
     fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
+    try:
+        replace_file(png, lambda tmp: fig.savefig(tmp, dpi=100))  # a run dir's: never written through a link
+    finally:
+        plt.close(fig)
 
 
 def _tensorboard_images(tiles: list, tb_dir: Path) -> None:
     import torch
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(tb_dir))
+    writer = SummaryWriter(str(run_files.sub_dir(tb_dir, "the tensorboard folder")))
     writer.add_images("samples", torch.stack([_as_rgb(t) for t in tiles]), 0, dataformats="NCHW")
     writer.close()
 
@@ -76,8 +81,8 @@ def redact_skipped(path: Path, lookup: Callable[[str], SampleInfo | None], hooks
     """Rewrite skipped_files.json so restricted samples' file names pass the output hooks; returns
     how many names were redacted or withheld."""
     data = {"skipped_files": []}
-    if path.exists():
-        data = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="skipped_files.json"))
+    if os.path.lexists(path):
+        data = json.loads(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="skipped_files.json"))
     entries: list[dict[str, Any]] = data.get("skipped_files", [])
     entries += [{"file": s.id, "reason": reason, "_info": s} for s, reason in extra]
     out, changed = [], 0
@@ -94,5 +99,5 @@ def redact_skipped(path: Path, lookup: Callable[[str], SampleInfo | None], hooks
             reason = reason.replace(e["file"], "…").replace(Path(e["file"]).name, "…")
         out.append({"file": item.value if item is not None else "[withheld restricted sample]", "reason": reason})
     if out:
-        path.write_text(json.dumps({"skipped_files": out}, indent=2))
+        write_text_atomic(path, json.dumps({"skipped_files": out}, indent=2))
     return changed

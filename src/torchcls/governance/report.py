@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
 
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls import run_files
+from torchcls.io_files import SMALL_JSON_BYTES
 
 
 def governance_html(run_dir: Path) -> str:
     f = run_dir / "governance.json"
-    if not f.exists():
+    if not os.path.lexists(f):
         return ""
-    s = json.loads(read_bytes(f, max_bytes=SMALL_JSON_BYTES, what="governance.json"))
+    s = json.loads(run_files.read_bytes(f, max_bytes=SMALL_JSON_BYTES, what="governance.json"))
     m = s.get("manifest") or {}
     pol = s.get("policy")
     rows = [("lineage id", s.get("lineage_id")),

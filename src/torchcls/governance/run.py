@@ -20,6 +20,7 @@ import weakref
 from pathlib import Path
 from typing import Any
 
+from torchcls import run_files
 from torchcls.config import Config, DataConfig
 from torchcls.errors import UserError
 from torchcls.governance.artifacts import LINEAGE_KEY, SIDECAR_BYTES, read_lineage, stamp_checkpoint
@@ -43,7 +44,7 @@ from torchcls.governance.signatures import check_signing
 from torchcls.governance.signing import signer_from
 from torchcls.governance.store import store_built, store_given
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
-from torchcls.io_files import read_bytes
+from torchcls.run_files import write_text_atomic
 
 
 class Governance:
@@ -242,7 +243,7 @@ class Governance:
         if self.audit is not None:
             record = self._record_run(result, summary)
             summary["audit_record"] = {"seq": record["seq"], "hash": record["hash"], "log": self.lineage["audit_log"]}
-        (run / "governance.json").write_text(json.dumps(summary, indent=2))
+        write_text_atomic(run / "governance.json", json.dumps(summary, indent=2))
         from torchcls.report import write_report
 
         write_report(run)
@@ -268,8 +269,8 @@ class Governance:
             "hooks": summary["hooks"], "config": cfg.to_dict(), "code_version": code_version(),
             "environment": package_versions(), "metrics": _metrics(run, result), "artifacts": artifacts})
         # The run record's hash, pinned beside the run: `verify` compares it with the log.
-        (run / "lineage.json").write_text(json.dumps({**self.lineage, "record_hash": record["hash"],
-                                                      "record_seq": record["seq"]}, indent=2))
+        write_text_atomic(run / "lineage.json", json.dumps({**self.lineage, "record_hash": record["hash"],
+                                                            "record_seq": record["seq"]}, indent=2))
         return record
 
     def _samples(self) -> dict[str, Any] | str:
@@ -320,8 +321,8 @@ def _previous_run_id(run_path: Path) -> str | None:
     """A resumed run keeps its lineage id: from lineage.json, or from its last checkpoint when the
     run stopped before finishing."""
     f = run_path / "lineage.json"
-    if f.exists():
-        return json.loads(read_bytes(f, max_bytes=SIDECAR_BYTES, what="lineage.json")).get("run_id")
+    if os.path.lexists(f):  # (a link is refused, not followed: a received run dir's)
+        return json.loads(run_files.read_bytes(f, max_bytes=SIDECAR_BYTES, what="lineage.json")).get("run_id")
     stamp = read_lineage(run_path / "checkpoints" / "last.safetensors")
     return stamp.get("run_id") if stamp else None
 

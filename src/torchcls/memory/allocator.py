@@ -12,6 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torchcls.run_files import replace_file
+
 FRAGMENTATION_ADVICE_PCT = 20.0  # above this, the cache wastes enough to matter for the batch size that fits
 EXPANDABLE = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
@@ -72,6 +74,6 @@ def dump_snapshot(path: Path) -> Path:
     """Write the snapshot that https://pytorch.org/memory_viz opens (drag the .pickle onto the page)."""
     import torch
 
-    torch.cuda.memory._dump_snapshot(str(path))
+    replace_file(path, torch.cuda.memory._dump_snapshot)  # a run dir's file: the name replaced, never written through
     torch.cuda.memory._record_memory_history(enabled=None)
     return path

@@ -15,6 +15,7 @@ from typing import Any
 
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.noise import KINETO_CPU_ONLY, stderr_without
+from torchcls.run_files import replace_file
 
 # Index 1.. of each timeline row, in torch.profiler._memory_profiler._CATEGORY_TO_COLORS order.
 TIMELINE_CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
@@ -55,7 +56,7 @@ class StepProfiler:
         timeline_file = self.out_dir / "memory_timeline.json"
         with warnings.catch_warnings():  # deprecated in favour of the CUDA-only snapshot: still the CPU tool
             warnings.simplefilter("ignore", FutureWarning)
-            prof.export_memory_timeline(str(timeline_file), device="cpu")
+            replace_file(timeline_file, lambda tmp: prof.export_memory_timeline(tmp, device="cpu"))  # (never via a link)
         self.result = {"profiled_steps": self.active, "top_ops": top,
                        "allocated_bytes_total": sum(max(0, e.self_cpu_memory_usage) for e in ops),
                        "timeline_file": timeline_file.name} | timeline_peak(timeline_file)

@@ -11,6 +11,7 @@ import torch
 
 from torchcls.console import console
 from torchcls.memory import allocator, cpu_profile
+from torchcls.run_files import write_text_atomic
 
 CUDA_NOTE = ("allocator stats (allocated/reserved, fragmentation, alloc retries, OOMs) and memory snapshots need "
              "a CUDA device; on CPU this report uses the profiler's memory events and the process RSS instead")
@@ -59,7 +60,7 @@ class MemoryRecorder:
             if self.snapshot:
                 report["snapshot"] = {"file": None, "reason": "--memory-snapshot needs CUDA (memory history is "
                                       "recorded by the CUDA caching allocator); see memory_timeline.json instead"}
-        (self.run_dir / "allocator.json").write_text(json.dumps(report, indent=2))
+        write_text_atomic(self.run_dir / "allocator.json", json.dumps(report, indent=2))
         _print(report)
         return report
 

@@ -26,6 +26,7 @@ from torchcls.precision.dtypes import DTYPES
 from torchcls.precision.fp8 import Fp8Conversion, check_fsdp_all_gather, convert_fp8, fp8_hardware_note
 from torchcls.precision.fp8_layers import summary
 from torchcls.precision.hardware import PrecisionChoice, choose_precision, describe_device, require_bf16, require_fp16
+from torchcls.run_files import write_text_atomic
 
 if TYPE_CHECKING:
     from torchcls.config import PrecisionConfig
@@ -255,7 +256,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     plan.report = _report(plan, cfg, device, compile_note, choice)
     if run is not None:
         plan.log, plan.run_path = run.log, run.path
-        (run.path / "precision.json").write_text(json.dumps(plan.report, indent=2))
+        write_text_atomic(run.path / "precision.json", json.dumps(plan.report, indent=2))
         from torchcls.precision.report import print_precision
 
         print_precision(plan.report)

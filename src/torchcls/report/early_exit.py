@@ -26,8 +26,7 @@ def accuracy_compute_curve(ev: dict[str, Any], path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.save_figure(fig, path, dpi=110)
 
 
 def section(ev: dict[str, Any]) -> str:

@@ -8,6 +8,7 @@ page, under the section's heading instead.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -23,7 +24,7 @@ def _body(fragment: str) -> str | None:
 @section("samples", "Training samples", "torchcls train --sample-grid N (as the data policy allows)", 15)
 def samples(run_dir: Path) -> str | None:
     grid = run_dir / "samples.png"
-    return img(grid) if grid.is_file() else None
+    return img(grid) if os.path.lexists(grid) else None  # (a link is refused by img, named)
 
 
 @section("precision", "Precision and machine", "torchcls train (--precision auto|fp32|bf16|fp16|fp8)", 12)
@@ -45,7 +46,7 @@ def early_exit(run_dir: Path) -> str | None:
     from torchcls.report.early_exit import section as early_exit_html
 
     curve = run_dir / "exit_curve.png"
-    return (_body(early_exit_html(ev["early_exit"])) or "") + (img(curve) if curve.is_file() else "")
+    return (_body(early_exit_html(ev["early_exit"])) or "") + (img(curve) if os.path.lexists(curve) else "")
 
 
 @section("rank_memory", "Per-rank memory", "torchrun ... -m torchcls train --parallel ddp|fsdp2", 55)

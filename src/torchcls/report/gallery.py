@@ -3,10 +3,12 @@ each with its predicted and true label, embedded as thumbnails."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from torchcls.report.htmlkit import esc, img
 from torchcls.report.sections import read_json, section
+from torchcls.run_files import inside
 
 
 @section("misclassified", "Worst errors", "torchcls evaluate RUN_DIR", 5)
@@ -14,11 +16,13 @@ def misclassified(run_dir: Path) -> str | None:
     ev = read_json(run_dir / "eval.json")
     if not ev or "misclassified" not in ev:
         return None
-    items = [e for e in ev["misclassified"] if (run_dir / e["thumbnail"]).is_file()]
+    # eval.json names each thumbnail: only a path inside the run dir, with no link on the way, is embedded
+    items = [{**e, "thumbnail": inside(run_dir, e["thumbnail"], "thumbnail")} for e in ev["misclassified"]]
+    items = [e for e in items if os.path.lexists(e["thumbnail"])]
     if not items:
         return f"<p>No misclassified images in {esc(ev['data'])} [{esc(ev['split'])}] ({ev['n']} images).</p>"
     figures = "".join(
-        f"<figure>{img(run_dir / e['thumbnail'])}<figcaption><b class='wrong'>{esc(e['predicted'])}</b> "
+        f"<figure>{img(e['thumbnail'])}<figcaption><b class='wrong'>{esc(e['predicted'])}</b> "
         f"{e['confidence']:.0%}<br>true: <b>{esc(e['true'])}</b><br><small>{esc(Path(e['file']).name)}</small>"
         "</figcaption></figure>" for e in items)
     wrong = round((1 - ev["top1"]) * ev["n"])

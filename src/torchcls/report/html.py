@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from torchcls.errors import UserError
 from torchcls.report import features, gallery, results  # noqa: F401  (they register their sections)
 from torchcls.report.htmlkit import esc
 from torchcls.report.sections import ordered
+from torchcls.run_files import write_text_atomic
 
 # Nothing may widen the page past the viewport (checked at 1280 px in a headless browser, tests/test_report_browser.py):
 # a wide table scrolls inside its own box, and long unbroken words (op names, paths, hashes) wrap.
@@ -35,6 +37,8 @@ def render_sections(run_dir: Path) -> list[tuple[str, str, str | None]]:
             body = s.render(run_dir)
         except (KeyError, TypeError, ValueError) as e:  # a result file from another version: say so, keep the page
             body = f"<p class='notrun'>could not read this section's data: {esc(type(e).__name__)}: {esc(e)}</p>"
+        except UserError as e:  # a file refused (a link, a FIFO, too large): named, the rest of the page kept
+            body = f"<p class='notrun'>refused: {esc(e)}</p>"
         out.append((s.key, s.title, body))
     return out
 
@@ -61,6 +65,6 @@ def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str | 
             for key, title in missing) + ".</p>")
     parts.insert(1, f"<nav>{''.join(nav)}</nav>")
     out = run_dir / "report.html"
-    out.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(run_dir.name)}</title>"
+    write_text_atomic(out, f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(run_dir.name)}</title>"
                    f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>")
     return out, rendered

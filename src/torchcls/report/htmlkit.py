@@ -7,7 +7,9 @@ import html
 from pathlib import Path
 from typing import Any
 
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls import run_files
+from torchcls.errors import UserError
+from torchcls.io_files import SMALL_JSON_BYTES
 
 
 def esc(value: Any) -> str:
@@ -15,7 +17,11 @@ def esc(value: Any) -> str:
 
 
 def img(path: Path) -> str:
-    data = base64.b64encode(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="figure")).decode()
+    """`path` (a figure of the run dir) embedded; a link, or anything but a regular file, is named instead."""
+    try:
+        data = base64.b64encode(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="figure")).decode()
+    except UserError as e:
+        return f"<p class='notrun'>figure refused: {esc(e)}</p>"
     return f'<img alt="{esc(path.stem)}" src="data:image/png;base64,{data}">'
 
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import html
 import json
+import os
 from pathlib import Path
 
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls import run_files
+from torchcls.io_files import SMALL_JSON_BYTES
 
 
 def _mb(v: float | None) -> str:
@@ -15,9 +17,9 @@ def _mb(v: float | None) -> str:
 
 def memory_section(run_dir: Path) -> str:
     path = run_dir / "memory.json"
-    if not path.exists():
+    if not os.path.lexists(path):
         return ""
-    m = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory.json"))
+    m = json.loads(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory.json"))
     cuda = any("cuda_peak_allocated_bytes" in r for r in m["ranks"])
     head = ["rank", "params MB", "grads MB", "optimizer MB", "total MB", "expected MB (analytic)",
             "peak RSS MB"] + (["CUDA peak MB", "CUDA reserved MB"] if cuda else [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls import run_files
+from torchcls.io_files import SMALL_JSON_BYTES
+
+
+def save_figure(fig, path: Path, dpi: int) -> None:
+    """Save and close `fig` as `path`, a run dir's file: the name is replaced, never written through a link."""
+    try:
+        run_files.replace_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi))
+    finally:
+        plt.close(fig)
 
 
 def curve_lines(records: list[dict[str, Any]], classes: int | None = None) -> tuple[list[dict], list[dict]]:
@@ -53,8 +63,7 @@ def training_curves(records: list[dict[str, Any]], path: Path, classes: int | No
         if lines:
             ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
     return True
 
 
@@ -74,28 +83,30 @@ def confusion_matrix(matrix: list[list[int]], classes: list[str], path: Path) ->
                         color="white" if matrix[i][j] > top / 2 else "black")
     fig.colorbar(im, ax=ax, fraction=0.046)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
     """CUDA: allocated / reserved / inactive-split per step. CPU: the profiler's memory timeline by category."""
     import json
 
+    cuda = report["allocator"]["available"] and report.get("samples")
+    if not cuda:
+        name = report.get("profiler", {}).get("timeline_file")  # (allocator.json names it: a run dir's word)
+        timeline = run_files.inside(run_dir, name, "memory timeline") if name is not None else None
+        if timeline is None or not os.path.lexists(timeline):
+            return False
     fig, ax = plt.subplots(figsize=(9, 3.6))
-    if report["allocator"]["available"] and report.get("samples"):
+    if cuda:
         s = report["samples"]
         for key in ("allocated", "reserved", "inactive_split"):
             ax.plot([x["step"] for x in s], [x[key] / 2**20 for x in s], label=key)
         ax.set(xlabel="step", ylabel="MiB", title="CUDA caching allocator")
     else:
-        timeline = run_dir / report.get("profiler", {}).get("timeline_file", "-")
-        if not timeline.is_file():
-            plt.close(fig)
-            return False
         from torchcls.memory.cpu_profile import TIMELINE_CATEGORIES
 
-        times, sizes = json.loads(read_bytes(timeline, max_bytes=SMALL_JSON_BYTES, what="memory timeline"))
+        times, sizes = json.loads(run_files.read_bytes(timeline, max_bytes=SMALL_JSON_BYTES,
+                                                         what="memory timeline"))
         if not times:
             plt.close(fig)
             return False
@@ -107,8 +118,7 @@ def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return True
 
 
@@ -125,8 +135,7 @@ def compile_speedups(results: list[dict[str, Any]], path: Path) -> bool:
     ax.set_xticklabels(labels, fontsize=7)
     ax.set(ylabel="speedup (eager / compiled latency)", title="torch.compile gains")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return True
 
 
@@ -150,6 +159,5 @@ def rank_memory_bars(results: list[dict[str, Any]], path: Path) -> bool:
     ax.set(ylabel="MiB per rank", title="Training state per rank")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, path, dpi=100)
     return True

@@ -9,12 +9,14 @@ evaluation commands), so `write_report` itself never grows.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes, read_text
+from torchcls import run_files
+from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
 from torchcls.training.rundir import read_metrics
@@ -46,8 +48,10 @@ def ordered() -> list[Section]:
 
 
 def read_json(path: Path) -> Any | None:
+    """The JSON record `path` of the run dir; None when absent or not JSON. A link is refused (UserError)."""
     try:
-        return json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record")) if path.exists() else None
+        return json.loads(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record")) \
+            if os.path.lexists(path) else None
     except (OSError, json.JSONDecodeError):
         return None
 
@@ -82,7 +86,7 @@ def evaluation(run_dir: Path) -> str | None:
     rows = [[c, f"{m['precision']:.3f}", f"{m['recall']:.3f}", f"{m['f1']:.3f}", m["support"]]
             for c, m in ev["per_class"].items()]
     parts.append(table(["class", "precision", "recall", "F1", "support"], rows))
-    if (run_dir / "confusion_matrix.png").is_file():
+    if os.path.lexists(run_dir / "confusion_matrix.png"):  # (a link is refused by img, not skipped)
         parts.append(img(run_dir / "confusion_matrix.png"))
     parts.append(_skipped(run_dir / "eval.json", "Skipped evaluation files"))
     return "".join(parts)
@@ -91,9 +95,9 @@ def evaluation(run_dir: Path) -> str | None:
 @section("config", "Configuration", "torchcls train (writes config.toml)", 90)
 def configuration(run_dir: Path) -> str | None:
     config_file = run_dir / "config.toml"
-    if not config_file.exists():
+    if not os.path.lexists(config_file):
         return None
-    return f"<pre>{esc(read_text(config_file, max_bytes=SMALL_JSON_BYTES, what='config file', errors='replace'))}</pre>"
+    return f"<pre>{esc(run_files.read_text(config_file, max_bytes=SMALL_JSON_BYTES, what='config file', errors='replace'))}</pre>"
 
 
 def class_count(run_dir: Path) -> int | None:
@@ -102,7 +106,7 @@ def class_count(run_dir: Path) -> int | None:
     if isinstance(classes, list):
         return len(classes)
     last = run_dir / "checkpoints" / "last.safetensors"
-    if not last.is_file():
+    if not run_files.is_file(last) or os.path.islink(last.parent):
         return None
     from torchcls.checkpoint.files import read_meta
     from torchcls.errors import UserError

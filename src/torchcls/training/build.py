@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchcls import governance
+from torchcls import governance, run_files
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.config import Config, ModelConfig
 from torchcls.console import console, progress_bar
@@ -30,7 +30,7 @@ from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.machine import (
     CpuActivity,
     ThreadChoice,
@@ -44,6 +44,7 @@ from torchcls.models import ModelSpec, create_model
 from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
 from torchcls.precision.hardware import PrecisionChoice
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision, check_precision_options
+from torchcls.run_files import write_text_atomic
 from torchcls.tasks import multilabel_criterion
 from torchcls.training import rank0_init, sharding
 from torchcls.training.class_weights import loss_weights
@@ -198,8 +199,8 @@ def _set_threads(cfg: Config, feed, activity: CpuActivity, run: RunDir) -> Threa
     """--threads, or the quota- and load-aware default once the feed says whether DataLoader workers share the
     CPUs (the in-memory feed has none). A resume keeps the run's count: results depend on it, bit for bit."""
     recorded = run.path / "machine.json"
-    if cfg.run.resume and not cfg.train.threads and recorded.exists():
-        threads = json.loads(read_bytes(recorded, max_bytes=SMALL_JSON_BYTES, what="machine.json")).get("torch_threads")
+    if cfg.run.resume and not cfg.train.threads and os.path.lexists(recorded):
+        threads = json.loads(run_files.read_bytes(recorded, max_bytes=SMALL_JSON_BYTES, what="machine.json")).get("torch_threads")
         if isinstance(threads, int) and threads > 0:
             return apply_threads(ThreadChoice(threads, "the count this run started with (resume)"))
     workers = 0 if feed.kind == "memory" else cfg.data.workers
@@ -221,7 +222,7 @@ def _choose_step(cfg: Config, spec: ModelSpec, session: Session, run: RunDir, de
                   "onednn_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", ""), "threads": threads.threads,
                   "torch": torch.__version__, "model": spec.name, "optimizer": cfg.optim.optimizer})
     if session.is_main:
-        state.write_text(json.dumps(step.record(), indent=2))
+        write_text_atomic(state, json.dumps(step.record(), indent=2))
         console.print(step.line(), highlight=False)
     return step
 
@@ -232,7 +233,7 @@ def _record_machine(run: RunDir, session: Session, precision: PrecisionPlan, thr
     if session.is_main:
         console.print(f"threads {threads.threads}: {threads.reason}", highlight=False)
         machine = describe_machine(precision.name, threads)
-        (run.path / "machine.json").write_text(json.dumps(machine, indent=2))
+        write_text_atomic(run.path / "machine.json", json.dumps(machine, indent=2))
 
 
 def _choose_nonfinite_check(when: str, precision: PrecisionPlan, optimizer, device: torch.device) -> None:
@@ -296,7 +297,7 @@ def _new_model(spec: ModelSpec, pretrained: PretrainedSource | None, run: RunDir
         report = load_pretrained(model, pretrained, spec.num_classes, classes, unsafe_unpickle)
         if run is not None:
             console.print(report.summary())
-            (run.path / "pretrained.json").write_text(json.dumps(report.as_dict(), indent=2))
+            write_text_atomic(run.path / "pretrained.json", json.dumps(report.as_dict(), indent=2))
     return model
 
 
@@ -308,7 +309,7 @@ def _open_data(data_cfg, seed: int, run: RunDir, session: Session, pretrained: P
     data.log_skips_to(run.path, session.rank)  # files that fail in a worker are logged, not fatal (--on-bad-file skip)
     if session.is_main:
         data.write_splits(run.path)
-        (run.path / "preprocess.json").write_text(json.dumps(
+        write_text_atomic(run.path / "preprocess.json", json.dumps(
             {"preprocess": asdict(data.preprocess), "from": data.preprocess_from}, indent=2))
         if pretrained is not None:
             console.print(describe_preprocess(data.preprocess, data.preprocess_from))

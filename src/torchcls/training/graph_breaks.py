@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchcls.run_files import write_text_atomic
+
 
 @dataclass
 class GraphBreakReport:
@@ -56,7 +58,7 @@ def report_graph_breaks(model: nn.Module, dataset, run_path: Path, device: torch
     n = min(2, len(dataset))
     example = torch.stack([dataset[i][0] for i in range(n)]).to(device, memory_format=memory_format)
     report = explain_graph_breaks(model, example)
-    (run_path / "graph_breaks.json").write_text(report.to_json())
+    write_text_atomic(run_path / "graph_breaks.json", report.to_json())
     if report.graph_breaks:
         console.print(f"[yellow]torch.compile splits this model into {report.graphs} graphs "
                       f"({report.graph_breaks} graph break(s)); each break runs Python eagerly between graphs:[/]")

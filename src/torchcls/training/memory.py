@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchcls.run_files import write_text_atomic
 from torchcls.training.distributed import Session
 
 
@@ -91,5 +92,5 @@ def record_memory(run_path: Path, model: nn.Module, optimizer: torch.optim.Optim
               "full_bytes": full, "full_total_bytes": sum(full.values()),
               "expected_per_rank_total_bytes": ranks[0]["expected_total_bytes"],
               "ranks": [{k: v for k, v in r.items() if k != "full"} for r in ranks]}
-    (run_path / "memory.json").write_text(json.dumps(report, indent=2))
+    write_text_atomic(run_path / "memory.json", json.dumps(report, indent=2))
     return report

@@ -15,9 +15,10 @@ from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE, atomic_
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
-from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of, writing
+from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of
 from torchcls.io_files import open_regular, read_text
 from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
+from torchcls.run_files import append_text, sub_dir, write_text_atomic
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
 
@@ -78,16 +79,16 @@ class RunDir:
         except FileExistsError:  # an empty dir (or --resume): used, but not this process's to remove
             made = None
         if fresh:
-            (path / CREATED_BY).write_text(json.dumps({"job": job or job_id()}))
+            write_text_atomic(path / CREATED_BY, json.dumps({"job": job or job_id()}))
         run = cls(path, job, made)
-        run.checkpoints.mkdir(exist_ok=True)
+        sub_dir(run.checkpoints, "the checkpoints folder")  # (a link there would take the checkpoints elsewhere)
         if not cfg.run.resume:
-            run.metrics_file.write_text("")
+            write_text_atomic(run.metrics_file, "")
         return run
 
     def log(self, record: dict[str, Any]) -> None:
-        with writing(self.metrics_file), self.metrics_file.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        """Append `record` to metrics.jsonl: never through a link (O_NOFOLLOW), never into a FIFO."""
+        append_text(self.metrics_file, json.dumps(record) + "\n", "the metrics log")
 
     def discard_failed_start(self) -> bool:
         """After a start that failed before any checkpoint, make way for the same command to simply be run

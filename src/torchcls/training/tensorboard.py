@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.extras import missing_extra
+from torchcls.run_files import sub_dir
 
 
 def open_writer(run_path: Path):
@@ -13,7 +14,7 @@ def open_writer(run_path: Path):
         from torch.utils.tensorboard import SummaryWriter
     except ImportError:
         raise missing_extra("tensorboard", "--tensorboard", "tensorboard") from None
-    return SummaryWriter(str(run_path / "tensorboard"))
+    return SummaryWriter(str(sub_dir(run_path / "tensorboard", "the tensorboard folder")))  # (not a link)
 
 
 def write_scalars(writer, record: dict[str, Any]) -> None:

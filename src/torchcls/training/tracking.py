@@ -28,12 +28,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from torchcls import run_files
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.made_dirs import MadeDir, make_dirs, remove_made
+from torchcls.run_files import write_text_atomic
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
 ARTIFACTS = ("report.html", "metrics.jsonl", "config.toml", "pretrained.json", "skipped_files.json")
@@ -149,14 +151,14 @@ def _run_for(client, uri: str, experiment_id: str, cfg: Config, run_dir: Path) -
 
     tags = {"torchcls.version": __version__, "torchcls.run_dir": str(run_dir.resolve())}
     run = client.create_run(experiment_id, run_name=run_dir.name, tags=tags)
-    (run_dir / TRACKING_FILE).write_text(json.dumps({"uri": uri, "experiment_id": experiment_id,
-                                                     "run_id": run.info.run_id}, indent=2))
+    write_text_atomic(run_dir / TRACKING_FILE, json.dumps({"uri": uri, "experiment_id": experiment_id,
+                                                          "run_id": run.info.run_id}, indent=2))
     return run.info.run_id, False
 
 
 def _read_tracking_file(run_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads(read_bytes(run_dir / TRACKING_FILE, max_bytes=SMALL_JSON_BYTES, what="tracking record"))
+        return json.loads(run_files.read_bytes(run_dir / TRACKING_FILE, max_bytes=SMALL_JSON_BYTES, what="tracking record"))
     except (OSError, ValueError):
         return {}
 
@@ -226,7 +228,7 @@ class Tracker:
     def finish(self, result) -> None:
         """After the report is written: artifacts (the run's files and its best checkpoint), status FINISHED."""
         for name in ARTIFACTS:
-            if (self.run_dir / name).is_file():
+            if run_files.is_file(self.run_dir / name):  # (a link would upload whatever it points at)
                 self._call(lambda n=name: self.client.log_artifact(self.run_id, str(self.run_dir / n)))
         ckpt = Path(result.best_checkpoint)
         if ckpt.is_file():
