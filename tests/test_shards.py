@@ -91,7 +91,7 @@ def test_write_is_atomic_and_refuses_a_full_folder(tmp_path: Path):
     folder = make_image_folder(tmp_path / "shapes", per_class=3)
     images = open_source(str(folder), None, "train", None, "error")
     images.paths[-1].unlink()  # gone after the scan: the writer fails half-way
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(UserError, match="square_002.png: file not found; no shards were written"):
         write_shards(images, tmp_path / "out", shard_size_bytes=1000)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"]  # no out/, no partial folder
     (tmp_path / "full").mkdir()

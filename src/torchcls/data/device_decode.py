@@ -29,7 +29,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.transforms import v2
 
-from torchcls.data.images import BadImage, decode_bytes, plan_decode, probe_bytes
+from torchcls.data.images import BadImage, decode_bytes, plan_decode, probe_bytes, read_image_file
 from torchcls.data.sampling import EpochSampler
 from torchcls.data.sources import ImageSet
 from torchcls.errors import UserError
@@ -139,14 +139,11 @@ class EncodedSamples(Dataset):
 
     def _read(self, j: int) -> tuple[str, torch.Tensor, tuple[int, int]]:
         images = self.ds.images
-        try:
-            data = Path(images.paths[j]).read_bytes()
-            size = _plain_jpeg_size(data)
-        except OSError:
-            size = None  # the per-sample decoder below names what is wrong with the file
+        data = read_image_file(images.paths[j])  # a regular file of a bounded size, or BadImage saying why not
+        size = _plain_jpeg_size(data)
         if size is not None and plan_decode("JPEG", size[1], size[0], images.min_side, images.max_pixels) == 1:
             return "jpeg", torch.frombuffer(bytearray(data), dtype=torch.uint8), size
-        pixels = images.load(j)
+        pixels = decode_bytes(data, images.channels, images.min_side, images.max_pixels)  # as images.load(j), read once
         return "pixels", pixels, tuple(pixels.shape[-2:])
 
 

@@ -1,14 +1,15 @@
 """Local Hugging Face data sets (`--data hf:PATH`): a `save_to_disk` folder or Parquet file(s).
 
-Nothing is downloaded (HF_DATASETS_OFFLINE=1 before `datasets` is imported). The Arrow table is
-memory-mapped and each image is decoded only when a sample is loaded, so opening a million-row
-set costs the labels column alone. Class names come from the label column's ClassLabel feature
-when it has one, else from the sorted string labels, else '0', '1', ...
+Nothing is downloaded, and `datasets` is not called: torchcls reads the files with pyarrow itself (a saved
+folder through hf_saved.py, which bounds its JSON and opens only the plain file names it gives). The Arrow
+table is memory-mapped and each image is decoded only when a sample is loaded, so opening a million-row
+set costs the labels column alone. Class names come from the label column's ClassLabel feature when it has
+one, else from the sorted string labels, else '0', '1', ...; their count is bounded (label_bounds.py)
+before a name is made for each.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,14 +17,14 @@ from typing import Any
 
 import torch
 
+from torchcls.checkpoint.bounded_json import load_bounded
+from torchcls.data import hf_saved
 from torchcls.data import images as image_files
+from torchcls.data.label_bounds import check_class_count, check_class_names, check_label_index
 from torchcls.errors import UserError
-from torchcls.extras import missing_extra
-from torchcls.io_files import check_regular, read_bytes, regular_path
+from torchcls.io_files import regular_path
 
 PREFIX = "hf:"
-MAX_JSON_BYTES = 64 << 20  # dataset_dict.json, dataset_info.json: features and split names, parsed whole
-MAX_IMAGE_FILE_BYTES = 256 << 20  # an image file a row names by path (what its decoder then bounds in pixels)
 # Our split names -> the names a DatasetDict may use for them.
 _SPLIT_ALIASES = {"val": ("val", "validation", "valid"), "train": ("train",), "test": ("test",)}
 
@@ -93,13 +94,11 @@ def _image_bytes(value: Any, column: str) -> bytes:
         value = value.get("path")
     if isinstance(value, (bytes, bytearray)):
         return bytes(value)
-    if isinstance(value, str) and value:
-        try:  # a path in a table cell: opened only as a regular file, read under a bound
-            return read_bytes(value, max_bytes=MAX_IMAGE_FILE_BYTES, what="image file")
-        except UserError as e:
+    if isinstance(value, str) and value:  # a path in a table cell: read as every image file is (regular, bounded)
+        try:
+            return image_files.read_image_file(value)
+        except image_files.BadImage as e:
             raise image_files.BadImage(f"image file {value} named in column '{column}': {e}") from None
-        except OSError as e:
-            raise image_files.BadImage(f"image file {value} named in column '{column}' is unreadable: {e}") from None
     raise image_files.BadImage(f"column '{column}' holds no image here ({type(value).__name__})")
 
 
@@ -115,8 +114,7 @@ def _open_table(kind: str, path: str, split: str | None):
             return tables[0]
         import pyarrow as pa
         return pa.concat_tables(tables)
-    ds = _load_from_disk(Path(path), split)
-    return ds.data.table
+    return _load_from_disk(Path(path), split).table
 
 
 def _parquet_files(path: Path) -> list[Path]:
@@ -126,78 +124,83 @@ def _parquet_files(path: Path) -> list[Path]:
     return files
 
 
-def _check_saved_files(path: Path) -> None:
-    """Refuse a save_to_disk folder whose Arrow or JSON files (at its top or in a split's folder) are not
-    regular files, before `datasets` opens them: a FIFO would block it. (Checked, then opened by `datasets`:
-    a file swapped in between by whoever can write the folder is not caught; docs/security.md.)"""
-    for p in [*path.glob("*"), *path.glob("*/*")]:
-        if p.suffix in (".arrow", ".json"):
-            check_regular(p, what="saved data set file")
-
-
-def _load_from_disk(path: Path, split: str | None):
+def _load_from_disk(path: Path, split: str | None) -> hf_saved.SavedSplit:
+    """`split` of the save_to_disk folder `path` (a Dataset, or a DatasetDict of split folders), read by
+    hf_saved under its bounds: `datasets.load_from_disk` would open whatever the folder's JSON names."""
     os.environ["HF_DATASETS_OFFLINE"] = "1"
-    try:
-        import datasets
-    except ModuleNotFoundError:
-        raise missing_extra("hf", "--data hf:...", "datasets") from None
-    _check_saved_files(path)
-    try:
-        ds = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as e:
-        raise UserError(f"hf:{path}: not a Hugging Face save_to_disk folder ({e})") from None
-    if isinstance(ds, datasets.DatasetDict):
-        names = [n for n in _SPLIT_ALIASES.get(split, (split,)) if n in ds]
-        if not names:
-            raise UserError(f"hf:{path} has the splits {', '.join(ds)}; it has no '{split}' split")
-        ds = ds[names[0]]
-    elif split not in (None, "train", "all"):
+    names = hf_saved.split_names(path)
+    if names is not None:
+        chosen = [n for n in _SPLIT_ALIASES.get(split, (split,)) if n in names]
+        if not chosen:
+            raise UserError(f"hf:{path} has the splits {', '.join(names)}; it has no '{split}' split")
+        return hf_saved.read_split(path / chosen[0])
+    if split not in (None, "train", "all"):
         raise UserError(f"hf:{path} is a single data set with no separate {split} split; "
                         "evaluate with --split val (the seeded held-out part)")
-    return ds.flatten_indices() if ds._indices is not None else ds
+    return hf_saved.read_split(path)
 
 
 def hf_splits(path: str) -> set[str]:
     """The splits (train, val, test) a save_to_disk DatasetDict folder holds; {'train'} for anything else."""
     path = path[len(PREFIX):] if is_hf_source(path) else path
-    listing = Path(path) / "dataset_dict.json"
-    if not listing.exists():
+    names = hf_saved.split_names(Path(path))
+    if names is None:
         return {"train"}
-    names = set(json.loads(read_bytes(listing, max_bytes=MAX_JSON_BYTES, what="dataset_dict.json")).get("splits", []))
-    return {ours for ours, theirs in _SPLIT_ALIASES.items() if names & set(theirs)}
+    return {ours for ours, theirs in _SPLIT_ALIASES.items() if set(names) & set(theirs)}
 
 
 def _hf_features(kind: str, path: Path, table: Any) -> dict:
     """The `datasets` feature descriptions (ClassLabel names live there), if the files carry them."""
-    if kind == "parquet":
-        meta = (table.schema.metadata or {}).get(b"huggingface")
-        return json.loads(meta).get("info", {}).get("features", {}) if meta else {}
-    info = path / "dataset_info.json"
-    if not info.exists():
-        return {}
-    return json.loads(read_bytes(info, max_bytes=MAX_JSON_BYTES, what="dataset_info.json")).get("features", {})
+    if kind != "parquet":
+        return hf_saved.features(path)
+    meta = (table.schema.metadata or {}).get(b"huggingface")
+    value = load_bounded(meta, hf_saved.INFO_BOUNDS, f"hf:{path}: its Parquet 'huggingface' metadata") if meta else {}
+    info = value.get("info") if isinstance(value, dict) else None
+    found = info.get("features") if isinstance(info, dict) else None
+    return found if isinstance(found, dict) else {}
 
 
 def _labels(table: Any, column: str, feature: dict, name: str) -> tuple[list[str], torch.Tensor]:
+    """Class names and one class index per row; the class count is bounded before a name is made for each."""
     import pyarrow.types as pat
-    col = table.column(column)
+    col, where = table.column(column), f"{name}: column '{column}'"
+    if col.null_count:
+        raise UserError(f"{where} has {col.null_count:,} empty (null) labels; every row needs one")
     if pat.is_integer(col.type):
-        values = col.to_numpy()
-        if (values < 0).any():
-            raise UserError(f"{name}: column '{column}' has negative labels; classes must be 0, 1, ...")
-        names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
-        top = int(values.max()) if len(values) else -1
-        classes = list(names) if names else [str(c) for c in range(top + 1)]
-        if top >= len(classes):
-            raise UserError(f"{name}: label {top} in column '{column}' but the ClassLabel has {len(classes)} names")
-        return classes, torch.from_numpy(values.astype("int64"))
+        return _integer_labels(col, feature, where)
     if pat.is_string(col.type) or pat.is_large_string(col.type):
-        values = col.to_pylist()
-        classes = sorted(set(values))
-        index = {c: i for i, c in enumerate(classes)}
-        return classes, torch.tensor([index[v] for v in values], dtype=torch.int64)
+        return _string_labels(col, where)
     raise UserError(f"{name}: label column '{column}' has type {col.type}; use integer or string labels "
                     "(or name another column with --label-column)")
+
+
+def _integer_labels(col: Any, feature: dict, where: str) -> tuple[list[str], torch.Tensor]:
+    values = col.to_numpy()
+    low, top = (int(values.min()), int(values.max())) if len(values) else (0, -1)
+    if low < 0:
+        raise UserError(f"{where} has negative labels ({low}); classes must be 0, 1, ...")
+    names = feature.get("names") if feature.get("_type") == "ClassLabel" else None
+    if names is None:
+        check_label_index(top, where)  # before '0'..str(top) are made
+        return [str(c) for c in range(top + 1)], torch.from_numpy(values.astype("int64"))
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{where}: its ClassLabel feature's names must be a list of strings")
+    check_class_count(len(names), where, "ClassLabel names")
+    check_class_names(names, where)
+    if top >= len(names):
+        raise UserError(f"{where}: label {top} but the ClassLabel has {len(names)} names")
+    return list(names), torch.from_numpy(values.astype("int64"))
+
+
+def _string_labels(col: Any, where: str) -> tuple[list[str], torch.Tensor]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    distinct = pc.unique(col)  # Arrow memory, no more than the column holds
+    check_class_count(len(distinct), where, "distinct labels")
+    classes = sorted(distinct.to_pylist())
+    check_class_names(classes, where)
+    index = pc.index_in(col, value_set=pa.array(classes, type=col.type))
+    return classes, torch.from_numpy(index.to_numpy().astype("int64"))
 
 
 def open_hf(path: str, split: str = "train", channels: int | None = None, image_column: str = "image",
@@ -210,8 +213,8 @@ def open_hf(path: str, split: str = "train", channels: int | None = None, image_
     kind = "parquet" if root.suffix == ".parquet" or (root.is_dir() and any(root.glob("*.parquet"))) else "disk"
     has_test = False
     if kind == "disk":
-        ds = _load_from_disk(root, split)
-        table, folder = ds.data.table, Path(ds.cache_files[0]["filename"]).parent if ds.cache_files else root
+        saved = _load_from_disk(root, split)
+        table, folder = saved.table, saved.folder
         has_test = "test" in hf_splits(path)
     else:
         if split not in ("train", "all"):
@@ -234,7 +237,5 @@ def hf_data_files(source: str, split: str = "train") -> list[Path]:
     path = Path(source[len(PREFIX):] if is_hf_source(source) else source)
     if path.suffix == ".parquet" or (path.is_dir() and any(path.glob("*.parquet"))):
         return _parquet_files(path)
-    ds = _load_from_disk(path, split)
-    arrow = [Path(f["filename"]) for f in ds.cache_files]
-    folder = arrow[0].parent if arrow else path
-    return arrow + [p for p in (folder / "dataset_info.json", folder / "state.json") if p.is_file()]
+    saved = _load_from_disk(path, split)
+    return saved.files + [p for p in (saved.folder / hf_saved.INFO, saved.folder / hf_saved.STATE) if p.is_file()]

@@ -36,7 +36,10 @@ class Bounds:
     max_tiff_tags: int = 1_024        # entries in IFD 0
     max_tiff_values: int = 16 * 2**20  # bytes of tag values IFD 0 points to
     max_tiff_tile: int = 2**20        # pixels of a TIFF tile larger than the image (padding)
+    max_tiff_blocks: int = 65_536     # strips or tiles (x planes) of TIFF IFD 0: Pillow builds one tile object each
+    max_tiff_numbers: int = 3 * 2**16  # numbers in one other TIFF tag (a 16-bit ColorMap): each a Python object
     max_ppm_header: int = 4_096       # bytes of a PBM/PGM/PPM header, comments included
+    max_file_bytes: int = 256 * 2**20  # an encoded image, read whole: a file, a shard member, a table cell
 
 
 BOUNDS = Bounds()
@@ -224,7 +227,8 @@ def _ico(src: _Source, whole: bool) -> Probe:
 
 
 def _tiff(src: _Source, whole: bool) -> Probe:
-    """IFD 0, Pillow's frame 0: its entry count, the bytes its tags point to, the image and tile sizes."""
+    """IFD 0, Pillow's frame 0: its entry count, the bytes its tags point to, the image and tile sizes, and
+    the strip or tile layout (Pillow builds one Python tile per offset the directory lists)."""
     order = "<" if src.at(0, 2) == b"II" else ">"
     big = src.unpack(order + "H", 2)[0] == 43  # BigTIFF: 64-bit counts and offsets
     count_fmt, entry, inline = (order + "Q", 20, 8) if big else (order + "H", 12, 4)
@@ -233,12 +237,16 @@ def _tiff(src: _Source, whole: bool) -> Probe:
     if count > BOUNDS.max_tiff_tags:
         raise src.too_many("tags in its first directory", BOUNDS.max_tiff_tags)
     first = ifd + struct.calcsize(count_fmt)
-    values, total = {}, 0
+    values, counts, total = {}, {}, 0
     for i in range(count):
         tag, typ, n = src.unpack(order + ("HHQ" if big else "HHI"), first + i * entry)
         size = n * _TIFF_TYPES.get(typ, 0)
         if size > inline:
             total += size
+        if tag in _TIFF_LAYOUT_TAGS:
+            counts.setdefault(tag, n)  # checked against the layout below
+        elif n > BOUNDS.max_tiff_numbers and typ not in _TIFF_BYTES:  # Pillow makes a tuple of numbers
+            raise BadImage(f"TIFF: tag {tag} holds {n:,} numbers (limit {BOUNDS.max_tiff_numbers:,})")
         if tag in _TIFF_SIZE_TAGS and tag not in values:  # Pillow keeps a repeated tag's first entry
             if n != 1 or typ not in (3, 4, 16):
                 raise src.corrupt(f"tag {tag} holds {n} values of type {typ}")
@@ -255,11 +263,46 @@ def _tiff(src: _Source, whole: bool) -> Probe:
         raise BadImage(f"TIFF: a {values[322]}x{values[323]} tile for a {width}x{height} image")
     if values.get(277, 1) > BOUNDS.max_components + 2:  # Pillow decodes up to RGBA plus extra samples
         raise src.corrupt(f"{values[277]} samples per pixel")
+    _tiff_layout(src, width, height, values, counts)
     return Probe("TIFF", width, height)
 
 
+def _tiff_layout(src: _Source, width: int, height: int, values: dict[int, int], counts: dict[int, int]) -> None:
+    """The offsets and byte counts list exactly one entry per strip or tile of the image (per plane when
+    PlanarConfiguration is 2), as the TIFF specification states: Pillow builds a tile per offset whatever the
+    image's size (a 1x2 image listing a million strips took 8 s and 250 MB), and libtiff counts them the same way."""
+    planes = values.get(277, 1) if values.get(284, 1) == 2 else 1
+    if 324 in counts or 322 in values or 323 in values:
+        if 273 in counts:
+            raise src.corrupt("both strip offsets and tiles")
+        tile_w, tile_h = values.get(322, 0), values.get(323, 0)
+        if not tile_w or not tile_h:
+            raise src.corrupt(f"tiles of {tile_w}x{tile_h}")
+        blocks, what = -(-width // tile_w) * -(-height // tile_h) * planes, f"{tile_w}x{tile_h} tiles"
+        offsets, sizes = 324, 325
+    else:
+        rows = values.get(278, height)  # RowsPerStrip: 2**32-1 (all rows) is common
+        if not rows:
+            raise src.corrupt("0 rows per strip")
+        blocks, what = -(-height // rows) * planes, f"strips of {min(rows, height)} rows"
+        offsets, sizes = 273, 279
+    over = "" if planes == 1 else f" over {planes} planes"
+    if blocks > BOUNDS.max_tiff_blocks:
+        raise BadImage(f"TIFF: its {width}x{height} image is stored as {blocks:,} {what}{over} "
+                       f"(limit {BOUNDS.max_tiff_blocks:,})")
+    for tag, name in ((offsets, "offsets"), (sizes, "byte counts")):
+        if counts.get(tag, blocks) != blocks:
+            raise src.corrupt(f"{counts[tag]:,} {name} for a {width}x{height} image in {what}{over}, "
+                              f"which has {blocks:,}")
+    if offsets not in counts:
+        raise src.corrupt("no strip or tile offsets")
+
+
 _TIFF_TYPES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 13: 4, 16: 8, 17: 8, 18: 8}
-_TIFF_SIZE_TAGS = {256, 257, 277, 322, 323}  # width, length, samples per pixel, tile width, tile length
+# width, length, samples per pixel, rows per strip, planar configuration, tile width, tile length
+_TIFF_SIZE_TAGS = {256, 257, 277, 278, 284, 322, 323}
+_TIFF_LAYOUT_TAGS = {273, 279, 324, 325}  # strip offsets, strip byte counts, tile offsets, tile byte counts
+_TIFF_BYTES = {1, 2, 7}  # BYTE, ASCII, UNDEFINED: Pillow keeps them as one bytes or str object
 
 
 def _webp(src: _Source, whole: bool) -> Probe:

@@ -203,7 +203,14 @@ def _open_regular(path: Path) -> Iterator[tuple[BinaryIO, int]]:
             size = os.fstat(fd).st_size
             if size == 0:
                 raise BadImage("empty file (0 bytes)")
+            if size > BOUNDS.max_file_bytes:  # read whole to decode (a sparse file costs nothing on disk)
+                raise _too_large(size)
             yield f, size
+
+
+def _too_large(size: int) -> BadImage:
+    return BadImage(f"too large to read: {size:,} bytes, and an image is read whole to be decoded, at most "
+                    f"{BOUNDS.max_file_bytes:,} bytes (image_formats.Bounds.max_file_bytes)")
 
 
 def load_image(path: str | Path, channels: int, min_side: int | None = None,
@@ -218,9 +225,12 @@ def read_image_file(path: str | Path) -> bytes:
     a broken symlink, a pipe or device, empty)."""
     try:
         with _open_regular(Path(path)) as (f, _):
-            return f.read()
+            data = f.read(BOUNDS.max_file_bytes + 1)  # the size was checked on open; the file may grow since
     except OSError as e:  # anything else the disk says (EIO...): still a named bad file, not a crash
         raise BadImage(f"unreadable: {e}") from None
+    if len(data) > BOUNDS.max_file_bytes:
+        raise _too_large(len(data))  # (it grew after it was opened)
+    return data
 
 
 @contextlib.contextmanager
@@ -263,6 +273,8 @@ def probe_bytes(data: bytes) -> Probe:
     """The format `data` holds (named from its bytes) and every size in it, or BadImage: no Pillow involved."""
     if not data:
         raise BadImage("empty file (0 bytes)")
+    if len(data) > BOUNDS.max_file_bytes:  # the same bound for bytes from a shard, a table or an upload
+        raise _too_large(len(data))
     return probe(io.BytesIO(data), len(data))
 
 

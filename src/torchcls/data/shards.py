@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
+from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.data.label_bounds import check_class_count, check_label_index
 from torchcls.errors import UserError
 from torchcls.io_files import check_regular, open_regular, read_bytes
 from torchcls.made_dirs import make_dir, remove_made
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
 
 INDEX = "index.json"
 INDEX_BYTES = 64 << 20  # an index lists shards, classes and skipped files: a few MB for millions of samples
+# ... parsed under these bounds: 4 values a shard or a skipped file, 2 a class; nested 3 deep (skipped: [[f, why]]).
+INDEX_BOUNDS = JsonBounds(max_bytes=INDEX_BYTES, max_values=4_000_000, max_depth=4, max_str=1 << 16)
+MAX_CLS_BYTES = 64  # a .cls member: one class index in decimal, perhaps with a newline
 FORMAT = "torchcls-webdataset-index"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "gif", "tif", "tiff", "webp")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = up to the first dot
@@ -108,12 +113,21 @@ def _sample_bytes(images: ImageSet, i: int) -> tuple[bytes, str]:
         buf = io.BytesIO()
         Image.fromarray(images.images[i].numpy()).save(buf, format="PNG")
         return buf.getvalue(), "png"
+    from torchcls.data.images import read_header, read_image_file
     path = Path(images.paths[i])
     ext = path.suffix.lower().lstrip(".")
     if ext not in IMAGE_EXTS:  # keep the true format visible to other readers
-        from torchcls.data.images import read_header
         ext = read_header(path)[0].lower()  # named from the bytes, never by Pillow
-    return path.read_bytes(), ext
+    return read_image_file(path), ext  # a regular file of at most image_formats.Bounds.max_file_bytes
+
+
+def _checked_sample(images: ImageSet, i: int) -> tuple[bytes, str]:
+    from torchcls.data.images import BadImage
+    try:
+        return _sample_bytes(images, i)
+    except BadImage as e:  # a row of a table (never scanned), or a file that changed after the scan
+        where = f"{images.paths[i]}: " if getattr(images, "paths", None) else ""  # (a row's reason names its row)
+        raise UserError(f"{where}{e}; no shards were written (fix or remove it and run again)") from None
 
 
 def write_shards(source: str | ImageSet, out_dir: str | Path, shard_size_bytes: int = 1_000_000_000, *,
@@ -184,7 +198,7 @@ def _write_tars(images: ImageSet, order: list[int], tmp: Path, prefix: str, max_
             sink = _HashingFile(tmp / f"{prefix}-{len(shards):06d}.tar")
             # Fixed mtime and owner: the same data always gives the same bytes, so the same hashes.
             writer, count = tar_writer(sink, encoder=False, mtime=0, user="torchcls", group="torchcls"), 0
-        data, ext = _sample_bytes(images, i)
+        data, ext = _checked_sample(images, i)
         writer.write({"__key__": f"{n:09d}", ext: data, "cls": str(int(images.targets[i])).encode()})
         count += 1
         if sink.size + len(data) >= max_bytes or count >= max_count:
@@ -283,8 +297,8 @@ def _expand(source: str) -> list[Path]:
 
 def _read_index(path: Path) -> dict:
     try:
-        index = json.loads(read_bytes(path, max_bytes=INDEX_BYTES, what="shard index"))
-    except (OSError, ValueError) as e:
+        index = load_bounded(read_bytes(path, max_bytes=INDEX_BYTES, what="shard index"), INDEX_BOUNDS, str(path))
+    except OSError as e:
         raise UserError(f"{path}: unreadable shard index ({e}); re-write the shards (torchcls data shard)") from None
     if not isinstance(index, dict) or index.get("format") != FORMAT or not isinstance(index.get("shards"), list):
         raise UserError(f"{path} is not a torchcls shard index (no '\"format\": \"{FORMAT}\"'); "
@@ -335,7 +349,11 @@ def _shardset_of(index: dict, index_path: Path, source: str, chosen: list[Path] 
     shards = [Shard(index_path.parent / n, int(entries[n]["samples"]), int(entries[n]["bytes"]),
                     entries[n].get("sha256")) for n in names]
     whole = chosen is None or len(names) == len(entries)
-    return ShardSet(source, list(index["classes"]), shards, int(index.get("channels") or 3),
+    classes = index["classes"]
+    check_class_count(len(classes), str(index_path))
+    if not all(isinstance(c, str) for c in classes):
+        raise TypeError("class names must be strings")
+    return ShardSet(source, list(classes), shards, int(index.get("channels") or 3),
                     index.get("image_size"), index.get("source"), index_path,
                     index.get("class_counts") if whole else None,
                     [tuple(s) for s in index.get("skipped", [])])
@@ -389,9 +407,10 @@ def _scan(source: str, paths: list[Path]) -> ShardSet:
             n = 0
             for key, fields in iter_members(tf, p, size):
                 n += 1
-                if "cls" in fields:
-                    raw = tf.extractfile(fields["cls"]).read()
+                if "cls" in fields and fields["cls"].size <= MAX_CLS_BYTES:  # (a longer one is no label)
+                    raw = tf.extractfile(fields["cls"]).read(MAX_CLS_BYTES)
                     top = max(top, int(raw)) if raw.strip().isdigit() else top
+                    check_label_index(top, f"shard {p}: sample {key}")  # before a name is made for each class
         if n == 0:
             raise UserError(f"shard {p} holds no samples")
         shards.append(Shard(p, n, size, None))

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch.utils.data import default_collate
@@ -47,20 +48,35 @@ def record_skip(log: Path, file: str, reason: str) -> None:
         os.close(fd)
 
 
+MAX_SKIP_LINE = 16 << 10  # a record: a path (< 4,096 bytes) and a reason cut to 1,000 characters
+MAX_SKIP_LOG_BYTES = 1 << 30  # one rank's log: ~5 million skips
+
+
 def read_skips(run_dir: str | Path) -> list[dict[str, Any]]:
-    """Every file skipped at decode time, by any rank and worker: {"file", "reason", "times"}."""
+    """Every file skipped at decode time, by any rank and worker: {"file", "reason", "times"}. Read a line at a
+    time, each at most MAX_SKIP_LINE bytes (a longer one is passed over in pieces, never held)."""
     found: dict[str, dict[str, Any]] = {}
     for log in sorted(Path(run_dir).glob(SKIP_LOG_GLOB)):
-        with open_regular(log, "r", what="skip log", errors="replace") as f:
-            lines = f.read().splitlines()
-        for line in lines:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:  # a line cut by a crash: the rest are still good
-                continue
-            entry = found.setdefault(rec["file"], {"file": rec["file"], "reason": rec["reason"], "times": 0})
-            entry["times"] += 1  # the same file is met again each epoch
+        with open_regular(log, "rb", what="skip log", max_bytes=MAX_SKIP_LOG_BYTES) as f:
+            for rec in _records(f):
+                entry = found.setdefault(rec["file"], {"file": rec["file"], "reason": rec["reason"], "times": 0})
+                entry["times"] += 1  # the same file is met again each epoch
     return list(found.values())
+
+
+def _records(f: BinaryIO) -> Iterator[dict[str, Any]]:
+    """The well-formed records of a skip log: a line cut by a crash, or one that is not a record, is passed over."""
+    whole = True  # whether the last piece read ended its line
+    for piece in iter(lambda: f.readline(MAX_SKIP_LINE + 1), b""):
+        complete, whole = whole, piece.endswith(b"\n")
+        if not complete or len(piece) > MAX_SKIP_LINE:
+            continue
+        try:
+            rec = json.loads(piece)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("reason"), str):
+            yield rec
 
 
 class DropBad:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import gzip
+import os
 import struct
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -20,9 +21,17 @@ import numpy as np
 import torch
 
 from torchcls.data.images import MAX_PIXELS, BadImage, load_image, plan_decode
+from torchcls.data.label_bounds import MAX_LABELS_PER_ROW, check_class_count, check_class_names, check_multilabel_size
 from torchcls.data.refusals import refuse
 from torchcls.data.scan import list_files, scan_headers
-from torchcls.data.splits import SPLIT_NAMES, available_splits, check_same_classes, csv_splits, split_folders
+from torchcls.data.splits import (
+    MAX_CSV_BYTES,
+    SPLIT_NAMES,
+    available_splits,
+    check_same_classes,
+    csv_splits,
+    split_folders,
+)
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
 from torchcls.suggest import data_names, did_you_mean
@@ -163,8 +172,10 @@ def _finish(name: str, origin: str, classes: list[str], paths: list[Path], label
     if not good:
         raise UserError(f"{origin}: no readable images ({len(bad)} skipped)")
     sizes = torch.tensor([headers[i][1:] for i in good], dtype=torch.int32)
-    targets = labels[torch.tensor(good, dtype=torch.int64)] if isinstance(labels, torch.Tensor) else \
-        torch.tensor([labels[i] for i in good], dtype=torch.int64)
+    if isinstance(labels, torch.Tensor):  # multi-label rows: copied only when some are left out
+        targets = labels if len(good) == len(labels) else labels[torch.tensor(good, dtype=torch.int64)]
+    else:
+        targets = torch.tensor([labels[i] for i in good], dtype=torch.int64)
     return ImageSet(name, classes, targets, channels,
                     paths=[paths[i] for i in good], skipped=bad, sizes=sizes,
                     formats=[headers[i][0] for i in good], origin=origin, max_pixels=max_pixels)
@@ -195,8 +206,19 @@ def apply_size_limits(images: ImageSet, min_side: int, on_bad_file: str) -> Imag
                    sizes=images.sizes[idx], formats=[images.formats[i] for i in keep], skipped=images.skipped + bad)
 
 
+def _class_dirs(root: Path) -> list[Path]:
+    """The class folders of `root`, sorted; refused past MAX_CLASSES before any more is listed or built."""
+    found = []
+    with os.scandir(root) as entries:
+        for entry in entries:
+            if not entry.name.startswith(".") and entry.is_dir():  # (a symlink to a folder counts, as before)
+                found.append(Path(entry.path))
+                check_class_count(len(found), str(root), "class folders (or more)")
+    return sorted(found)
+
+
 def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) -> ImageSet:
-    class_dirs = sorted(d for d in root.iterdir() if d.is_dir() and not d.name.startswith("."))
+    class_dirs = _class_dirs(root)
     if not class_dirs:
         raise UserError(f"{root}: no class folders. An ImageFolder directory holds one sub-folder per class "
                         "(e.g. cats/, dogs/) with that class's images inside")
@@ -208,37 +230,61 @@ def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) 
             raise UserError(f"class folder {d} is empty: add images of class '{d.name}' or remove the folder")
         paths += listing.files
         labels += [label] * len(listing.files)
-    return _finish(str(root), str(root), [d.name for d in class_dirs], paths, labels, channels, on_bad_file,
-                   problems, max_pixels)
+    classes = [d.name for d in class_dirs]
+    check_class_names(classes, str(root))
+    return _finish(str(root), str(root), classes, paths, labels, channels, on_bad_file, problems, max_pixels)
 
 
 def _csv_rows(csv_path: Path) -> tuple[list[dict[str, str]], bool, str]:
     """The rows, whether there is a split column, and the label column: `label` (one per row) or
     `labels` (multi-label: any number separated by ';', empty for none)."""
-    with open_regular(csv_path, "r", newline="", what="CSV manifest") as f:
+    with open_regular(csv_path, "r", newline="", what="CSV manifest", max_bytes=MAX_CSV_BYTES) as f:
         reader = csv.DictReader(f)
-        names = set(reader.fieldnames or [])
-        if "path" not in names or not names & {"label", "labels"}:
-            raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels' for "
-                            f"multi-label data) (found: {', '.join(reader.fieldnames or []) or 'nothing'})")
-        if {"label", "labels"} <= names:
-            raise UserError(f"{csv_path}: it has both a 'label' and a 'labels' column; keep 'label' (one class per "
-                            "image) or 'labels' (multi-label, separated by ';')")
-        rows = list(reader)
+        try:
+            names = set(reader.fieldnames or [])
+            if "path" not in names or not names & {"label", "labels"}:
+                raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels' for "
+                                f"multi-label data) (found: {', '.join(reader.fieldnames or []) or 'nothing'})")
+            if {"label", "labels"} <= names:
+                raise UserError(f"{csv_path}: it has both a 'label' and a 'labels' column; keep 'label' (one class "
+                                "per image) or 'labels' (multi-label, separated by ';')")
+            rows = list(reader)
+        except csv.Error as e:  # a field over csv's 131,072-character limit, a NUL byte...
+            raise UserError(f"{csv_path}: line {reader.line_num + 1}: not a CSV row ({e})") from None
     if not rows:
         raise UserError(f"{csv_path}: no rows below the header")
     return rows, "split" in names, "labels" if "labels" in names else "label"
 
 
-def _row_labels(value: str | None) -> list[str]:
+def _row_labels(value: str | None, csv_path: Path, line: int) -> list[str]:
     """A multi-label cell: names separated by ';', blanks dropped, each once (empty: no label)."""
-    return sorted({part.strip() for part in (value or "").split(";") if part.strip()})
+    labels = sorted({part.strip() for part in (value or "").split(";") if part.strip()})
+    if len(labels) > MAX_LABELS_PER_ROW:
+        raise UserError(f"{csv_path}: line {line} lists {len(labels):,} labels; a row lists at most "
+                        f"{MAX_LABELS_PER_ROW:,} (torchcls.data.label_bounds.MAX_LABELS_PER_ROW)")
+    return labels
+
+
+def _csv_classes(csv_path: Path, rows: list[dict[str, str]], column: str) -> list[str]:
+    """The sorted class names of every row (all splits), their count and lengths bounded before the caller
+    builds anything per class."""
+    if column == "labels":
+        classes = sorted({c for line, row in enumerate(rows, start=2)
+                          for c in _row_labels(row[column], csv_path, line)})
+        if not classes:
+            raise UserError(f"{csv_path}: its 'labels' column names no label at all")
+    else:
+        classes = sorted({(row["label"] or "").strip() for row in rows})
+    check_class_count(len(classes), str(csv_path), "distinct labels")
+    check_class_names(classes, str(csv_path))
+    return classes
 
 
 def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, split: str,
                   max_pixels: int) -> ImageSet:
     rows, has_split, column = _csv_rows(csv_path)
     multilabel = column == "labels"
+    classes = _csv_classes(csv_path, rows, column)
     entries, problems = [], []
     for line, row in enumerate(rows, start=2):
         rel, label = (row["path"] or "").strip(), (row[column] or "").strip()
@@ -249,15 +295,9 @@ def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, s
             problems.append(f"  line {line}: split '{row_split}' is not one of {', '.join(SPLIT_NAMES)}")
         elif row_split == split or split == "all":
             entries.append((Path(rel) if Path(rel).is_absolute() else base / rel,
-                            _row_labels(label) if multilabel else label, line))
+                            _row_labels(label, csv_path, line) if multilabel else label, line))
     if problems:
         raise UserError(f"{csv_path}: {len(problems)} bad row(s):\n" + "\n".join(problems[:20]))
-    if multilabel:
-        classes = sorted({c for row in rows for c in _row_labels(row[column])})
-        if not classes:
-            raise UserError(f"{csv_path}: its 'labels' column names no label at all")
-    else:
-        classes = sorted({(row["label"] or "").strip() for row in rows})
     origin = f"{csv_path} split={split}" if has_split else str(csv_path)
     if not entries:
         held = f"its split column holds {', '.join(sorted(csv_splits(csv_path)))}" if has_split else \
@@ -274,6 +314,7 @@ def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, s
     if multilabel:
         from torchcls.tasks import multilabel_targets
 
+        check_multilabel_size(len(entries), len(classes), str(csv_path))  # before the matrix is allocated
         targets = multilabel_targets([lbl for _, lbl in entries], classes)
     else:
         index = {c: i for i, c in enumerate(classes)}

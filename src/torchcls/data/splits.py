@@ -9,19 +9,31 @@ otherwise become a class, or silently go unused.
 from __future__ import annotations
 
 import csv
+import os
 from pathlib import Path
 
+from torchcls.data.label_bounds import MAX_CLASSES, check_class_count
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
 
 SPLIT_NAMES = ("train", "val", "test")
+MAX_CSV_BYTES = 1 << 30  # a CSV manifest is parsed whole into rows (~15 million rows of ~70 bytes)
 
 
 def _visible(folder: Path) -> list[Path]:
+    """The entries of `folder` (a data root or a split: its entries are splits or class folders), refused past
+    MAX_CLASSES and a few more before the rest is listed: a folder of a million entries is not a layout."""
+    found: list[Path] = []
     try:
-        return sorted(p for p in folder.iterdir() if not p.name.startswith("."))
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if not entry.name.startswith("."):
+                    found.append(Path(entry.path))
+                    if len(found) > MAX_CLASSES + len(SPLIT_NAMES):
+                        check_class_count(len(found), str(folder), "entries (or more) where class folders are expected")
     except OSError:
         return []
+    return sorted(found)
 
 
 def _holds_class_folders(folder: Path) -> bool:
@@ -68,11 +80,14 @@ def check_same_classes(expected: list[str], found: list[str], where: str, expect
 
 def csv_splits(path: Path) -> set[str]:
     """The values of a CSV manifest's `split` column ({'train'} when it has none)."""
-    with open_regular(path, "r", newline="", what="CSV manifest") as f:
+    with open_regular(path, "r", newline="", what="CSV manifest", max_bytes=MAX_CSV_BYTES) as f:
         reader = csv.DictReader(f)
-        if not reader.fieldnames or "split" not in reader.fieldnames:
-            return {"train"}
-        return {(row.get("split") or "").strip() for row in reader}
+        try:
+            if not reader.fieldnames or "split" not in reader.fieldnames:
+                return {"train"}
+            return {(row.get("split") or "").strip() for row in reader}
+        except csv.Error as e:  # a field over csv's 131,072-character limit, a NUL byte...
+            raise UserError(f"{path}: line {reader.line_num + 1}: not a CSV row ({e})") from None
 
 
 def available_splits(source: str) -> set[str]:

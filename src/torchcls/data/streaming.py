@@ -31,7 +31,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from torchcls.data import images as image_files
 from torchcls.data.images import decode_bytes
-from torchcls.data.shards import IMAGE_EXTS, ShardSet, iter_members, open_tar
+from torchcls.data.shards import IMAGE_EXTS, MAX_CLS_BYTES, ShardSet, iter_members, open_tar
 from torchcls.errors import UserError
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -150,7 +150,7 @@ class ShardStream(IterableDataset):
                     if n >= count:
                         break
                     if n >= skip:  # before: headers read to find the way, data never touched
-                        yield path, key, {ext: _member_bytes(tf, m, path) for ext, m in members.items()}
+                        yield path, key, _sample_fields(tf, members, path)
             if seen != count:
                 raise UserError(f"shard {path} does not hold the {count} samples its index records; "
                                 "re-write the shards, or remove the stale index.json to have them counted")
@@ -178,16 +178,34 @@ class ShardStream(IterableDataset):
                 gen.set_state(saved)
         return image, label
 
-    def _decode(self, fields: dict[str, bytes]) -> tuple[torch.Tensor, int]:
+    def _decode(self, fields: dict[str, bytes | None]) -> tuple[torch.Tensor, int]:
         label_raw = fields.get("cls")
-        ext = next((e for e in fields if e.lower() in IMAGE_EXTS), None)
+        ext = _image_ext(fields)
         if ext is None or label_raw is None:
-            raise ValueError(f"needs an image ({'/'.join(IMAGE_EXTS[:3])}...) and a .cls label; has "
-                             f"{', '.join('.' + e for e in fields) or 'nothing'}")
+            raise ValueError(f"needs an image ({'/'.join(IMAGE_EXTS[:3])}...) and a .cls label of at most "
+                             f"{MAX_CLS_BYTES} bytes; has {', '.join('.' + e for e in fields) or 'nothing'}")
+        if fields[ext] is None:
+            raise image_files.BadImage(f"its .{ext} member is larger than an image is read "
+                                       f"({image_files.BOUNDS.max_file_bytes:,} bytes, image_formats.Bounds)")
         text = label_raw.decode("utf-8", "replace").strip()
         if not text.isdigit() or int(text) >= self.num_classes:
             raise ValueError(f"label {text!r} is not a class index in 0..{self.num_classes - 1}")
         return decode_bytes(fields[ext], self.channels, self.min_side, self.max_pixels), int(text)
+
+
+def _image_ext(fields: dict) -> str | None:
+    """The member a sample is decoded from: its first with an image extension."""
+    return next((e for e in fields if e.lower() in IMAGE_EXTS), None)
+
+
+def _sample_fields(tf: tarfile.TarFile, members: dict[str, tarfile.TarInfo], shard: str) -> dict[str, bytes | None]:
+    """{ext: bytes} of the two members a sample is decoded from (its image and its .cls), each read only when
+    within its bound; every other member (and one over its bound) is named with None, never read."""
+    image, limits = _image_ext(members), {"cls": MAX_CLS_BYTES}
+    if image is not None:
+        limits[image] = image_files.BOUNDS.max_file_bytes
+    return {ext: _member_bytes(tf, m, shard) if m.size <= limits.get(ext, -1) else None
+            for ext, m in members.items()}
 
 
 def _member_bytes(tf: tarfile.TarFile, member: tarfile.TarInfo, shard: str) -> bytes:
