@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE, atomic_write
 from torchcls.config import Config
@@ -143,12 +144,36 @@ def default_name(cfg: Config) -> str:
     return f"{cfg.model.name.replace('/', '-')}-{Path(cfg.data.source).stem}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+# metrics.jsonl is read back line by line (resume, early stop, report, governance), each line bounded before it
+# is parsed: a multi-label epoch record of MAX_CLASSES thresholds is ~2.5 MB; a run logging every step of a
+# million steps holds ~8 million values. NaN is allowed (a diverged loss is logged as NaN).
+METRICS_LINE = JsonBounds(max_bytes=4 << 20, max_values=250_000, max_depth=16, max_str=1 << 20, allow_nonfinite=True)
+MAX_METRICS_BYTES = 1 << 30
+MAX_METRICS_VALUES = 10_000_000  # in all lines together, counted before each is parsed
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of `run_dir`'s metrics.jsonl, every one a JSON object; a last line cut short by a failed write
+    (disk full) is left out. Refused (UserError): a longer line, more values or bytes than the bounds above."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
-    with open_regular(path, "r", what="metrics log") as f:  # (a FIFO in a received run dir would block)
-        text = f.read()
-    if text and not text.endswith("\n"):  # a record cut short by a failed write (disk full): never complete
-        text = text[:text.rfind("\n") + 1]
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    records, values, seen = [], 0, 0
+    with open_regular(path, "rb", what="metrics log", max_bytes=MAX_METRICS_BYTES) as f:  # (a FIFO would block)
+        for n, line in enumerate(iter(lambda: f.readline(METRICS_LINE.max_bytes + 1), b""), start=1):
+            seen += len(line)
+            if len(line) > METRICS_LINE.max_bytes or seen > MAX_METRICS_BYTES:
+                raise UserError(f"{path}: line {n} is longer than {METRICS_LINE.max_bytes:,} bytes, or the log "
+                                f"longer than {MAX_METRICS_BYTES:,}: not a metrics log torchcls wrote")
+            if not line.endswith(b"\n"):
+                break  # a record cut short by a failed write: never complete
+            if not line.strip():
+                continue
+            values += line.count(b"{") + line.count(b"[") + line.count(b",") + 1
+            if values > MAX_METRICS_VALUES:
+                raise UserError(f"{path}: more than {MAX_METRICS_VALUES:,} values by line {n}: refused before parsing")
+            record = load_bounded(line, METRICS_LINE, f"{path}: line {n}")
+            if not isinstance(record, dict):
+                raise UserError(f"{path}: line {n} is not a JSON object, as every metrics record is")
+            records.append(record)
+    return records
