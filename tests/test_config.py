@@ -174,3 +174,13 @@ def test_the_command_line_still_sets_them_for_ones_own_run(tmp_path: Path, capsy
     assert (cfg.train.tracking_uri, cfg.data.max_pixels, cfg.data.memory_limit_mb) == ("http://attacker.example", 0,
                                                                                       999999)
     assert "recorded config" not in capsys.readouterr().out
+
+
+def test_the_resume_hint_gives_on_the_command_line_what_config_toml_does_not_set(tmp_path: Path):
+    from torchcls.config import resume_command
+
+    cfg = Config()
+    cfg.train.tracking, cfg.train.tracking_uri = "mlflow", "sqlite:///m.db"
+    assert resume_command(tmp_path / "r", cfg) == (f"torchcls train --config {tmp_path / 'r' / 'config.toml'} --resume "
+                                                   "--tracking mlflow --tracking-uri sqlite:///m.db")
+    assert resume_command(tmp_path / "r", Config()).endswith("--resume")

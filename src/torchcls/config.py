@@ -388,6 +388,17 @@ def is_recorded_config(path: str | Path, cfg: Config) -> bool:
     return path.name == "config.toml" and any(os.path.lexists(path.parent / name) for name in RUN_DIR_FILES)
 
 
+def resume_command(run_path: Path, cfg: Config) -> str:
+    """The command that resumes `run_path` as `cfg` ran it: its config.toml, and on the command line the
+    RECORDED_NOT_TAKEN options it set (a recorded config.toml does not set them)."""
+    default, flags = Config(), []
+    for section, key in sorted(RECORDED_NOT_TAKEN):
+        value = getattr(getattr(cfg, section), key)
+        if value != getattr(getattr(default, section), key):
+            flags.append(f"--{key.replace('_', '-')} {value}")
+    return " ".join([f"torchcls train --config {run_path / 'config.toml'} --resume", *flags])
+
+
 def keep_local(cfg: Config, local: Config, given: frozenset[tuple[str, str]] = frozenset()
                ) -> list[tuple[str, str, Any]]:
     """Put the RECORDED_NOT_TAKEN options of `cfg` that are not in `given` (set on the command line) back to

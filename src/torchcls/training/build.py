@@ -19,7 +19,7 @@ from torch import nn
 
 from torchcls import governance, run_files
 from torchcls.checkpoint.checkpointer import Checkpointer
-from torchcls.config import Config, ModelConfig
+from torchcls.config import Config, ModelConfig, resume_command
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
 from torchcls.data.mixing import build_mixing
@@ -109,7 +109,7 @@ def _run_epochs(t: Trainer, cfg: Config, session: Session, run: RunDir) -> Train
     except KeyboardInterrupt:
         t.save()
         console.print(f"[yellow]interrupted at step {t.progress.step}; checkpoint saved. Continue with: "
-                      f"torchcls train --config {run.path / 'config.toml'} --resume[/]")
+                      f"{resume_command(run.path, cfg)}[/]", highlight=False)
         return t.result(interrupted=True)
     except NonFiniteLoss:  # --nonfinite stop: the failed step was not applied; keep the last good state
         t.save()
