@@ -223,3 +223,24 @@ def test_the_write_scan_sees_writes_by_name_and_not_into_a_helpers_temp() -> Non
             "replace_file(p, lambda tmp: fig.savefig(tmp))\natomic_write(p, lambda t: Path(t).write_text('x'))\n"
             "with open(p, 'xb') as f: pass\nwith open(p) as f: pass\nwith path.open('a') as f: pass\n")
     assert _writes_by_name(ast.parse(code)) == [1, 2, 3, 8]
+
+
+def test_a_linked_temporary_checkpoint_dir_is_replaced_not_written_through(tmp_path: Path) -> None:
+    import torch
+
+    from torchcls.checkpoint import dcp
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    checkpoints = tmp_path / "run" / "checkpoints"
+    checkpoints.mkdir(parents=True)
+    (checkpoints / ".last.dcp.tmp").symlink_to(elsewhere)  # as a received run dir could hold it
+
+    class One:
+        is_main, rank, world, active = True, 0, 1, True
+
+        def barrier(self) -> None:
+            pass
+
+    dcp.start_save(checkpoints / "last.dcp", {"model": {"w": torch.ones(2)}}, One())
+    assert list(elsewhere.iterdir()) == [] and not (checkpoints / ".last.dcp.tmp").is_symlink()

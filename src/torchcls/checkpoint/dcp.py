@@ -167,6 +167,8 @@ def start_save(path: Path, tensors: dict[str, Any], ranks: Ranks, group=None):
     hf_dcp.check_tensors_only(tensors)
     if ranks.is_main:
         recover(path)  # a finished write of a crashed commit is kept, not overwritten
+        if _tmp(path).is_symlink():  # (rmtree refuses a link, and DCP's writer would write through it)
+            _tmp(path).unlink()
         shutil.rmtree(_tmp(path), ignore_errors=True)  # what is left is a write a crash cut short
     ranks.barrier()
     writer = hf_dcp.writer(_tmp(path))
