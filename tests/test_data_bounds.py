@@ -276,3 +276,20 @@ def test_skip_logs_pass_over_what_is_not_a_record(tmp_path: Path):
     (tmp_path / "decode_skips.rank0.jsonl").write_text(
         "\n".join([good, "[]", '{"file": 3}', "x" * 100_000, good, '{"file": "b.png", "reason": "cut']))
     assert read_skips(tmp_path) == [{"file": "a.png", "reason": "truncated", "times": 2}]
+
+
+def test_a_parquet_file_declaring_more_than_it_may_decode_is_refused_before_reading(tmp_path: Path, monkeypatch):
+    """A 13.5 KB zstd Parquet holding one 400 MB cell of zeros cost 1.3 GB when opened (a Parquet set is decoded
+    whole). Here the floor is lowered so that a 4 MiB cell stands for it."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from torchcls.data import hf
+    path = tmp_path / "z.parquet"
+    pq.write_table(pa.table({"image": [bytes(4 << 20)], "label": [0]}), path, compression="zstd")
+    assert path.stat().st_size < 4096
+    monkeypatch.setattr(hf, "PARQUET_FLOOR", 1 << 20)
+    with pytest.raises(UserError, match="its columns decode to 4,194,[0-9,]+ bytes, more than 1,048,576"):
+        hf.open_hf(f"hf:{path}")
+    monkeypatch.setattr(hf, "PARQUET_FLOOR", 8 << 20)
+    assert len(hf.open_hf(f"hf:{path}")) == 1

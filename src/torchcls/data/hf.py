@@ -105,16 +105,37 @@ def _image_bytes(value: Any, column: str) -> bytes:
 def _open_table(kind: str, path: str, split: str | None):
     os.environ["HF_DATASETS_OFFLINE"] = "1"  # never reach for the Hub, whatever the folder says
     if kind == "parquet":
-        import pyarrow.parquet as pq
-        tables = []
-        for f in _parquet_files(Path(path)):
-            with regular_path(f, what="Parquet file") as checked:  # the mapping outlives the descriptor
-                tables.append(pq.read_table(checked, memory_map=True))
-        if len(tables) == 1:
-            return tables[0]
         import pyarrow as pa
-        return pa.concat_tables(tables)
+        budget = [MAX_PARQUET_DECODED]
+        tables = [_read_parquet(f, budget) for f in _parquet_files(Path(path))]
+        return tables[0] if len(tables) == 1 else pa.concat_tables(tables)
     return _load_from_disk(Path(path), split).table
+
+
+# Parquet is decoded whole into memory when opened (an Arrow save_to_disk folder is memory-mapped instead):
+# what its footer declares decoded is bounded first. A 13.5 KB file holding one 400 MB zstd cell of zeros
+# cost 1.3 GB at open. Images are stored compressed already, so real data decodes to about its own size.
+MAX_PARQUET_DECODED = 16 << 30  # all the Parquet files of a set together
+PARQUET_RATIO, PARQUET_FLOOR = 100, 256 << 20  # and each to at most max(100 x its bytes, 256 MiB)
+
+
+def _read_parquet(path: Path, budget: list[int]):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    with regular_path(path, what="Parquet file") as checked:  # the mapping outlives the descriptor
+        try:
+            meta = pq.ParquetFile(checked).metadata
+            declared = sum(meta.row_group(g).column(c).total_uncompressed_size
+                           for g in range(meta.num_row_groups) for c in range(meta.num_columns))
+            limit = min(budget[0], max(PARQUET_RATIO * os.path.getsize(checked), PARQUET_FLOOR))
+            if declared > limit:
+                raise UserError(f"{path}: its columns decode to {declared:,} bytes, more than {limit:,} (a Parquet "
+                                f"set is held decoded in memory: at most {MAX_PARQUET_DECODED:,} bytes in all, each "
+                                f"file at most {PARQUET_RATIO}x its size); save it with save_to_disk (memory-mapped)")
+            budget[0] -= declared
+            return pq.read_table(checked, memory_map=True)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise UserError(f"{path}: not a readable Parquet file ({e})") from None
 
 
 def _parquet_files(path: Path) -> list[Path]:
