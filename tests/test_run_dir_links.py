@@ -22,7 +22,7 @@ from torchcls import run_files
 from torchcls.config import Config
 from torchcls.errors import UserError
 from torchcls.report import write_report
-from torchcls.training.rundir import RunDir
+from torchcls.training.rundir import RunDir, read_metrics
 
 SECRET = b"-----BEGIN OPENSSH PRIVATE KEY----- not for the report"
 EVAL = {"data": "x", "split": "val", "top1": 0.5, "top5": 1.0, "n": 2, "macro_f1": 0.5, "ece": 0.1,
@@ -137,6 +137,8 @@ def test_the_metrics_log_is_appended_never_through_a_link_or_into_a_fifo(tmp_pat
     with pytest.raises(UserError, match="metrics log in a run dir is a symbolic link"):
         run.log({"step": 3})
     assert victim.read_text() == ""
+    with pytest.raises(UserError, match="symbolic link"):  # nor read through one (the report, a resume)
+        read_metrics(run.path)
     run.metrics_file.unlink()
     os.mkfifo(run.metrics_file)
     done = threading.Event()
@@ -155,14 +157,13 @@ def test_a_linked_checkpoints_folder_is_refused_before_training(tmp_path: Path) 
     elsewhere.mkdir()
     run = tmp_path / "runs" / "r"
     run.mkdir(parents=True)
+    (elsewhere / ".last.dcp.old").mkdir()  # what a crashed commit leaves: recover() would rename it
     (run / "checkpoints").symlink_to(elsewhere)
     cfg = Config()
-    cfg.run.out_dir, cfg.run.name = str(tmp_path / "runs"), "r"
-    (run / "x").write_text("")  # not empty: only --resume may use it
-    cfg.run.resume = True
-    with pytest.raises(UserError):  # (no checkpoint: refused either way, and nothing is written elsewhere)
+    cfg.run.out_dir, cfg.run.name, cfg.run.resume = str(tmp_path / "runs"), "r", True
+    with pytest.raises(UserError, match="checkpoints folder in a run dir is a symbolic link"):
         RunDir.prepare(cfg)
-    assert list(elsewhere.iterdir()) == []
+    assert [p.name for p in elsewhere.iterdir()] == [".last.dcp.old"]
 
 
 # What may still write by name in src/, and why it is not a file of a run dir. Everything else routes through

@@ -73,11 +73,17 @@ def inside(run_dir: Path, name: object, what: str = "file") -> Path:
     return path / parts[-1]
 
 
+def refuse_link(path: Path, what: str = "folder") -> Path:
+    """`path`, refused (UserError) when it is a symbolic link."""
+    if os.path.islink(path):
+        raise _link(path, what)
+    return path
+
+
 def sub_dir(path: Path, what: str = "folder") -> Path:
     """The folder `path` of a run dir, created if missing; refused when it is a link (writes into it would
     land wherever it points)."""
-    if os.path.islink(path):
-        raise _link(path, what)
+    refuse_link(path, what)
     path.mkdir(parents=True, exist_ok=True)
     if os.path.islink(path):  # (made a link meanwhile)
         raise _link(path, what)

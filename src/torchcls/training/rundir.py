@@ -19,7 +19,7 @@ from torchcls.errors import UserError
 from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of
 from torchcls.io_files import open_regular, read_text
 from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
-from torchcls.run_files import append_text, sub_dir, write_text_atomic
+from torchcls.run_files import append_text, refuse_link, sub_dir, write_text_atomic
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
 
@@ -65,7 +65,8 @@ class RunDir:
         name = cfg.run.name or default_name(cfg)
         cfg.run.name = name
         path = Path(cfg.run.out_dir) / name
-        checkpointer = Checkpointer(path / CHECKPOINTS)
+        # (a link there would take the checkpoints elsewhere: refused before anything in it is read or renamed)
+        checkpointer = Checkpointer(refuse_link(path / CHECKPOINTS, "the checkpoints folder"))
         checkpointer.recover()  # a crash between the two renames of a sharded commit left no last.dcp/
         if cfg.run.resume and not checkpointer.has_state():
             raise UserError(f"--resume: {path} has no {CHECKPOINTS}/{LAST_STATE} (or {LAST_DCP}/) to continue "
@@ -82,7 +83,7 @@ class RunDir:
         if fresh:
             write_text_atomic(path / CREATED_BY, json.dumps({"job": job or job_id()}))
         run = cls(path, job, made)
-        sub_dir(run.checkpoints, "the checkpoints folder")  # (a link there would take the checkpoints elsewhere)
+        sub_dir(run.checkpoints, "the checkpoints folder")
         if not cfg.run.resume:
             write_text_atomic(run.metrics_file, "")
         return run
@@ -159,7 +160,8 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     records, values, seen = [], 0, 0
-    with open_regular(path, "rb", what="metrics log", max_bytes=MAX_METRICS_BYTES) as f:  # (a FIFO would block)
+    with open_regular(path, "rb", what="metrics log", max_bytes=MAX_METRICS_BYTES,  # (a FIFO would block,
+                      follow_symlinks=False) as f:  # and a link of a received run dir is not followed)
         for n, line in enumerate(iter(lambda: f.readline(METRICS_LINE.max_bytes + 1), b""), start=1):
             seen += len(line)
             if len(line) > METRICS_LINE.max_bytes or seen > MAX_METRICS_BYTES:
