@@ -26,6 +26,7 @@ from torchcls.data.sources import ImageSet, apply_size_limits, open_source
 from torchcls.data.splits import available_splits, check_same_classes
 from torchcls.data.transforms import build_transform
 from torchcls.errors import UserError
+from torchcls.run_files import write_text_atomic
 from torchcls.tasks import check_task
 
 
@@ -122,13 +123,12 @@ class DataBundle:
                         for f, r in self.train.decode_skipped + self.val.decode_skipped]
         entries += [{**d, "stage": "decode"} for d in decoded]
         if entries:
-            path = Path(run_dir) / "skipped_files.json"
-            path.write_text(json.dumps({"skipped_files": entries}, indent=2))
+            write_text_atomic(Path(run_dir) / "skipped_files.json", json.dumps({"skipped_files": entries}, indent=2))
         return len(entries)
 
     def write_splits(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / "data_splits.json"
-        path.write_text(json.dumps(self.splits, indent=2))
+        write_text_atomic(path, json.dumps(self.splits, indent=2))  # a link in a received run dir is replaced
         return path
 
 

@@ -20,6 +20,7 @@ from torchcls.data.skips import read_skips, skip_log_path
 from torchcls.data.sources import apply_size_limits, open_source
 from torchcls.data.splits import available_splits, check_same_classes
 from torchcls.data.transforms import build_transform
+from torchcls.run_files import write_text_atomic
 
 
 @dataclass
@@ -54,12 +55,12 @@ class ShardBundle:
         if isinstance(self.val, Transformed):
             entries += [{"file": f"{d['file']}", "reason": d["reason"], "stage": "decode"} for d in read_skips(run_dir)]
         if entries:
-            (Path(run_dir) / "skipped_files.json").write_text(json.dumps({"skipped_files": entries}, indent=2))
+            write_text_atomic(Path(run_dir) / "skipped_files.json", json.dumps({"skipped_files": entries}, indent=2))
         return len(entries)
 
     def write_splits(self, run_dir: str | Path) -> Path:
         path = Path(run_dir) / "data_splits.json"
-        path.write_text(json.dumps(self.splits, indent=2))
+        write_text_atomic(path, json.dumps(self.splits, indent=2))  # a link in a received run dir is replaced
         return path
 
 

@@ -9,7 +9,6 @@ Under --on-bad-file error the worker raises `BadSampleError` naming the file.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -19,6 +18,7 @@ from torch.utils.data import default_collate
 
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
+from torchcls.run_files import append_text
 
 SKIP_LOG_GLOB = "decode_skips.rank*.jsonl"
 
@@ -40,12 +40,8 @@ def skip_log_path(run_dir: str | Path, rank: int = 0) -> Path:
 
 
 def record_skip(log: Path, file: str, reason: str) -> None:
-    line = (json.dumps({"file": file, "reason": reason[:1000]}) + "\n").encode()
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    # One append of one line (workers share the log), never through a link in a received run dir.
+    append_text(log, json.dumps({"file": file, "reason": reason[:1000]}) + "\n", what="skip log")
 
 
 MAX_SKIP_LINE = 16 << 10  # a record: a path (< 4,096 bytes) and a reason cut to 1,000 characters
