@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from torchcls.artifacts.onnx_bounds import check_graph, read_model
 from torchcls.artifacts.placement import onnx_providers
 from torchcls.artifacts.targets.base import (
     META_KEY,
@@ -24,7 +25,6 @@ from torchcls.artifacts.targets.base import (
 )
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
-from torchcls.io_files import regular_path
 
 
 class OnnxArtifact(LoadedArtifact):
@@ -34,18 +34,22 @@ class OnnxArtifact(LoadedArtifact):
     def __init__(self, path: str | Path, threads: int | None = None, device: str = "auto"):
         path = Path(path)
         try:
+            import onnx  # noqa: F401  (the graph is read and checked before ONNX Runtime sees it)
             import onnxruntime as ort
-        except ImportError:
-            raise missing_extra("export", "running .onnx artifacts", "onnxruntime") from None
+        except ImportError as e:
+            raise missing_extra("export", "running .onnx artifacts", e.name) from None
         self._runs_on, providers = onnx_providers(device, ort.get_available_providers())
+        data, model = read_model(path)  # one read of the checked regular file, at most MAX_ONNX_BYTES
+        self.info = _metadata(model, path)
+        pre = self.info.preprocess
+        check_graph(model, pre.channels, pre.img_size, self.info.max_batch, 2 if self.info.exits else 1, path)
+        self.input_name = model.graph.input[0].name
+        del model
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or torch.get_num_threads()
         opts.inter_op_num_threads = 1
-        try:  # the checked regular file itself (a FIFO would block the runtime's read); our exports embed their data
-            with regular_path(path, what="ONNX model") as checked:
-                self.session = ort.InferenceSession(checked, opts, providers=providers)
-        except UserError:
-            raise
+        try:  # the bytes that were checked, not the file again (it could have changed since)
+            self.session = ort.InferenceSession(data, opts, providers=providers)
         except Exception as e:  # onnxruntime raises its own exception types for foreign or broken files
             raise UserError(f"{path} is not a loadable ONNX model ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target onnx`") from None
@@ -54,15 +58,18 @@ class OnnxArtifact(LoadedArtifact):
             raise UserError(f"{path}: ONNX Runtime could not start its CUDAExecutionProvider on {self._runs_on} "
                             "(CUDA or cuDNN libraries of the version onnxruntime-gpu was built for are missing); "
                             "install them, or use --device cpu")
-        meta = self.session.get_modelmeta().custom_metadata_map
-        if META_KEY not in meta:
-            raise UserError(f"{path} is an ONNX model without torchcls metadata (class names, preprocessing); "
-                            "export it with `torchcls export --target onnx`")
-        self.info = checked_info(meta[META_KEY], path, "onnx")
-        self.input_name = self.session.get_inputs()[0].name
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return tuple(torch.from_numpy(out) for out in self.session.run(None, {self.input_name: x.numpy()}))
+
+
+def _metadata(model: Any, path: Path) -> ArtifactInfo:
+    """The checked torchcls metadata of a parsed model (before any session exists: what it says bounds the graph)."""
+    meta = [p.value for p in model.metadata_props if p.key == META_KEY]
+    if len(meta) != 1:
+        raise UserError(f"{path} is an ONNX model without torchcls metadata (class names, preprocessing); "
+                        "export it with `torchcls export --target onnx`")
+    return checked_info(meta[0], path, "onnx")
 
 
 def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extra: dict[str, str]) -> dict[str, Any]:
