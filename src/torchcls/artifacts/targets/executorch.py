@@ -24,19 +24,23 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torchcls.artifacts.placement import cpu_only
+from torchcls.artifacts.pte_bounds import MAX_PTE_BYTES, check_input_shape, check_outputs, check_plans, read_plans
 from torchcls.artifacts.targets.base import (
+    MAX_BATCH,
     META_KEY,
     ArtifactInfo,
     ExportRequest,
     LoadedArtifact,
     Plan,
     Target,
+    checked_info,
     first_line,
     has_cond,
 )
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
-from torchcls.io_files import regular_path
+from torchcls.io_files import read_bytes
+from torchcls.models.registry import MAX_IMG_SIZE, MAX_IN_CHANS
 from torchcls.noise import EXECUTORCH_CPUINFO, stderr_without
 
 if TYPE_CHECKING:
@@ -197,19 +201,21 @@ class ExecuTorchArtifact(LoadedArtifact):
             from executorch.runtime import Runtime
         except ImportError:
             raise missing_extra("edge", "running .pte programs", "executorch") from None
-        try:  # the checked regular file itself: a FIFO would block the runtime's read
-            with regular_path(path, what="ExecuTorch program") as checked:
-                self.program = Runtime.get().load_program(checked)
-        except UserError:
-            raise
+        data = read_bytes(path, max_bytes=MAX_PTE_BYTES, what="ExecuTorch program")  # the bytes checked are loaded
+        plans = read_plans(data, path)
+        if META_METHOD not in plans:
+            raise UserError(f"{path} is an ExecuTorch program without torchcls metadata (class names, "
+                            "preprocessing); export it with `torchcls export --target executorch`")
+        # The runtime allocates the planned buffers as it loads the program: they are bounded first.
+        shape = check_plans(plans, META_METHOD, (MAX_BATCH, MAX_IN_CHANS, MAX_IMG_SIZE, MAX_IMG_SIZE), path)
+        try:
+            self.program = Runtime.get().load_program(data)
         except Exception as e:  # the runtime raises RuntimeError/ValueError for foreign or broken files
             raise UserError(f"{path} is not a loadable ExecuTorch program ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target executorch`") from None
-        if META_METHOD not in self.program.method_names:
-            raise UserError(f"{path} is an ExecuTorch program without torchcls metadata (class names, "
-                            "preprocessing); export it with `torchcls export --target executorch`")
-        (raw,) = self.program.load_method(META_METHOD).execute([])
-        self.info = ArtifactInfo.from_json(bytes(raw.tolist()).decode(), str(path))
+        check_outputs(self.program, META_METHOD, shape, path)
+        self.info = _metadata(self.program, path)
+        check_input_shape(shape, self.info, path)
         try:
             with stderr_without(EXECUTORCH_CPUINFO):  # the XNNPACK threadpool's ARM core probe (torchcls.noise)
                 self.method = self.program.load_method("forward")
@@ -224,6 +230,22 @@ class ExecuTorchArtifact(LoadedArtifact):
         except RuntimeError as e:  # check_input ran first; this is the runtime refusing anyway
             raise UserError(f"{self.path}: the ExecuTorch runtime refused an input of shape {tuple(x.shape)} "
                             f"({first_line(e)})") from None
+
+
+def _metadata(program: Any, path: Path) -> ArtifactInfo:
+    """The metadata method's bytes (at most 8 MiB: check_program saw its output size), checked."""
+    from torchcls.checkpoint.meta_check import META_BOUNDS
+
+    (raw,) = program.load_method(META_METHOD).execute([])
+    if not isinstance(raw, torch.Tensor) or raw.dtype != torch.uint8 or raw.dim() != 1 or \
+            raw.numel() > META_BOUNDS.max_bytes:
+        raise UserError(f"{path}: its '{META_METHOD}' method does not return the metadata's bytes; re-export it "
+                        "with `torchcls export --target executorch`")
+    try:
+        text = raw.numpy().tobytes().decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path}: its torchcls metadata is not UTF-8 (byte {e.start}); re-export it") from None
+    return checked_info(text, path, "executorch")
 
 
 def check(req: ExportRequest) -> None:
