@@ -11,13 +11,13 @@ elements), so a refusal that came after the allocation would fail the RSS bound,
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from bounds_check import bounded
 from torchcls.artifacts.targets.base import ArtifactInfo
 from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
@@ -26,25 +26,6 @@ onnx = pytest.importorskip("onnx")
 from onnx import TensorProto, helper, numpy_helper  # noqa: E402
 
 N = 2**30  # elements of every bomb: 4 GiB of float32 had any of them been built
-
-
-def _rss_mb(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) / 1024
-    raise KeyError(field)
-
-
-@contextmanager
-def bounded(seconds: float = 10.0, rss_mb: float = 200):
-    """Fails if the block takes longer than `seconds` or its peak RSS rises `rss_mb` above its start (the peak is
-    reset through /proc/self/clear_refs first, so earlier tests' peaks hide nothing)."""
-    Path("/proc/self/clear_refs").write_text("5")
-    start_rss, start = _rss_mb("VmRSS"), time.perf_counter()
-    yield
-    took, grew = time.perf_counter() - start, _rss_mb("VmHWM") - start_rss
-    assert took < seconds, f"took {took:.2f} s"
-    assert grew < rss_mb, f"peak RSS grew {grew:.0f} MB"
 
 
 def _info(target: str = "onnx", max_batch: int = 4) -> str:
@@ -88,7 +69,7 @@ def _load_onnx(path: Path):
 
 
 def _refused(path: Path, says: str) -> None:
-    with bounded(), pytest.raises(UserError, match=says) as e:
+    with bounded(seconds=10.0, rss_mb=200), pytest.raises(UserError, match=says) as e:
         _load_onnx(path)
     assert str(path) in str(e.value)
 
@@ -320,7 +301,7 @@ def test_a_good_program_loads(programs):
 def test_programs_are_bounded_before_the_runtime_loads_them(programs, name, says):
     from torchcls.artifacts.targets.executorch import ExecuTorchArtifact
 
-    with bounded(), pytest.raises(UserError, match=says) as e:
+    with bounded(seconds=10.0, rss_mb=200), pytest.raises(UserError, match=says) as e:
         ExecuTorchArtifact(programs[name])
     assert str(programs[name]) in str(e.value)
 

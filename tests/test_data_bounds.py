@@ -20,7 +20,7 @@ import pytest
 import torch
 from PIL import Image
 
-from test_image_bounds import bounded
+from bounds_check import bounded
 from torchcls.data.images import BadImage, load_image, read_header, read_image_file
 from torchcls.data.sources import ImageSet, open_source
 from torchcls.errors import UserError

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from test_image_bounds import bounded, status_mb
+from bounds_check import bounded, status_mb
 from torchcls.data.images import ALLOWED_FORMATS, BadImage, decode_bytes, read_header
 
 LIMIT = 1_000_000  # --max-pixels for these examples: an accepted image stays small, so RSS bounds stay tight
