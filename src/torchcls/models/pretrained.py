@@ -215,7 +215,7 @@ def load_pretrained(model: nn.Module, path: str | Path | PretrainedSource, num_c
         elif _is_classifier(want, value, num_classes):
             report.reinitialised.append(key)
         elif _is_input_conv(want, value):
-            from timm.models._manipulate import adapt_input_conv
+            from timm.models import adapt_input_conv  # (public: timm.models re-exports it)
 
             usable[key] = adapt_input_conv(want.shape[1], value)
             report.adapted.append(key)
