@@ -122,8 +122,6 @@ def audit_op(name: str) -> OpReport:
 
 
 def _opcheck(overload, makers, origin: str) -> Check:
-    from torch.testing._internal.optests.generate_tests import OpCheckError
-
     if not makers:
         return Check("opcheck", "skip", "no sample inputs",
                      "register one with torchcls.audit.register_example or TORCHCLS_OP_EXAMPLES")
@@ -133,7 +131,7 @@ def _opcheck(overload, makers, origin: str) -> Check:
             results = torch.library.opcheck(overload, args, kwargs)
         except Exception as e:  # OpCheckError, or the op itself rejected the sample
             first = str(e).split(" (scroll up")[0][:500]
-            if not isinstance(e, OpCheckError):
+            if type(e).__name__ != "OpCheckError":  # (its class lives in torch.testing._internal: named, not imported)
                 first = f"raised {type(e).__name__}: {first}"
             if origin == "generated from schema":  # a made-up sample may simply be invalid for the op
                 return Check("opcheck", "warn", f"generated sample: {first}",
