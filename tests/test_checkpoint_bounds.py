@@ -253,7 +253,7 @@ def test_meta_json_property_any_bytes(text) -> None:
     (b"[" + b"1," * 600_000 + b"1]", "refused before parsing"),  # scalars are counted before the parse too
 ])
 def test_bounded_json_refuses_what_a_later_step_would_choke_on(text, says):
-    from torchcls.checkpoint.bounded_json import load_bounded
+    from torchcls.bounded_json import load_bounded
     from torchcls.checkpoint.meta_check import META_BOUNDS
 
     with pytest.raises(UserError, match=says):

@@ -136,9 +136,9 @@ def test_fine_tune_from_the_hub_offline_carries_its_preprocessing(offline_hub: P
 
 
 def test_bare_flag_takes_the_tags_weights_from_a_bin_with_weights_only(offline_hub: Path) -> None:
+    from torchcls.checkpoint.pretrained import load_pretrained, model_for, resolve_pretrained
     from torchcls.cli import build_parser
     from torchcls.models import ModelSpec, create_model
-    from torchcls.models.pretrained import load_pretrained, model_for, resolve_pretrained
     from torchcls.options import config_from_args
 
     argv = ["train", "--model", "test_resnet.r160_in1k", "--pretrained", "--epochs", "1"]
@@ -160,8 +160,8 @@ def test_bare_flag_takes_the_tags_weights_from_a_bin_with_weights_only(offline_h
 
 
 def test_a_pickle_on_the_hub_is_refused_and_never_run(offline_hub: Path, hf_home: Path) -> None:
+    from torchcls.checkpoint.pretrained import load_pretrained
     from torchcls.models import ModelSpec, create_model
-    from torchcls.models.pretrained import load_pretrained
 
     model = create_model(ModelSpec("test_resnet", 2, 3, 32))
     with pytest.raises(UserError, match="pickles are not read by default"):
@@ -174,7 +174,7 @@ def test_a_pickle_on_the_hub_is_refused_and_never_run(offline_hub: Path, hf_home
 def test_a_repository_of_another_library_or_a_bad_id_is_one_clear_error(offline_hub: Path, tmp_path: Path) -> None:
     """A transformers repository (config.json with "architectures", not timm's "architecture") and a name the
     hub refuses are user mistakes of the first hour: a UserError naming the fix, not a traceback."""
-    from torchcls.models.pretrained import resolve_pretrained
+    from torchcls.checkpoint.pretrained import resolve_pretrained
 
     made = tmp_path / "vit"
     made.mkdir()
@@ -193,8 +193,8 @@ def test_hub_architecture_and_position_embeddings(offline_hub: Path, tmp_path: P
     import timm
     from timm.models._hub import save_for_hf
 
+    from torchcls.checkpoint.pretrained import load_pretrained, model_for, resolve_pretrained
     from torchcls.models import ModelSpec, create_model
-    from torchcls.models.pretrained import load_pretrained, model_for, resolve_pretrained
 
     source = resolve_pretrained("hf-hub:tiny-org/test-convnext", "smallnet")
     assert model_for("smallnet", source, default="smallnet") == "test_convnext"
@@ -212,9 +212,9 @@ def test_hub_architecture_and_position_embeddings(offline_hub: Path, tmp_path: P
 def test_flags_override_the_hub_config_and_the_run_says_so(offline_hub: Path) -> None:
     from types import SimpleNamespace
 
+    from torchcls.checkpoint.pretrained import resolve_pretrained
     from torchcls.config import DataConfig
     from torchcls.data.preprocess import resolve_preprocess
-    from torchcls.models.pretrained import resolve_pretrained
 
     hub_input = resolve_pretrained("hf-hub:tiny-org/test-convnext", "smallnet").input
     photos = SimpleNamespace(name="photos", channels=3, side=None)

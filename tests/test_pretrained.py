@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from torchcls.checkpoint.pretrained import load_pretrained, read_state_dict
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
-from torchcls.models.pretrained import load_pretrained, read_state_dict
 
 
 def test_torchcls_run_into_other_classes_and_channels(trained_run: Path) -> None:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
 from conftest import tiny_config
-from torchcls.checkpoint.bounded_json import load_bounded
+from torchcls.bounded_json import load_bounded
 from torchcls.checkpoint.files import LAST_STATE, LEGACY_STATE, load_training_state, save_training_state
 from torchcls.checkpoint.state_file import FORMAT, FORMAT_KEY, STATE_KEY, STEP_KEY, read_step
 from torchcls.checkpoint.state_tree import STATE_BOUNDS, flatten, unflatten

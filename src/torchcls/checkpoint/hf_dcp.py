@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.checkpoint.safetensors_bounds import (
     DEFAULT_BOUNDS,
     METADATA,

@@ -3,7 +3,7 @@ a stated bound before anything uses it.
 
 The metadata says what to build: a `num_classes` of 8,000,000 once made `load_model` and `consolidate`
 allocate 2.7 GB for a classifier before the weights were compared with it. Here the JSON text is
-bounded before it is parsed (checkpoint/bounded_json.py), then each field is checked for its type and
+bounded before it is parsed (bounded_json.py), then each field is checked for its type and
 range: the model spec (models/registry.py's MAX_* bounds), one class name per class, the
 preprocessing (a crop ratio divides the input side, so it is bounded too), one threshold per label.
 `meta_fields` returns the fields typed, ready for CheckpointMeta; anything else is a UserError naming
@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.data.preprocess import INTERPOLATIONS, Preprocess
 from torchcls.errors import UserError
 from torchcls.models.registry import MAX_CLASSES, MAX_IMG_SIZE, MAX_IN_CHANS, spec_from_dict

@@ -5,7 +5,7 @@ range of the data; `__metadata__`: strings) and the data. It holds no code, but 
 is the file's word: the length decides how much is read and parsed, the shapes how much a reader
 allocates and how long it computes over them (DCP's reader turns each shape into sizes and chunk
 lists). Here the file is opened without blocking and checked to be a regular file, the header length
-bounded, the JSON parsed under bounds (checkpoint/bounded_json.py), and every entry checked: a known
+bounded, the JSON parsed under bounds (bounded_json.py), and every entry checked: a known
 dtype, a rank and each dimension under a bound, an element count computed with an early stop, a
 byte range that is exactly the element count's bytes, inside the file, the ranges tiling the data
 with no gap or overlap (what the safetensors format requires). Any failure is a UserError naming
@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
 

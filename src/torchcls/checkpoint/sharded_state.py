@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.bounded_json import JsonBounds, read_bounded
+from torchcls.bounded_json import JsonBounds, read_bounded
 from torchcls.errors import UserError
 
 STATE = "state.json"

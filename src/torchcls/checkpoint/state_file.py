@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.bounded_json import load_bounded
+from torchcls.bounded_json import load_bounded
 from torchcls.checkpoint.safetensors_bounds import METADATA, check_safetensors_header
 from torchcls.checkpoint.state_tree import STATE_BOUNDS, flatten, unflatten
 from torchcls.errors import UserError

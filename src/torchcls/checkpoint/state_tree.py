@@ -11,7 +11,7 @@ encoding is a one-key tag, so nothing in a tree can be mistaken for one:
   {"tuple": [...]}   {"float": "nan" | "inf" | "-inf"}   {"int": "<digits>"} (beyond 64 bits)
   {"tensor": "t3"}   the tensor stored under that name
 
-Reading, the JSON is bounded before it is parsed (checkpoint/bounded_json.py, STATE_BOUNDS), and
+Reading, the JSON is bounded before it is parsed (bounded_json.py, STATE_BOUNDS), and
 anything that is not one of these forms is a UserError: a file can give back values, never objects.
 """
 
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.bounded_json import JsonBounds
+from torchcls.bounded_json import JsonBounds
 from torchcls.errors import UserError
 
 # A training state's JSON: a few thousand parameter ids and hyperparameters (kilobytes for ResNet-50's

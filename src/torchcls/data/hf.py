@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.bounded_json import load_bounded
+from torchcls.bounded_json import load_bounded
 from torchcls.data import hf_saved
 from torchcls.data import images as image_files
 from torchcls.data.label_bounds import check_class_count, check_class_names, check_label_index

@@ -3,7 +3,7 @@
 A saved folder describes itself in JSON: `state.json` names its Arrow files, `dataset_info.json` its
 features, a DatasetDict's `dataset_dict.json` its split folders. `load_from_disk` parsed them unbounded and
 opened whatever they named: an absolute path (`/etc/...`), `../..`, a file deeper down, a FIFO (where it
-waited forever). Here each JSON file is a regular file parsed under stated bounds (`checkpoint/bounded_json`),
+waited forever). Here each JSON file is a regular file parsed under stated bounds (`bounded_json`),
 every name it gives is a plain name inside its own folder, and each Arrow file is checked to be a regular
 file and memory-mapped by pyarrow through the checked descriptor (`io_files.regular_path`): nothing is
 opened that the folder does not hold, and no name is reopened after its check.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from torchcls.checkpoint.bounded_json import JsonBounds, read_bounded
+from torchcls.bounded_json import JsonBounds, read_bounded
 from torchcls.data.label_bounds import MAX_CLASSES
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra

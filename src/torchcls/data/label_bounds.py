@@ -3,7 +3,8 @@
 A source's class count is a number its files choose: one integer label of 10**12 in a Parquet file asked
 for 10**12 class names, one CSV row listing 15,000 labels made a 2.4 GB target matrix from 229 KB. Every
 source (folders, CSV manifests, Hugging Face tables, shards) checks its count here, with the bound a model
-head is built under (`models.registry.MAX_CLASSES`), so nothing trains that could not be saved.
+head is built under (`MAX_CLASSES`, here: models/registry.py checks every ModelSpec against it too), so nothing
+trains that could not be saved.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from torchcls.errors import UserError
-from torchcls.models.registry import MAX_CLASSES
 
+# ImageNet-21k, the largest common label set, has 21,841; 100k leaves room while the head of a 2048-wide
+# backbone stays under 1 GB in fp32.
+MAX_CLASSES = 100_000
 MAX_CLASS_NAME = 1_024  # characters of one class name: what checkpoint metadata accepts (meta_check.py)
 MAX_LABELS_PER_ROW = 1_000  # labels one multi-label CSV row lists (tag data sets list tens)
 # A multi-label set's targets are a dense float32 (samples x classes) matrix: 2**28 of them is 1 GiB.
@@ -26,7 +29,7 @@ def check_class_count(count: int, where: str, what: str = "classes") -> None:
     """Refuse more than MAX_CLASSES classes (`what` says what was counted: "class folders", "labels"...)."""
     if count > MAX_CLASSES:
         raise UserError(f"{where}: {count:,} {what}, more than the {MAX_CLASSES:,} classes a model is built for "
-                        "(torchcls.models.registry.MAX_CLASSES): is it the right data, or the right label column?")
+                        "(torchcls.data.label_bounds.MAX_CLASSES): is it the right data, or the right label column?")
 
 
 def check_label_index(top: int, where: str) -> None:
@@ -34,7 +37,7 @@ def check_label_index(top: int, where: str) -> None:
     before a name is made for each."""
     if top >= MAX_CLASSES:
         raise UserError(f"{where}: label {top:,}, but integer labels are class indexes 0 to {MAX_CLASSES - 1:,} "
-                        "(torchcls.models.registry.MAX_CLASSES): is it the right label column?")
+                        "(torchcls.data.label_bounds.MAX_CLASSES): is it the right label column?")
 
 
 def check_class_names(names: Iterable[str], where: str) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.data.label_bounds import check_class_count, check_label_index
 from torchcls.errors import UserError
 from torchcls.io_files import check_regular, open_regular, read_bytes

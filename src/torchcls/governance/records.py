@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
-from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.governance import dsse
 from torchcls.governance.digest import sha256_json

@@ -1,6 +1,6 @@
 """Pretrained weights from the Hugging Face hub, through huggingface_hub's cache.
 
-Two forms of --pretrained are resolved here (models/pretrained.py handles local files and folders):
+Two forms of --pretrained are resolved here (checkpoint/pretrained.py handles local files and folders):
 - `hf-hub:ORG/NAME[@REVISION]`: a repository in timm's layout: config.json names the architecture
   and its pretrained config (input size, mean/std, interpolation, crop ratio); the weights are
   model.safetensors, else pytorch_model.bin.
@@ -9,7 +9,7 @@ Two forms of --pretrained are resolved here (models/pretrained.py handles local 
 
 The cache comes first: a file already there is used without asking the network (a run starts from
 the same bytes it did before, and works offline); a missing one is downloaded, unless
-HF_HUB_OFFLINE=1. Safetensors are preferred; a .bin is read by models/pretrained.py with
+HF_HUB_OFFLINE=1. Safetensors are preferred; a .bin is read by checkpoint/pretrained.py with
 torch.load(weights_only=True), so nothing from the hub is unpickled.
 """
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from torchcls.data.label_bounds import MAX_CLASSES  # the class count a data source may declare
 from torchcls.errors import UserError
 from torchcls.models.fastnet import FastNet
 from torchcls.models.smallnet import SmallNet
@@ -23,8 +24,6 @@ EARLY_EXIT_PREFIX = "ee/"
 # Bounds on every ModelSpec, checked before a model is built (`check_spec`): a spec read from a file
 # (checkpoint metadata, a DCP dir's meta.json) must not size an allocation with a number nobody bounded.
 # Training checks the same bounds, so every checkpoint torchcls writes is one it reads back.
-MAX_CLASSES = 100_000  # ImageNet-21k, the largest common label set, has 21,841; 100k leaves room while the
-#                        head of a 2048-wide backbone stays under 1 GB in fp32
 MAX_IN_CHANS = 64  # grey, RGB, multispectral (Sentinel-2 has 13 bands) with room to spare
 MAX_IMG_SIZE = 2048  # input side in pixels; timm's largest pretrained input is 1024
 MAX_EXITS = 16  # early exits; a backbone offers at most one per stage boundary (a ResNet has 3)
@@ -75,7 +74,7 @@ def check_spec(spec: ModelSpec, where: str = "model spec") -> None:
         value = getattr(spec, name)
         if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
             raise UserError(f"{where}: {_named(name)} must be an integer in [{low}, {high:,}], got {_show(value)}"
-                            + (" (MAX_CLASSES in torchcls.models.registry)" if name == "num_classes" else ""))
+                            + (" (MAX_CLASSES in torchcls.data.label_bounds)" if name == "num_classes" else ""))
     for name, (low, high) in _FLOATS.items():
         value = getattr(spec, name)
         if (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)

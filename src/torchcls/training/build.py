@@ -19,6 +19,7 @@ from torch import nn
 
 from torchcls import governance, run_files
 from torchcls.checkpoint.checkpointer import Checkpointer
+from torchcls.checkpoint.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
 from torchcls.config import Config, ModelConfig, resume_command
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
@@ -41,7 +42,6 @@ from torchcls.machine import (
 )
 from torchcls.memory.recorder import recorder_for
 from torchcls.models import ModelSpec, create_model
-from torchcls.models.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
 from torchcls.precision.hardware import PrecisionChoice
 from torchcls.precision.training import NonFiniteLoss, PrecisionPlan, apply_precision, check_precision_options
 from torchcls.run_files import write_text_atomic

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchcls.checkpoint.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE, atomic_write
 from torchcls.config import Config

@@ -58,7 +58,7 @@ class ArtifactInfo:
     def from_json(cls, text: str, where: str) -> ArtifactInfo:
         """The metadata an artifact carries, every value checked against its bound before anything is built
         from it (the classes, the preprocessing's input size, the batch bound that sizes input buffers)."""
-        from torchcls.checkpoint.bounded_json import load_bounded
+        from torchcls.bounded_json import load_bounded
         from torchcls.checkpoint.meta_check import META_BOUNDS, check_classes, check_preprocess, check_thresholds
 
         raw = load_bounded(text.encode("utf-8", "surrogatepass"), META_BOUNDS, f"{where}: torchcls metadata")

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchcls.checkpoint.files import read_meta, resolve_checkpoint
+from torchcls.checkpoint.safetensors_bounds import check_safetensors_header
 from torchcls.data.preprocess import PretrainedInput
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular, regular_path
@@ -125,8 +127,6 @@ def weights_file(path: str | Path) -> Path:
                         "local Hugging Face hub folder")
     if path.is_dir():
         if (path / "checkpoints").is_dir():
-            from torchcls.checkpoint.files import resolve_checkpoint
-
             return resolve_checkpoint(path)
         for name in HUB_FILES:
             if (path / name).is_file():
@@ -143,8 +143,6 @@ def read_state_dict(path: str | Path, unsafe_unpickle: bool = False) -> dict[str
     if file.suffix == ".safetensors":
         from safetensors import SafetensorError
         from safetensors.torch import load_file
-
-        from torchcls.checkpoint.safetensors_bounds import check_safetensors_header
 
         check_safetensors_header(file, follow_symlinks=True)  # a hub cache links to its blobs
         try:
@@ -255,8 +253,6 @@ def _classes_of(path: str | Path) -> list[str] | None:
     file = weights_file(path)
     if file.suffix != ".safetensors":
         return None
-    from torchcls.checkpoint.files import read_meta
-
     try:
         return list(read_meta(file).classes)
     except UserError:  # a timm / torchvision / hub file: no torchcls metadata
