@@ -7,21 +7,26 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
 
 from torchcls.config import PrecisionConfig
 from torchcls.errors import UserError
 from torchcls.machine import (
+    CpuActivity,
     CpuBudget,
     cgroup_cpu_limit,
     choose_threads,
     cpu_budget,
+    cpu_flags,
+    describe_machine,
     machine_line,
     other_work,
     simd_level,
@@ -194,24 +199,44 @@ def test_threads_leave_room_for_loader_workers_and_obey_what_is_asked():
     assert choose_threads(5, 2, two, env={"OMP_NUM_THREADS": "3"}) == type(shared)(5, "--threads 5")
 
 
-def _stat(ticks: dict[int, tuple[int, int]]) -> str:
-    """A /proc/stat text whose per-CPU lines have `ticks[cpu] = (busy, idle)` (user and idle columns)."""
-    return "cpu  0 0 0 0 0 0 0 0\n" + "".join(f"cpu{c} {b} 0 0 {i} 0 0 0 0 0 0\n" for c, (b, i) in ticks.items())
+def _times(seconds: dict[int, tuple[float, float]], guest: float = 0.0) -> list:
+    """psutil.cpu_times(percpu=True) of a fake machine: CPU c spent `seconds[c] = (busy, idle)` in user and
+    idle time, and `guest` seconds of its user time running a virtual machine (Linux counts it twice)."""
+    kind = type(psutil.cpu_times())  # this platform's fields
+    return [kind(**{f: {"user": b, "idle": i, "guest": guest}.get(f, 0.0) for f in kind._fields})
+            for _, (b, i) in sorted(seconds.items())]
 
 
 def test_other_work_is_what_keeps_cpus_busy_besides_this_process():
-    tck = os.sysconf("SC_CLK_TCK")
-    before = _stat({0: (0, 0), 1: (0, 0)})
-    after = _stat({0: (tck, 0), 1: (tck // 2, tck // 2)})  # 1.5 CPUs busy over one second
+    before = _times({0: (0, 0), 1: (0, 0)})
+    after = _times({0: (1.0, 0), 1: (0.5, 0.5)}, guest=0.25)  # 1.5 CPUs busy over one second
     assert other_work({0, 1}, before, after, own_cpu_s=1.5) == (0, "")  # all of it ours (the data loading)
     n, line = other_work({0, 1}, before, after, own_cpu_s=0.5)
     assert n == 1 and "other work kept 1.0 of 2 CPU(s) busy" in line
-    assert other_work({0, 1}, before, _stat({0: (tck, 0), 1: (tck, 0)}), own_cpu_s=0.0)[0] == 1  # one thread left
+    assert other_work({0, 1}, before, _times({0: (1.0, 0), 1: (1.0, 0)}), own_cpu_s=0.0)[0] == 1  # one thread left
+    assert other_work({0, 1, 7}, before, after, own_cpu_s=0.5)[0] == 1  # a CPU psutil does not list is left out
+    assert other_work({0, 1}, before, before, own_cpu_s=0.0) == (0, "")  # no time passed
     two = CpuBudget(2, 2, None)
     busy = choose_threads(0, 0, two, env={}, busy=(1, line))
     assert busy.threads == 1 and line in busy.reason
     # ranks on one node (a launcher that sets LOCAL_WORLD_SIZE, not OMP_NUM_THREADS) see each other's loading
     assert choose_threads(0, 0, CpuBudget(4, 4, None), env={"LOCAL_WORLD_SIZE": "2"}, busy=(1, line)).threads == 2
+
+
+def test_this_machine_is_read_through_torch_and_psutil():
+    """The facts come from torch (flags, model, capability) and psutil (counts, affinity, CPU times); the line
+    the benchmarks print keeps its shape."""
+    caps = torch.cpu.get_capabilities()
+    assert cpu_flags() == {k for k, v in caps.items() if v is True}
+    m = describe_machine()
+    assert m["cpu"] == (caps.get("cpu_name") or m["cpu"]) and m["torch_cpu_capability"] == \
+        torch.backends.cpu.get_cpu_capability() and m["simd"] == simd_level(cpu_flags())
+    affinity = len(psutil.Process().cpu_affinity()) if hasattr(psutil.Process, "cpu_affinity") else psutil.cpu_count()
+    assert (m["cores"]["logical"], m["cores"]["affinity"]) == (psutil.cpu_count(), affinity)
+    assert re.fullmatch(rf"{re.escape(m['cpu'])} \({re.escape(m['simd'])}; torch \w+\), \d+ usable of "
+                        rf"{psutil.cpu_count()} CPUs \((no quota|quota [\d.]+)\), torch threads \d+(, .*)?", machine_line(m))
+    n, line = CpuActivity().busy()
+    assert 0 <= n < affinity and (line == "") == (n == 0)
 
 
 @pytest.mark.slow

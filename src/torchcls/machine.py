@@ -1,5 +1,7 @@
 """What this machine is, for choosing defaults and for recording them: the CPU's model and SIMD level,
 the CPUs this process may use (affinity and cgroup quota), and the intra-op thread count that follows.
+torch reads the CPU (torch.cpu.get_capabilities, torch.backends.cpu), psutil the counts, the affinity
+mask and the CPU times; only the cgroup quota, which neither reads, is read here from its files.
 
 The readers take their inputs as parameters (the flags, the cgroup folder, the affinity set, the
 environment), so tests feed them a fake machine; the defaults read this one.
@@ -11,42 +13,38 @@ import math
 import os
 import platform
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
-# Highest first: the first level whose flags the CPU has names it (cpuinfo spells avx512f, torch avx512_f).
+# Highest first: the first level whose flags the CPU has names it (torch spells avx512_f, /proc/cpuinfo avx512f).
 SIMD_LEVELS = (("AMX", ("amx_bf16", "amx_tile")), ("AVX-512-bf16", ("avx512_bf16",)),
                ("AVX-512", ("avx512f", "avx512_f")), ("AVX2", ("avx2",)), ("AVX", ("avx",)),
                ("SVE", ("sve",)), ("NEON", ("asimd", "neon")))
 
 
-def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> frozenset[str]:
-    """The CPU's feature flags: /proc/cpuinfo's `flags` (x86) or `Features` (Arm) line, else torch's cpuinfo."""
-    try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("flags", "Features"):
-                return frozenset(value.split())
-    except OSError:
-        pass
+def _torch_cpu() -> dict[str, Any]:
+    """torch's own reading of the CPU (its cpuinfo library, on x86 and Arm alike): feature flags as
+    {name: True/False}, and `cpu_name`."""
     import torch
 
-    return frozenset(k for k, v in torch.cpu.get_capabilities().items() if v is True)
+    caps = getattr(torch.cpu, "get_capabilities", None)  # (older torch lacks it: no flags, so auto stays fp32)
+    return dict(caps()) if caps is not None else {}
 
 
-def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    try:
-        for line in cpuinfo.read_text(errors="replace").splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "cpu model") and value.strip():
-                return value.strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown CPU"
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags in torch's spelling (avx512_f, avx512_bf16, amx_bf16, ...)."""
+    return frozenset(k for k, v in _torch_cpu().items() if v is True)
+
+
+def cpu_model() -> str:
+    name = _torch_cpu().get("cpu_name")
+    return name if isinstance(name, str) and name.strip() else platform.processor() or platform.machine() or "unknown CPU"
 
 
 def simd_level(flags: Iterable[str]) -> str:
@@ -57,9 +55,9 @@ def simd_level(flags: Iterable[str]) -> str:
 
 @dataclass(frozen=True)
 class CpuBudget:
-    """The CPUs this process may use: os.cpu_count() is the machine's, not the process's."""
+    """The CPUs this process may use: psutil.cpu_count() is the machine's, not the process's."""
 
-    logical: int  # os.cpu_count()
+    logical: int  # psutil.cpu_count()
     affinity: int  # CPUs in the affinity mask (taskset, cpuset, Kubernetes static CPU manager)
     quota: float | None  # CPUs' worth of time the cgroup quota allows per period; None = no quota
 
@@ -75,6 +73,9 @@ class CpuBudget:
         return f"{self.usable} usable CPU(s): {self.logical} logical, {self.affinity} in the affinity mask, {quota}"
 
 
+# The cgroup CPU quota is read here because neither psutil nor torch reads it: psutil.cpu_count() and
+# cpu_affinity() see the affinity mask only, and a container limited by `docker --cpus 2` or a Kubernetes
+# CPU limit (cpu.max / cpu.cfs_quota_us) on a 64-core node would otherwise start 64 threads.
 def _cgroup_paths(self_cgroup: str) -> tuple[str | None, str | None]:
     """This process's cgroup v2 path and its v1 `cpu` controller path, from /proc/self/cgroup's text."""
     v2 = v1 = None
@@ -129,37 +130,44 @@ def cgroup_cpu_limit(root: Path = CGROUP_ROOT, self_cgroup: str | None = None) -
 
 def cpu_budget(root: Path = CGROUP_ROOT, self_cgroup: str | None = None,
                affinity: set[int] | None = None) -> CpuBudget:
-    logical = os.cpu_count() or 1
+    logical = psutil.cpu_count() or 1
     if affinity is None:
-        affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(logical))
+        affinity = usable_cpus()
     return CpuBudget(logical, len(affinity) or logical, cgroup_cpu_limit(root, self_cgroup))
 
 
-MIN_WINDOW_S = 0.1  # /proc/stat counts in 10 ms ticks: a shorter window says little
-STAT = Path("/proc/stat")
+def usable_cpus() -> set[int]:
+    """The CPUs in this process's affinity mask (every CPU where the platform has no mask: macOS)."""
+    try:
+        return set(psutil.Process().cpu_affinity())
+    except AttributeError:  # psutil offers cpu_affinity only where the OS has one
+        return set(range(psutil.cpu_count() or 1))
 
 
-def _cpu_times(stat: str) -> dict[int, tuple[int, int]]:
-    """{cpu: (idle + iowait ticks, all ticks)} from /proc/stat's per-CPU lines."""
-    out = {}
-    for line in stat.splitlines():
-        name, *fields = line.split() or [""]
-        if name.startswith("cpu") and name[3:].isdigit():
-            values = [int(v) for v in fields[:8]]
-            out[int(name[3:])] = (values[3] + values[4], sum(values))
-    return out
+MIN_WINDOW_S = 0.1  # the kernel counts CPU time in 10 ms ticks: a shorter window says little
 
 
-def other_work(cpus: set[int], before: str, after: str, own_cpu_s: float) -> tuple[int, str]:
-    """How many of `cpus` other processes kept busy between two /proc/stat readings (this process's own CPU
-    time `own_cpu_s` over the window taken out), rounded to whole CPUs, and a line saying so."""
-    t0, t1 = _cpu_times(before), _cpu_times(after)
-    seen = [c for c in cpus if c in t0 and c in t1]
-    ticks = max((t1[c][1] - t0[c][1] for c in seen), default=0)
-    if not seen or ticks <= 0:
+def _idle_and_total(t: Any) -> tuple[float, float]:
+    """(idle + iowait seconds, all seconds) of one CPU's psutil.cpu_times(). Guest time is already counted
+    in user/nice time on Linux (psutil.cpu_percent leaves it out for the same reason)."""
+    total = sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+    return t.idle + getattr(t, "iowait", 0.0), total
+
+
+def other_work(cpus: set[int], before: Sequence[Any], after: Sequence[Any], own_cpu_s: float) -> tuple[int, str]:
+    """How many of `cpus` other processes kept busy between two psutil.cpu_times(percpu=True) readings
+    (this process's own CPU time `own_cpu_s` over the window taken out), rounded to whole CPUs, and a
+    line saying so. psutil lists the online CPUs in order: with every CPU online, index = CPU number."""
+    seen = [c for c in cpus if c < min(len(before), len(after))]
+    if not seen:
         return 0, ""
-    busy_ticks = sum((t1[c][1] - t0[c][1]) - (t1[c][0] - t0[c][0]) for c in seen)
-    other = max(0.0, busy_ticks / ticks - own_cpu_s * os.sysconf("SC_CLK_TCK") / ticks)  # in CPUs
+    t0 = {c: _idle_and_total(before[c]) for c in seen}
+    t1 = {c: _idle_and_total(after[c]) for c in seen}
+    window = max(t1[c][1] - t0[c][1] for c in seen)  # seconds of one CPU's time that passed
+    if window <= 0:
+        return 0, ""
+    busy = sum((t1[c][1] - t0[c][1]) - (t1[c][0] - t0[c][0]) for c in seen)
+    other = max(0.0, (busy - own_cpu_s) / window)  # in CPUs
     n = min(len(seen) - 1, int(other + 0.5))
     return (n, f"other work kept {other:.1f} of {len(seen)} CPU(s) busy as the run started") if n else (0, "")
 
@@ -168,20 +176,15 @@ class CpuActivity:
     """Other processes' CPU use from `start()` (the run's start) to `busy()` (when its threads are chosen): the
     window covers the run's own data loading, whose CPU time is taken out, so measuring costs no extra time."""
 
-    def __init__(self, stat: Path = STAT):
-        self.stat = stat
-        try:
-            self.before = stat.read_text()
-        except OSError:
-            self.before = ""
+    def __init__(self):
+        self.before = psutil.cpu_times(percpu=True)
         self.own, self.t0 = time.process_time(), time.monotonic()
 
     def busy(self) -> tuple[int, str]:
         if not self.before:
             return 0, ""
         time.sleep(max(0.0, MIN_WINDOW_S - (time.monotonic() - self.t0)))
-        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
-        return other_work(cpus, self.before, self.stat.read_text(), time.process_time() - self.own)
+        return other_work(usable_cpus(), self.before, psutil.cpu_times(percpu=True), time.process_time() - self.own)
 
 
 @dataclass(frozen=True)
