@@ -36,6 +36,7 @@ from torchcls.errors import UserError
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
 from torchcls.serve.config import ServeConfig
+from torchcls.serve.deadlines import ClientDeadlines, RequestLimits
 from torchcls.serve.errors import HTTPError
 from torchcls.serve.limits import AuthMiddleware, BodyGuard, InflightBudget
 from torchcls.serve.metrics import MetricsMiddleware, ServeMetrics
@@ -43,6 +44,7 @@ from torchcls.tasks import labels_above
 
 log = logging.getLogger("torchcls.serve")
 PUBLIC_PATHS = frozenset({"/v2/health/live", "/v2/health/ready"})  # probes carry no token
+PROBE_PATHS = PUBLIC_PATHS | {"/metrics"}  # answered at any load: no body, no model
 
 
 def json_response(payload: object, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -86,11 +88,18 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     app.add_middleware(BodyGuard, max_bytes=max_body, budget=budget)
     if token:
         app.add_middleware(AuthMiddleware, token=token, public=PUBLIC_PATHS, compare=secrets.compare_digest)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: sees 401/413 too
+    app.add_middleware(ClientDeadlines, limits=request_limits(cfg), exempt=PROBE_PATHS,
+                       on_cut=lambda reason: metrics.closed.labels(reason).inc())
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # added last = outermost: sees 401/413/408 too
     add_error_handlers(app)
     add_info_routes(app, svc, metrics)
     add_inference_routes(app, svc, max_body)
     return app
+
+
+def request_limits(cfg: ServeConfig) -> RequestLimits:
+    return RequestLimits(cfg.max_connections, int(cfg.max_header_kb * 1024), cfg.body_timeout,
+                         cfg.min_body_rate_kb * 1024, cfg.send_timeout)
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -188,7 +197,7 @@ def add_info_routes(app: FastAPI, svc: Service, metrics: ServeMetrics) -> None:
 
     @app.get("/v2")
     async def server_metadata() -> Response:
-        from torchcls import __version__
+        from torchcls.version import __version__
 
         return json_response({"name": "torchcls", "version": __version__, "extensions": ["binary_tensor_data"]})
 

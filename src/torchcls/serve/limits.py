@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import orjson
 
-TIMED_OUT = "torchcls.timed_out"  # scope key: why serve/protocol.py closed this request mid-body (-> 408)
+TIMED_OUT = "torchcls.timed_out"  # scope key: why serve/deadlines.py cut this request (-> 408)
 
 
 async def send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:

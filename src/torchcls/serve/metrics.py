@@ -32,9 +32,8 @@ class ServeMetrics:
                                    registry=self.registry)
         self.queue_depth = Gauge("torchcls_queue_depth", "images accepted and waiting for the model",
                                  registry=self.registry)
-        self.closed = Counter("torchcls_connections_closed", "connections closed by a bound before a request "
-                              "reached the app, by reason", ("reason",), registry=self.registry)
-        self.open_connections = Gauge("torchcls_open_connections", "open HTTP connections", registry=self.registry)
+        self.closed = Counter("torchcls_connections_closed", "requests ended by a bound (serve/deadlines.py) and "
+                              "their connections closed, by reason", ("reason",), registry=self.registry)
         self.inflight_bytes = Gauge("torchcls_inflight_body_bytes", "request body bytes held now "
                                     "(--max-inflight-mb bounds them)", registry=self.registry)
 
@@ -73,8 +72,8 @@ class MetricsMiddleware:
 
     A client that left before its body was complete (ClientGone from limits.py, or Starlette's
     ClientDisconnect from a multipart upload) is no server fault: one log line (at most LOG_LINES_PER_S a
-    second of a kind), status 499 (408 when serve/protocol.py closed it: --body-timeout,
-    --min-body-rate-kb), and no traceback."""
+    second of a kind), status 499 (408 when serve/deadlines.py cut it: --body-timeout,
+    --min-body-rate-kb, --send-timeout), and no traceback."""
 
     def __init__(self, app, metrics: ServeMetrics):
         self.app, self.metrics, self.log_budget = app, metrics, LogBudget()

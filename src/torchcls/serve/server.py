@@ -1,4 +1,4 @@
-"""`torchcls serve`: load the artifact (errors end here, before any socket), then run uvicorn."""
+"""`torchcls serve`: load the artifact (errors end here, before any socket), then run it on Hypercorn."""
 
 from __future__ import annotations
 
@@ -7,11 +7,13 @@ import os
 import signal
 import socket
 import sys
+import threading
 from pathlib import Path
 
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
 from torchcls.serve.config import TOKEN_ENV, ServeConfig
+from torchcls.serve.run_loop import hypercorn_config, run_until
 
 log = logging.getLogger("torchcls.serve")
 # How long a thread waiting for the GIL lets the holder run before asking for it (CPython's default:
@@ -52,18 +54,6 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
         raise UserError(f"--max-wait-ms must be >= 0, got {cfg.max_wait_ms}")
 
 
-def _protocol(cfg: ServeConfig, metrics):
-    """uvicorn's httptools protocol with header/body deadlines, a minimum body rate, a header cap and
-    admission by age."""
-    from torchcls.serve.protocol import ConnectionLimits, protocol_class
-
-    limits = ConnectionLimits(cfg.max_connections, int(cfg.max_header_kb * 1024), cfg.header_timeout,
-                              cfg.body_timeout, cfg.min_body_rate_kb * 1024, cfg.send_timeout)
-    cls, count_open = protocol_class(limits, lambda reason: metrics.closed.labels(reason).inc())
-    metrics.open_connections.set_function(count_open)
-    return cls
-
-
 def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
     """Bind here so that a busy port is a clear message, not a uvicorn traceback."""
     try:
@@ -84,7 +74,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
                         "or a run dir (`torchcls train` writes run dirs under runs/)")
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import hypercorn  # noqa: F401
     except ImportError as e:
         raise missing_extra("serve", "torchcls serve", e.name) from None
     import torch
@@ -94,7 +84,7 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     from torchcls.serve.probes import start_probe_server
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s: %(message)s")
-    from torchcls.governance.artifacts import refuse_forbidden_predictions
+    from torchcls.provenance.sidecars import refuse_forbidden_predictions
 
     refuse_forbidden_predictions(artifact_path, "serve")  # a policy's [outputs] predictions = false
     artifact = load_artifact(artifact_path, expect_sha256=cfg.expect_sha256, device=cfg.device, trust=cfg.trust_artifact,
@@ -110,10 +100,10 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
     token = cfg.token or os.environ.get(TOKEN_ENV) or None
     sock = _bind(cfg.host, cfg.port)
     probe_sock = _bind(cfg.host, cfg.probe_port, "--probe-port") if cfg.probe_port is not None else None
-    server: uvicorn.Server | None = None
     failure: list[BaseException] = []
     name = cfg.name or artifact.info.name
     url = f"http://{cfg.host}:{sock.getsockname()[1]}"
+    stop = threading.Event()  # set by SIGINT/SIGTERM or a failed warm-up: drain, then exit
 
     def on_ready(error: BaseException | None) -> None:
         if error is None:
@@ -121,24 +111,15 @@ def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
                      artifact.info.precision, artifact.runs_on, artifact.info.max_batch, url, name)
             return
         failure.append(error)
-        server.should_exit = True  # warm-up failed: the artifact cannot serve
+        stop.set()  # warm-up failed: the artifact cannot serve
 
     app = create_app(artifact, cfg, token=token, on_ready=on_ready, model_path=artifact_path)
-    config = uvicorn.Config(app, log_level="info", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=cfg.graceful_timeout,  # seconds, 0 = none
-                            # --max-connections is enforced by serve/protocol.py (probes exempt, evictions)
-                            limit_concurrency=None, loop="auto", ws="none",
-                            http=_protocol(cfg, app.state.metrics))
-    server = uvicorn.Server(config)
     log.info("warming up %s; listening on %s (auth %s)", artifact_path, url, "on" if token else "off")
-    # uvicorn re-raises the stopping signal after its graceful shutdown; with these handlers in
-    # place that lands here, and a drained server exits 0 instead of dying by the signal.
     stopped_by: list[int] = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda s, _frame: stopped_by.append(s))
     probes = start_probe_server(app, probe_sock, token) if probe_sock is not None else None
     try:
-        server.run(sockets=[sock])
+        run_until(app, hypercorn_config(sock, cfg.header_timeout, cfg.max_header_kb, cfg.graceful_timeout), stop,
+                  stopped_by)
     finally:
         if probes is not None:
             probes.stop()  # after the drain: the probes are answered until the last accepted request is

@@ -1,0 +1,153 @@
+"""The per-request bounds of `torchcls serve` that are the app's, through the ASGI API alone.
+
+The HTTP server (Hypercorn, serve/server.py) bounds what happens before a request reaches the app:
+an idle or slowly trickling connection is closed --header-timeout after it opened or after its last
+answer (its keep-alive timer runs until a request's headers are complete), and an incomplete request
+line + headers may buffer at most --max-header-kb. Everything after the headers is here, in one pure
+ASGI middleware that sees only `scope`, `receive` and `send`:
+
+- headers: at most --max-header-kb of them and MAX_HEADER_LINES lines in a request (431);
+- requests at once: at most --max-connections requests in progress; beyond it 503 at once, before any
+  body is read, except the health probes and /metrics, which are always answered;
+- body deadline: --body-timeout seconds from the headers to the end of the body (408, connection closed);
+- minimum body rate (--min-body-rate-kb), as Apache's mod_reqtimeout `MinRate`: a budget of GRACE_S
+  seconds plus one second per `min_rate` bytes received. Only the seconds in which the app waited in
+  `receive()` count: while the app is busy (or has not asked yet) the server holds the bytes, and a client
+  is never judged on the server's own delays;
+- send deadline (--send-timeout): an answer the client does not read for that long ends the request.
+
+A cut request is answered 408 (when nothing was sent yet) with `Connection: close`, counted in
+torchcls_connections_closed_total{reason}, and reaches MetricsMiddleware as ClientGone (one log line).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torchcls.serve.limits import TIMED_OUT, ClientGone, send_error
+
+MAX_HEADER_LINES = 100  # Apache's LimitRequestFields: each line costs a tuple of two bytes objects
+# Before its first bytes can be judged, a body gets 2 s: several TCP retransmissions of a lost first
+# segment (Linux's minimum RTO is 0.2 s, doubling), and the time a client may take between writing its
+# headers and its body. After that each KiB it has sent buys it 1/--min-body-rate-kb more seconds.
+GRACE_S = 2.0
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_requests: int  # in progress at once (--max-connections)
+    max_header_bytes: int  # request line + headers (--max-header-kb)
+    body_timeout: float  # seconds from the headers to the end of the body
+    min_body_rate: float = 0.0  # bytes a second, averaged over the seconds spent waiting for them; 0 = none
+    send_timeout: float = 30.0  # seconds one send may wait for the client to read
+
+
+class _Cut(Exception):
+    """A bound ended this request: `reason` is its torchcls_connections_closed_total label."""
+
+    def __init__(self, reason: str, status: int, message: str):
+        super().__init__(message)
+        self.reason, self.status = reason, status
+
+
+class BodyClock:
+    """When a body has used up its time: the deadline from the headers, and the minimum-rate budget
+    charged only with the seconds spent waiting in receive()."""
+
+    def __init__(self, limits: RequestLimits, now: float):
+        self.limits, self.deadline = limits, now + limits.body_timeout
+        self.received, self.waited = 0, 0.0
+
+    def allowance(self, now: float) -> tuple[float, str]:
+        """Seconds the next wait may last, and the reason if it runs out."""
+        left, reason = self.deadline - now, "body_timeout"
+        if self.limits.min_body_rate > 0:
+            paced = GRACE_S + self.received / self.limits.min_body_rate - self.waited
+            if paced < left:
+                left, reason = paced, "body_too_slow"
+        return max(left, 0.0), reason
+
+
+def request_line_bytes(scope) -> int:
+    """Bytes of the request line and headers as the client sent them (give or take separators)."""
+    line = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b"")) + 16
+    return line + sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+
+
+class ClientDeadlines:
+    """Pure ASGI middleware applying RequestLimits; `exempt` paths (the probes) skip the requests cap."""
+
+    def __init__(self, app, limits: RequestLimits, on_cut: Callable[[str], None], exempt: frozenset[str]):
+        self.app, self.limits, self.on_cut, self.exempt = app, limits, on_cut, exempt
+        self.in_progress = 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        try:
+            self._admit(scope)
+        except _Cut as cut:
+            self.on_cut(cut.reason)
+            return await send_error(send, cut.status, str(cut),
+                                    [(b"retry-after", b"1")] if cut.status == 503 else [])
+        counted = scope["path"] not in self.exempt
+        self.in_progress += counted
+        try:
+            await self._run(scope, receive, send)
+        finally:
+            self.in_progress -= counted
+
+    def _admit(self, scope) -> None:
+        if len(scope["headers"]) > MAX_HEADER_LINES:
+            raise _Cut("header_too_large", 431, f"more than {MAX_HEADER_LINES} header lines")
+        if request_line_bytes(scope) > self.limits.max_header_bytes:
+            raise _Cut("header_too_large", 431, f"request line and headers above {self.limits.max_header_bytes:,} "
+                                                "bytes (--max-header-kb)")
+        if scope["path"] not in self.exempt and self.in_progress >= self.limits.max_requests:
+            raise _Cut("over_capacity", 503, f"the server has {self.in_progress} requests in progress, its limit "
+                                             "(--max-connections); retry later")
+
+    async def _run(self, scope, receive, send) -> None:
+        clock, started, answered = BodyClock(self.limits, time.monotonic()), False, False
+        body_done = scope["method"] in ("GET", "HEAD")
+
+        async def cut(reason: str, message: str):
+            nonlocal answered
+            scope[TIMED_OUT] = reason
+            self.on_cut(reason)
+            if not started:
+                answered = True
+                await send_error(send, 408, message)
+            raise ClientGone(clock.received, None)
+
+        async def timed_receive():
+            nonlocal body_done
+            if body_done:  # after the body: only a disconnect is left to hear, without a deadline
+                return await receive()
+            begun = time.monotonic()
+            left, reason = clock.allowance(begun)
+            try:
+                message = await asyncio.wait_for(receive(), left)
+            except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+                await cut(reason, "request body too slow" if reason == "body_too_slow" else
+                          f"request body not complete within {self.limits.body_timeout:g} s (--body-timeout)")
+            clock.waited += time.monotonic() - begun
+            if message["type"] == "http.request":
+                clock.received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+            return message
+
+        async def timed_send(message):
+            nonlocal started
+            if answered:  # a 408 went out already: later answers of the app have nobody to go to
+                return
+            started = started or message["type"] == "http.response.start"
+            try:
+                await asyncio.wait_for(send(message), self.limits.send_timeout)
+            except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+                await cut("send_timeout", "the client did not read its answer")
+
+        await self.app(scope, timed_receive, timed_send)

@@ -1,0 +1,63 @@
+"""Run an ASGI app on Hypercorn's public entry point (`hypercorn.asyncio.serve`) until a stop is asked.
+
+One function for both of serve's servers: the API (main thread, stopped by SIGINT/SIGTERM or a failed
+warm-up) and the probe port (its own thread and event loop, stopped after the API has drained). The
+loop is uvloop's where it is installed (Hypercorn runs on any asyncio loop), the stdlib's otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+import sys
+import threading
+
+
+def _new_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
+
+
+def hypercorn_config(sock: socket.socket, header_timeout: float, max_header_kb: float, graceful_timeout: float):
+    """The server's own bounds, from its public settings: a connection's headers (serve/deadlines.py has the
+    rest, in the app)."""
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    # Hypercorn's keep-alive timer runs from a connection's opening and from each answer until a request's
+    # headers are complete: an idle, silent or slowly trickling client is closed after header_timeout.
+    config.keep_alive_timeout = header_timeout
+    config.h11_max_incomplete_size = int(max_header_kb * 1024)  # an unfinished request line + headers
+    config.keep_alive_max_requests = 2**31  # a pooled client keeps its connection (Hypercorn: 1,000, then close)
+    config.graceful_timeout = graceful_timeout
+    config.backlog = 2048
+    config.accesslog, config.errorlog, config.loglevel = None, "-", "WARNING"
+    config.include_server_header = False
+    return config
+
+
+def run_until(app, config, stop: threading.Event, stopped_by: list[int] | None = None) -> None:
+    """Serve `app` with Hypercorn `config` until `stop` is set, then drain (config.graceful_timeout) and
+    return. With `stopped_by` (main thread only), SIGINT and SIGTERM set `stop` and are recorded there."""
+    from hypercorn.asyncio import serve
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        stopping = asyncio.Event()
+        threading.Thread(target=lambda: (stop.wait(), loop.call_soon_threadsafe(stopping.set)),
+                         name="serve-stop", daemon=True).start()
+        if stopped_by is not None:
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
+        await serve(app, config, shutdown_trigger=stopping.wait, mode="asgi")
+
+    if sys.version_info >= (3, 11):
+        with asyncio.Runner(loop_factory=_new_loop) as runner:
+            runner.run(main())
+    else:  # Python 3.10: no Runner, the default loop
+        asyncio.run(main())
