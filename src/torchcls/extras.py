@@ -17,7 +17,7 @@ from torchcls.errors import UserError
 
 # extra -> what it enables (README's table says the same)
 EXTRAS = {
-    "serve": "torchcls serve (FastAPI, uvicorn)",
+    "serve": "torchcls serve (FastAPI, Hypercorn)",
     "export": "--target onnx and .onnx artifacts (onnx, onnxscript, onnxruntime)",
     "edge": "--target executorch and .pte programs (executorch, torchao)",
     "precision": "--precision fp8, int8/fp8 inference quantization (torchao)",

@@ -1,6 +1,6 @@
 """Serving: an HTTP endpoint (Open Inference Protocol v2 + /predict) with a dynamic batcher.
 
-Heavy imports (torch, FastAPI, uvicorn) happen inside `serve`, so the CLI can read
+Heavy imports (torch, FastAPI, Hypercorn) happen inside `serve`, so the CLI can read
 `ServeConfig` cheaply.
 """
 
