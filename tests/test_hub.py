@@ -47,7 +47,7 @@ def hf_home(tmp_path_factory) -> Path:
     timm/test_resnet.r160_in1k: what timm's registry names for that tag, as pytorch_model.bin (a pickle
     of tensors only); evil-org/pickle: a config.json and a pytorch_model.bin that runs code when unpickled."""
     import timm
-    from timm.models._hub import save_for_hf
+    from timm.models import save_for_hf
 
     home = tmp_path_factory.mktemp("hf_home")
     made = home.parent / f"{home.name}-made"
@@ -136,9 +136,9 @@ def test_fine_tune_from_the_hub_offline_carries_its_preprocessing(offline_hub: P
 
 
 def test_bare_flag_takes_the_tags_weights_from_a_bin_with_weights_only(offline_hub: Path) -> None:
-    from torchcls.checkpoint.pretrained import load_pretrained, model_for, resolve_pretrained
+    from torchcls.checkpoint.pretrained import model_for, pretrained_model, resolve_pretrained
     from torchcls.cli import build_parser
-    from torchcls.models import ModelSpec, create_model
+    from torchcls.models import ModelSpec
     from torchcls.options import config_from_args
 
     argv = ["train", "--model", "test_resnet.r160_in1k", "--pretrained", "--epochs", "1"]
@@ -148,26 +148,29 @@ def test_bare_flag_takes_the_tags_weights_from_a_bin_with_weights_only(offline_h
     pre = source.input  # timm's registry config of the tag: 160 px, crop 0.95, mean/std 0.5
     assert (pre.img_size, pre.crop_pct, pre.mean, pre.interpolation) == (160, 0.95, (0.5, 0.5, 0.5), "bilinear")
     assert model_for("test_resnet.r160_in1k", source, default="smallnet") == "test_resnet.r160_in1k"
-    model = create_model(ModelSpec("test_resnet.r160_in1k", 3, 1, 64))  # other classes, grey
+    spec = ModelSpec("test_resnet.r160_in1k", 3, 1, 64)  # other classes, grey
     with pytest.raises(UserError, match="pickles are not read by default.*--unsafe-unpickle"):
-        load_pretrained(model, source, num_classes=3)  # a .bin is a pickle: only with the opt-in
-    report = load_pretrained(model, source, num_classes=3, unsafe_unpickle=True)
+        pretrained_model(spec, source)  # a .bin is a pickle: only with the opt-in
+    model, report = pretrained_model(spec, source, unsafe_unpickle=True)
     cached = torch.load(source.file, weights_only=True)
     assert report.adapted == ["conv1.0.weight"] and sorted(report.reinitialised) == ["fc.bias", "fc.weight"]
-    torch.testing.assert_close(model.state_dict()["layer1.0.conv1.weight"], cached["layer1.0.conv1.weight"])
+    state = model.state_dict()  # every other tensor is the file's, bit for bit; the grey stem sums its RGB filters
+    assert all(torch.equal(state[k], v) for k, v in cached.items() if k not in report.adapted + report.reinitialised)
+    torch.testing.assert_close(state["conv1.0.weight"], cached["conv1.0.weight"].sum(1, keepdim=True))
+    assert report.loaded == len(state) - 2 and model(torch.randn(2, 1, 64, 64)).shape == (2, 3)
     with pytest.raises(UserError, match="'smallnet' has none"):
         resolve_pretrained("hub", "smallnet")
 
 
 def test_a_pickle_on_the_hub_is_refused_and_never_run(offline_hub: Path, hf_home: Path) -> None:
-    from torchcls.checkpoint.pretrained import load_pretrained
-    from torchcls.models import ModelSpec, create_model
+    from torchcls.checkpoint.pretrained import pretrained_model
+    from torchcls.models import ModelSpec
 
-    model = create_model(ModelSpec("test_resnet", 2, 3, 32))
+    spec = ModelSpec("test_resnet", 2, 3, 32)
     with pytest.raises(UserError, match="pickles are not read by default"):
-        load_pretrained(model, "hf-hub:evil-org/pickle", 2)  # by default a pickle is not even opened
+        pretrained_model(spec, "hf-hub:evil-org/pickle")  # by default a pickle is not even opened
     with pytest.raises(UserError, match="refused, it needs unpickling"):  # opted in: torch's restricted unpickler
-        load_pretrained(model, "hf-hub:evil-org/pickle", 2, unsafe_unpickle=True)
+        pretrained_model(spec, "hf-hub:evil-org/pickle", unsafe_unpickle=True)
     assert not (hf_home / "pwned").exists()
 
 
@@ -191,10 +194,10 @@ def test_hub_architecture_and_position_embeddings(offline_hub: Path, tmp_path: P
     """--model of another family is refused before anything is read; a ViT's position embeddings are
     resampled to another input size (timm's checkpoint_filter_fn), as timm's own loader does."""
     import timm
-    from timm.models._hub import save_for_hf
+    from timm.models import save_for_hf
 
-    from torchcls.checkpoint.pretrained import load_pretrained, model_for, resolve_pretrained
-    from torchcls.models import ModelSpec, create_model
+    from torchcls.checkpoint.pretrained import model_for, pretrained_model, resolve_pretrained
+    from torchcls.models import ModelSpec
 
     source = resolve_pretrained("hf-hub:tiny-org/test-convnext", "smallnet")
     assert model_for("smallnet", source, default="smallnet") == "test_convnext"
@@ -203,8 +206,7 @@ def test_hub_architecture_and_position_embeddings(offline_hub: Path, tmp_path: P
     vit = timm.create_model("test_vit")  # 160 px: 10x10 patches + a class token
     save_for_hf(vit, tmp_path / "vit", safe_serialization=True)
     _put_in_cache(offline_hub, "tiny-org/test-vit", tmp_path / "vit")
-    small = create_model(ModelSpec("test_vit", 2, 3, 32))  # 2x2 patches
-    report = load_pretrained(small, "hf-hub:tiny-org/test-vit", num_classes=2)
+    small, report = pretrained_model(ModelSpec("test_vit", 2, 3, 32), "hf-hub:tiny-org/test-vit")  # 2x2 patches
     assert small.pos_embed.shape[1] == 5 and "pos_embed" not in report.missing
     torch.testing.assert_close(small.state_dict()["blocks.0.attn.qkv.weight"], vit.state_dict()["blocks.0.attn.qkv.weight"])
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from torchcls.checkpoint.pretrained import load_pretrained, read_state_dict
+from torchcls.checkpoint.pretrained import load_pretrained, pretrained_model, read_state_dict
 from torchcls.errors import UserError
 from torchcls.models import ModelSpec, create_model
 
@@ -47,23 +47,60 @@ def test_a_head_for_as_many_other_classes_is_reinitialised(trained_run: Path) ->
 
 
 def test_timm_state_dict_pth_and_hub_folder(tmp_path: Path) -> None:
+    """timm loads them (timm.create_model(pretrained=True, pretrained_cfg_overlay=dict(file=...))): every
+    tensor but the classifier is the file's, bit for bit; a DDP prefix and a training script's wrapper go."""
     import timm
 
-    original = timm.create_model("resnet18", pretrained=False, num_classes=1000)
+    original = timm.create_model("resnet18", pretrained=False, num_classes=1000).state_dict()
     pth = tmp_path / "resnet18.pth"
-    torch.save({"state_dict": {f"module.{k}": v for k, v in original.state_dict().items()}, "epoch": 3}, pth)
+    torch.save({"state_dict": {f"module.{k}": v for k, v in original.items()}, "epoch": 3}, pth)
     hub = tmp_path / "hub"
     hub.mkdir()
-    save_file(original.state_dict(), str(hub / "model.safetensors"))
+    save_file(original, str(hub / "model.safetensors"))
     (hub / "config.json").write_text('{"architecture": "resnet18", "num_classes": 1000}')
+    spec = ModelSpec("resnet18", 10, 3, 64)
     with pytest.raises(UserError, match="is a pickle .* --unsafe-unpickle"):  # not read by default
-        load_pretrained(create_model(ModelSpec("resnet18", 10, 3, 64)), pth, num_classes=10)
+        pretrained_model(spec, pth)
     for path in (pth, hub):
-        model = create_model(ModelSpec("resnet18", 10, 3, 64))
-        report = load_pretrained(model, path, num_classes=10, unsafe_unpickle=path == pth)
+        model, report = pretrained_model(spec, path, unsafe_unpickle=path == pth)
         assert sorted(report.reinitialised) == ["fc.bias", "fc.weight"] and report.missing == []
-        torch.testing.assert_close(model.state_dict()["layer4.1.conv2.weight"],
-                                   original.state_dict()["layer4.1.conv2.weight"])
+        state = model.state_dict()
+        assert report.loaded == len(original) - 2 and state["fc.weight"].shape == (10, 512)
+        assert all(torch.equal(state[k], v) for k, v in original.items() if not k.startswith("fc."))
+
+
+def test_timm_model_from_a_torchcls_checkpoint_keeps_or_renews_its_head(tmp_path: Path) -> None:
+    """A torchcls checkpoint of a timm model goes through timm too: same classes keep the trained head (all
+    tensors the file's), other classes of the same count get a new one (timm's reset_classifier)."""
+    import timm
+
+    trained = timm.create_model("test_resnet", num_classes=2, in_chans=1).state_dict()
+    file = tmp_path / "grey.safetensors"
+    save_file(trained, str(file))
+    model, report = pretrained_model(ModelSpec("test_resnet", 2, 1, 32), file)
+    assert not report.reinitialised and not report.adapted and report.loaded == len(trained)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in trained.items())
+    rgb, report = pretrained_model(ModelSpec("test_resnet", 5, 3, 32), file)  # the grey stem repeated for RGB
+    assert report.adapted == ["conv1.0.weight"] and sorted(report.reinitialised) == ["fc.bias", "fc.weight"]
+    assert rgb.state_dict()["conv1.0.weight"].shape[1] == 3 and rgb(torch.randn(2, 3, 32, 32)).shape == (2, 5)
+
+
+def test_a_safetensors_header_is_bounded_before_timm_reads_it(tmp_path: Path) -> None:
+    """A header that claims more bytes than the file has, and a pickle named .safetensors: refused, naming the
+    user's file (not the link timm is handed); the pickle is never unpickled (timm picks safetensors by name)."""
+    import struct
+
+    crafted = tmp_path / "big.safetensors"
+    crafted.write_bytes(struct.pack("<Q", 1 << 40) + b"{}")
+    with pytest.raises(UserError, match=f"{crafted}: its safetensors header claims"):
+        pretrained_model(ModelSpec("test_resnet", 2, 3, 32), crafted)
+    marker = tmp_path / "pwned"
+    disguised = tmp_path / "evil.safetensors"
+    with disguised.open("wb") as f:
+        pickle.dump({"conv1.0.weight": _Exploit(marker)}, f)
+    with pytest.raises(UserError, match=str(disguised)):
+        pretrained_model(ModelSpec("test_resnet", 2, 3, 32), disguised, unsafe_unpickle=True)
+    assert not marker.exists()
 
 
 class _Exploit:
@@ -80,8 +117,9 @@ def test_pickle_that_runs_code_is_refused(tmp_path: Path) -> None:
     with evil.open("wb") as f:
         pickle.dump({"state_dict": {"w": _Exploit(marker)}}, f)
     for opted_in in (False, True):  # by default not even the restricted unpickler reads it
-        with pytest.raises(UserError, match="refused" if opted_in else "--unsafe-unpickle"):
-            load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), evil, num_classes=2, unsafe_unpickle=opted_in)
+        for spec in (ModelSpec("smallnet", 2, 1, 28), ModelSpec("test_resnet", 2, 1, 28)):  # ours, timm's
+            with pytest.raises(UserError, match="refused" if opted_in else "--unsafe-unpickle"):
+                pretrained_model(spec, evil, unsafe_unpickle=opted_in)
     assert not marker.exists()
 
 
@@ -90,8 +128,8 @@ def test_other_architecture_names_the_keys(tmp_path: Path) -> None:
 
     path = tmp_path / "r18.safetensors"
     save_file(timm.create_model("resnet18", pretrained=False).state_dict(), str(path))
-    with pytest.raises(UserError, match="does not fit this --model.*layer"):
-        load_pretrained(create_model(ModelSpec("resnet34", 10, 3, 64)), path, num_classes=10)
+    with pytest.raises(UserError, match="does not fit this --model resnet34 .*Missing key.*layer1.2"):
+        pretrained_model(ModelSpec("resnet34", 10, 3, 64), path)  # resnet18's tensors all fit: resnet34 has more
     with pytest.raises(UserError, match="does not exist"):
         load_pretrained(create_model(ModelSpec("smallnet", 2, 1, 28)), tmp_path / "nope.pth", num_classes=2)
 

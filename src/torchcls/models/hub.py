@@ -9,8 +9,9 @@ Two forms of --pretrained are resolved here (checkpoint/pretrained.py handles lo
 
 The cache comes first: a file already there is used without asking the network (a run starts from
 the same bytes it did before, and works offline); a missing one is downloaded, unless
-HF_HUB_OFFLINE=1. Safetensors are preferred; a .bin is read by checkpoint/pretrained.py with
-torch.load(weights_only=True), so nothing from the hub is unpickled.
+HF_HUB_OFFLINE=1. Safetensors are preferred; a .bin is a pickle: checkpoint/pretrained.py refuses it
+unless --unsafe-unpickle, and then timm reads it with torch.load(weights_only=True). The file found here
+is what timm loads (through `file=`): timm never fetches from the hub itself.
 """
 
 from __future__ import annotations
@@ -19,11 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import JsonBounds, read_bounded
+from torchcls.data.label_bounds import MAX_CLASSES
 from torchcls.errors import UserError
 
 HUB_PREFIX = "hf-hub:"
 OWN_TAG = "hub"  # what the bare `--pretrained` flag stores: the weights --model's pretrained tag names
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # timm's order: safetensors first
+# A hub config.json: timm's hold the pretrained config and, at most, the label names and descriptions of
+# ImageNet-21k's 21,841 classes (~2 MB); the JSON is counted before it is parsed (bounded_json.py).
+CONFIG_BOUNDS = JsonBounds(max_bytes=8 << 20, max_values=4 * MAX_CLASSES + 10_000, max_depth=8, max_str=4_096)
 
 
 @dataclass(frozen=True)
@@ -75,16 +81,25 @@ def fetch(value: str, model_name: str) -> HubWeights:
 
 
 def read_timm_config(folder: Path, value: str) -> tuple[dict, str]:
-    """(pretrained_cfg, architecture) of a timm-format config.json in `folder`, read as timm.create_model
-    reads a hub config; a config of another library (transformers' has "architectures") is refused."""
-    from timm.models._hub import load_model_config_from_path
-
-    try:
-        pretrained_cfg, architecture, _ = load_model_config_from_path(folder)
-    except (KeyError, ValueError, TypeError) as e:  # no "architecture" key, or not JSON / not an object
-        raise UserError(f"--pretrained {value}: {folder / 'config.json'} is not a timm model config ({type(e).__name__}: "
-                        f"{str(e)[:120]}); timm's repositories are under hf-hub:timm/ (`torchcls models --pretrained` "
-                        "lists them); for other weights pass --pretrained FILE with --model NAME") from None
+    """(pretrained_cfg, architecture) of the timm-format config.json in `folder` (as timm's save_for_hf writes
+    it: the architecture, num_classes and model_args beside its pretrained_cfg; before timm 0.9, one flat
+    object), read under CONFIG_BOUNDS. timm's own reader of a local config is private and reads unbounded;
+    timm.create_model("local-dir:...") would load weights nobody has checked yet. A config of another library
+    (transformers' has "architectures") is refused."""
+    path = folder / "config.json"
+    cfg = read_bounded(path, CONFIG_BOUNDS, what="timm model config", follow_symlinks=True)  # a cache links to blobs
+    cfg = cfg if isinstance(cfg, dict) else {}
+    architecture, pretrained_cfg, model_args = cfg.get("architecture"), cfg.get("pretrained_cfg", cfg), cfg.get("model_args") or {}
+    if not (isinstance(architecture, str) and architecture and isinstance(pretrained_cfg, dict)
+            and isinstance(model_args, dict)):
+        raise UserError(f"--pretrained {value}: {path} is not a timm model config (no \"architecture\" name beside "
+                        "its pretrained config); timm's repositories are under hf-hub:timm/ (`torchcls models "
+                        "--pretrained` lists them); for other weights pass --pretrained FILE with --model NAME")
+    pretrained_cfg = {k: v for k, v in pretrained_cfg.items() if k != "architecture"}
+    if "num_classes" in cfg:  # the weights' classifier, as timm reads it
+        pretrained_cfg["num_classes"] = cfg["num_classes"]
+    if isinstance(model_args.get("in_chans"), int):  # weights saved for other channels than RGB
+        pretrained_cfg["input_size"] = (model_args["in_chans"], *tuple(pretrained_cfg.get("input_size") or (3, 224, 224))[1:])
     return pretrained_cfg, architecture
 
 

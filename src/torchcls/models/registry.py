@@ -1,7 +1,8 @@
 """One name string → a model: 'smallnet', 'fastnet', any timm name, or 'tv/<torchvision name>'.
 
-Weights always start from random init: nothing is downloaded. `num_classes` and input
-channels are adapted to the data.
+Weights start from random init, nothing is downloaded: `num_classes` and input channels are adapted
+to the data. For pretrained weights, checkpoint/pretrained.py passes timm a pretrained config that
+names a weights file it has checked, and timm loads it into the timm model it builds.
 """
 
 from __future__ import annotations
@@ -44,8 +45,14 @@ class ModelSpec:
     drop_path_rate: float = 0.0  # stochastic depth of timm models (training only; eval is unaffected)
 
 
-def create_model(spec: ModelSpec) -> nn.Module:
+def create_model(spec: ModelSpec, pretrained_cfg_overlay: dict[str, Any] | None = None) -> nn.Module:
+    """The model `spec` names. `pretrained_cfg_overlay` (timm models only): timm.create_model(pretrained=True,
+    pretrained_cfg_overlay=...), timm's own loading of the weights file it names (see checkpoint/pretrained.py)."""
     check_spec(spec)
+    if pretrained_cfg_overlay is not None:
+        if not is_timm_name(spec.name) or spec.exits:
+            raise ValueError(f"pretrained_cfg_overlay is for timm models, not {spec.name}")
+        return _timm_model(spec, pretrained_cfg_overlay)
     if spec.name.startswith(EARLY_EXIT_PREFIX) or spec.exits:
         return _early_exit_model(spec)
     if spec.drop_path_rate:
@@ -123,12 +130,18 @@ def _early_exit_model(spec: ModelSpec) -> nn.Module:
     return build_early_exit(backbone_name, backbone, spec.num_classes, spec.exits, spec.exit_threshold)
 
 
-def _timm_model(spec: ModelSpec) -> nn.Module:
+def is_timm_name(name: str) -> bool:
+    """Whether `name` is one timm builds (not a built-in, torchvision or early-exit name)."""
+    return name not in ("smallnet", "fastnet") and not name.startswith((TORCHVISION_PREFIX, EARLY_EXIT_PREFIX))
+
+
+def _timm_model(spec: ModelSpec, pretrained_cfg_overlay: dict[str, Any] | None = None) -> nn.Module:
     import timm
 
     if not timm.is_model(spec.name):
         raise UserError(_unknown(spec.name, timm.list_models()))
-    kwargs = dict(pretrained=False, num_classes=spec.num_classes, in_chans=spec.in_chans, drop_rate=spec.drop_rate)
+    kwargs = dict(pretrained=pretrained_cfg_overlay is not None, pretrained_cfg_overlay=pretrained_cfg_overlay,
+                  num_classes=spec.num_classes, in_chans=spec.in_chans, drop_rate=spec.drop_rate)
     if spec.drop_path_rate:  # only when asked: not every timm family takes the argument
         kwargs["drop_path_rate"] = spec.drop_path_rate
     try:  # transformers need their input size; CNNs do not take the argument
