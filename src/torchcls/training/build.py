@@ -19,7 +19,7 @@ from torch import nn
 
 from torchcls import governance, run_files
 from torchcls.checkpoint.checkpointer import Checkpointer
-from torchcls.checkpoint.pretrained import PretrainedSource, load_pretrained, model_for, resolve_pretrained
+from torchcls.checkpoint.pretrained import PretrainedSource, model_for, pretrained_model, resolve_pretrained
 from torchcls.config import Config, ModelConfig, resume_command
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
@@ -292,12 +292,12 @@ def _resolve_pretrained(cfg: Config) -> PretrainedSource | None:
 def _new_model(spec: ModelSpec, pretrained: PretrainedSource | None, run: RunDir | None,
                classes: list[str], unsafe_unpickle: bool = False) -> nn.Module:
     """The architecture `spec` names, from random init or from --pretrained weights (recorded in the run)."""
-    model = create_model(spec)
-    if pretrained:
-        report = load_pretrained(model, pretrained, spec.num_classes, classes, unsafe_unpickle)
-        if run is not None:
-            console.print(report.summary())
-            write_text_atomic(run.path / "pretrained.json", json.dumps(report.as_dict(), indent=2))
+    if not pretrained:
+        return create_model(spec)
+    model, report = pretrained_model(spec, pretrained, classes, unsafe_unpickle)  # timm's own loading for timm models
+    if run is not None:
+        console.print(report.summary())
+        write_text_atomic(run.path / "pretrained.json", json.dumps(report.as_dict(), indent=2))
     return model
 
 
