@@ -243,24 +243,27 @@ def test_auto_falls_back_to_fp32_when_bf16_fails_parity(trained_run, tmp_path, m
     assert not (tmp_path / "bf16" / "model.pt2").exists()
 
 
-def test_auto_keeps_eager_bf16_only_where_it_agrees_with_fp32(trained_run, monkeypatch):
+def test_auto_keeps_eager_bf16_only_where_it_agrees_with_fp32(trained_run, tmp_path, monkeypatch):
     """A checkpoint served or predicted with --precision auto runs bf16 only when bf16 agrees with fp32 on
     held-out images as a bf16 export must; otherwise (or with no held-out images on this machine) fp32."""
     from torchcls.artifacts import parity
+    from torchcls.artifacts.auto_check_store import CACHE_ENV
     from torchcls.precision import hardware
 
     monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: (True, "this CPU computes bf16 natively (test)"))
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
     kept = load_artifact(trained_run)
     assert kept.info.precision == "bf16" and "agrees with fp32 on" in kept.choice.reason
     monkeypatch.setitem(parity.DEFAULT_MIN_AGREEMENT, "bf16", 1.01)  # no agreement is enough
-    refused = load_artifact(trained_run)
-    assert refused.info.precision == "fp32" and "needed): fp32 runs" in refused.choice.reason
+    refused = load_artifact(trained_run)  # the remembered measurement, held to today's bound
+    assert refused.info.precision == "fp32" and "needed): fp32 runs (cached check" in refused.choice.reason
     monkeypatch.setitem(parity.DEFAULT_MIN_AGREEMENT, "bf16", 0.99)
 
     def no_data(*args, **kwargs):  # a serving machine without the training data
         raise UserError("the data set is not on this machine")
 
     monkeypatch.setattr(parity, "held_out_images", no_data)
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "another-cache"))  # never checked on this "machine"
     blind = load_artifact(trained_run)
     assert blind.info.precision == "fp32" and "no held-out images here" in blind.choice.reason
     assert load_artifact(trained_run, precision="bf16").info.precision == "bf16"  # asked for: as asked

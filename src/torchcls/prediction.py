@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from torchcls.artifacts.artifact import fp32_only, load_artifact
+from torchcls.artifacts.artifact import load_artifact
+from torchcls.artifacts.eager_auto import eager_model
 from torchcls.artifacts.targets import BY_SUFFIX
 from torchcls.checkpoint.files import load_model
 from torchcls.data import build_transform
@@ -18,7 +20,6 @@ from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_probs
 from torchcls.options import PredictOptions as _D  # the defaults, declared once
-from torchcls.precision.inference import eager_for_inference
 from torchcls.tasks import MULTILABEL, labels_above, thresholds_for
 
 ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, run on their own runtime
@@ -28,6 +29,7 @@ ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, r
 class Predictions:
     items: list[dict[str, Any]]  # {"file", "top": [{"label", "prob"}, ...]} (+ "labels" above threshold: multilabel)
     skipped: list[dict[str, str]] = field(default_factory=list)  # {"file", "reason"}
+    precision: str = ""  # a checkpoint: what --precision chose and why (the line logged on stderr)
 
 
 def expand_inputs(inputs: list[str | Path]) -> list[Path]:
@@ -65,13 +67,17 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
         model = load_artifact(checkpoint, expect_sha256=expect_sha256, device=device, trust=trust_artifact,
                               precision=precision)
         meta, dev, batch_size = model.info, torch.device("cpu"), min(batch_size, model.info.max_batch)
+        precision_line = ""  # fixed at export; the artifact says it in its info
     else:
         check_pinned_sha256(checkpoint, expect_sha256)
         model, meta = load_model(checkpoint)
         dev = resolve_device(device)
-        model, _ = eager_for_inference(model.to(dev), precision, dev, fp32_only(model))
+        # auto: bf16 only where it agrees with fp32 on held-out images, checked once per checkpoint and machine.
+        model, choice = eager_model(model, meta, precision, dev)
+        precision_line = choice.line()
+        print(f"torchcls predict: {precision_line}", file=sys.stderr)  # stderr: --json output stays parseable
     transform = build_transform(meta.preprocess, train=False)
-    result = Predictions([])
+    result = Predictions([], precision=precision_line)
     good: list[tuple[Path, torch.Tensor]] = []
     for f in expand_inputs(inputs):
         try:

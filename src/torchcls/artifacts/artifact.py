@@ -9,7 +9,6 @@ eagerly from the checkpoint's own metadata (torchcls.checkpoint.files).
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from pathlib import Path
 
@@ -26,32 +25,21 @@ __all__ = ["META_KEY", "ArtifactInfo", "EagerArtifact", "LoadedArtifact", "load_
 EAGER_MAX_BATCH = 256
 
 
-def fp32_only(model: torch.nn.Module) -> str:
-    """Why `model` runs in fp32 whatever --precision auto would pick ('' = it need not)."""
-    from torchcls.models.early_exit import EarlyExitNet
-
-    return "early-exit models run in fp32, as they export" if isinstance(model, EarlyExitNet) else ""
-
-
 class EagerArtifact(LoadedArtifact):
     """The checkpoint itself, run by PyTorch eager (needs the model code), in `precision` (auto: bf16 where the
-    hardware computes it natively, else fp32; `.choice` says which and why)."""
+    hardware computes it natively and bf16 agrees with fp32 on held-out images, else fp32; `.choice` says
+    which, why, and whether that check was made now or taken from the cache)."""
 
     def __init__(self, path: str | Path, device: str = "auto", precision: str = "auto"):
-        from torchcls.artifacts.parity import keep_if_it_agrees
+        from torchcls.artifacts.eager_auto import eager_model
         from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
-        from torchcls.precision.inference import eager_for_inference
 
         self.device = portable_device(device)
         ckpt = resolve_checkpoint(path)
         model, meta = load_model(ckpt)
-        model = model.to(self.device)
-        # auto keeps a reduced precision only where it agrees with fp32 as an exported artifact must: the
-        # fp32 model is kept for that check (the reduced one is cast in place).
-        candidate = copy.deepcopy(model) if precision == "auto" else model
-        self.model, self.choice = eager_for_inference(candidate, precision, self.device, fp32_only(model))
-        if self.choice.requested == "auto" and self.choice.precision != "fp32":
-            self.model, self.choice = keep_if_it_agrees(model.eval(), self.model, self.choice, meta, self.device)
+        # auto keeps a reduced precision only where it agrees with fp32 as an exported artifact must
+        # (checked once per checkpoint content and machine: artifacts/eager_auto.py).
+        self.model, self.choice = eager_model(model, meta, precision, self.device)
         run_dir = run_dir_of(ckpt)
         self.info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, "eager", list(meta.classes),
                                  meta.preprocess, EAGER_MAX_BATCH, self.choice.precision, task=meta.task,

@@ -19,7 +19,6 @@ from torchcls.errors import UserError
 
 if TYPE_CHECKING:  # light to import: compare() is used by quantization and the benchmarks
     from torchcls.checkpoint.files import CheckpointMeta
-    from torchcls.precision.hardware import PrecisionChoice
 
 DEFAULT_MIN_AGREEMENT = {"fp32": 0.999, "bf16": 0.99}
 
@@ -98,32 +97,4 @@ def measure_parity(eager: nn.Module, artifact: RunsBatches, images: torch.Tensor
     return result | {"min_agreement": min_agreement, "passed": result["top1_agreement"] >= min_agreement}
 
 
-AUTO_CHECK_IMAGES = 200  # held-out images auto checks a reduced-precision eager model on (serve, predict)
-
-
-@torch.inference_mode()
-def keep_if_it_agrees(fp32: nn.Module, reduced: nn.Module, choice: PrecisionChoice, meta: CheckpointMeta,
-                      device: torch.device) -> tuple[nn.Module, PrecisionChoice]:
-    """The eager model --precision auto runs: `reduced` (its choice, e.g. bf16) when its top-1 agrees with
-    `fp32` on held-out images at least as well as an exported artifact of that precision must; else `fp32`,
-    and the choice says why. No held-out images here (the data is not on this machine): fp32, as nothing
-    shows the reduced one is right."""
-    from torchcls.precision.hardware import PrecisionChoice
-
-    needed = DEFAULT_MIN_AGREEMENT[choice.precision]
-    try:
-        images, _ = held_out_images(meta, AUTO_CHECK_IMAGES)
-    except UserError as e:
-        return fp32, PrecisionChoice("auto", "fp32", f"{choice.reason}, but no held-out images here to check "
-                                     f"{choice.precision} against fp32 ({str(e)[:160]}): fp32 runs")
-    ref, out = [], []
-    for start in range(0, len(images), 32):
-        x = images[start:start + 32].to(device)
-        ref.append(fp32(x).float().cpu())
-        out.append(reduced(x).float().cpu())
-    agreement = compare(torch.cat(ref), torch.cat(out))["top1_agreement"]
-    checked = f"{choice.precision} agrees with fp32 on {agreement:.1%} of {len(images)} held-out images"
-    if agreement >= needed:
-        return reduced, replace(choice, reason=f"{choice.reason}; {checked}")
-    return fp32, PrecisionChoice("auto", "fp32", f"{choice.reason}, but {checked} ({needed:.0%} needed): fp32 runs")
-
+AUTO_CHECK_IMAGES = 200  # held-out images auto checks a reduced-precision eager model on (eager_auto: serve, predict)
