@@ -218,9 +218,11 @@ def test_compile_for_inference_pads_partial_batches(trained_run):
 def test_auto_falls_back_to_fp32_when_bf16_fails_parity(trained_run, tmp_path, monkeypatch):
     """--precision auto never trades a working fp32 artifact for a reduced-precision one that fails its own
     parity gate: the bf16 build is refused (here its runtime is made wrong), fp32 is built and published, and
-    parity.json says what auto tried and why it was not kept. Explicit bf16 still refuses."""
+    parity.json says what auto tried and why it was not kept. The held-out images are read once for both
+    attempts, and the failed one leaves no folder behind. Explicit bf16 still refuses, leaving nothing."""
     import dataclasses
 
+    from torchcls.artifacts import exporter
     from torchcls.artifacts.targets import TARGETS
     from torchcls.artifacts.targets.aoti import AOTIArtifact
     from torchcls.precision import hardware
@@ -230,17 +232,30 @@ def test_auto_falls_back_to_fp32_when_bf16_fails_parity(trained_run, tmp_path, m
             out = super()._run(x)
             return tuple(-t for t in out) if self.info.precision == "bf16" else out
 
+    reads = []
+
+    def counted(*args, **kwargs):
+        reads.append(args[1])
+        return held_out(*args, **kwargs)
+
+    held_out = exporter.held_out_images
+    monkeypatch.setattr(exporter, "held_out_images", counted)
     monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: (True, "this CPU computes bf16 natively (test)"))
     monkeypatch.setitem(TARGETS, "aoti", dataclasses.replace(TARGETS["aoti"], load=WrongInBf16))
-    result = export(trained_run, target="aoti", max_batch=4, out=tmp_path / "auto" / "model.pt2")
+    # A copy of the run without its export/ folder (other tests export there): what is made in it is this test's.
+    run = shutil.copytree(trained_run, tmp_path / "run", symlinks=True, ignore=shutil.ignore_patterns("export"))
+    result = export(run, target="aoti", max_batch=4)
     parity = json.loads(result.parity_path.read_text())
-    assert result.path.is_file() and parity["precision"] == "fp32" and parity["passed"]
+    assert result.path == run / "export" / "aoti-fp32" / "model.pt2" and result.path.is_file()
+    assert parity["precision"] == "fp32" and parity["passed"]
     assert parity["precision_requested"] == "auto" and "failed parity" in parity["precision_reason"]
     tried = parity["precision_fallback"]
     assert tried["precision"] == "bf16" and tried["top1_agreement"] < tried["min_agreement"]
+    assert sorted(p.name for p in (run / "export").iterdir()) == ["aoti-fp32"]  # no empty aoti-bf16/
+    assert len(reads) == 1  # one read of the held-out images for both attempts
     with pytest.raises(UserError, match="parity failed"):
         export(trained_run, target="aoti", precision="bf16", max_batch=4, out=tmp_path / "bf16" / "model.pt2")
-    assert not (tmp_path / "bf16" / "model.pt2").exists()
+    assert not (tmp_path / "bf16").exists()  # the folder that attempt made is gone with it
 
 
 def test_auto_keeps_eager_bf16_only_where_it_agrees_with_fp32(trained_run, tmp_path, monkeypatch):

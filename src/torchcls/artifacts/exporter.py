@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchcls.artifacts.out_folder import attempt_folder
 from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_images, measure_parity
 from torchcls.artifacts.placement import cpu_only, portable_device
 from torchcls.artifacts.targets import get_target
@@ -84,7 +85,13 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     model, meta = load_model(ckpt)
     if isinstance(model, EarlyExitNet):
         req, choice = _check_request(tgt, replace(req, early_exit=True), choice)
-    job = _Job(tgt, target, model, meta, ckpt, dev, out, min_agreement, parity_images, data, root)
+    _artifact_path(out, ckpt.parent, tgt.suffix, target, req.precision)  # a bad --out is refused before any work
+    # Parity images before compiling (fail fast), read once for every attempt (auto: bf16, then fp32).
+    if isinstance(model, EarlyExitNet):
+        images, labels, selection = _early_exit_images(model, meta, parity_images, data, root)
+    else:
+        (images, labels), selection = held_out_images(meta, parity_images, data, root), {}
+    job = _Job(tgt, target, model, meta, ckpt, dev, out, min_agreement, images, labels, selection)
     try:
         return _export_as(job, req, choice)
     except ParityFailed as failed:
@@ -108,28 +115,43 @@ class _Job:
     dev: torch.device
     out: str | Path | None
     min_agreement: float | None
-    parity_images: int
-    data: str | None
-    root: str | None
+    images: torch.Tensor  # the held-out parity images and their labels, read once
+    labels: torch.Tensor
+    selection: dict[str, Any]  # early-exit models: how the images were picked per exit ({} otherwise)
 
 
 def _export_as(job: _Job, req: ExportRequest, choice: PrecisionChoice,
                fallback_from: dict[str, Any] | None = None) -> ExportResult:
-    """One attempt: build `req`, check its parity, publish it; ParityFailed (nothing written) otherwise."""
-    tgt, model, meta, ckpt, dev = job.tgt, job.model, job.meta, job.ckpt, job.dev
-    data, root, target = job.data, job.root, job.target
-    early_exit = isinstance(model, EarlyExitNet)
+    """One attempt: build `req`, check its parity, publish it; ParityFailed otherwise, with nothing written
+    (neither the artifact nor the folder this attempt made for it)."""
     precision = _announce(choice)
-    plan = tgt.plan(req, meta)
+    plan = job.tgt.plan(req, job.meta)
     min_agreement = job.min_agreement if job.min_agreement is not None else (
         plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[precision])
+    path = _artifact_path(job.out, run_dir_of(job.ckpt) or job.ckpt.parent, job.tgt.suffix, job.target, plan.label)
+    with attempt_folder(path.parent):
+        result = _build_check_publish(job, req, choice, plan, path, min_agreement, fallback_from)
+    from torchcls.governance.artifacts import register_export  # the checkpoint's run has lineage: record it
+
+    register_export(path, job.ckpt, {"target": job.target, "precision": plan.label,
+                                     "top1_agreement": result.parity["top1_agreement"]}, sha256=result.digest)
+    return ExportResult(path, result.parity_path, result.parity, result.info)
+
+
+@dataclass
+class _Published:
+    parity_path: Path
+    parity: dict[str, Any]
+    info: ArtifactInfo
+    digest: str
+
+
+def _build_check_publish(job: _Job, req: ExportRequest, choice: PrecisionChoice, plan: Plan, path: Path,
+                         min_agreement: float, fallback_from: dict[str, Any] | None) -> _Published:
+    tgt, model, meta, ckpt, dev, target = job.tgt, job.model, job.meta, job.ckpt, job.dev, job.target
+    images, labels, precision = job.images, job.labels, choice.precision
+    early_exit = isinstance(model, EarlyExitNet)
     run_dir = run_dir_of(ckpt)
-    path = _artifact_path(job.out, run_dir or ckpt.parent, tgt.suffix, target, plan.label)
-    # Parity images before compiling: fail fast.
-    if early_exit:
-        images, labels, selection = _early_exit_images(model, meta, job.parity_images, data, root)
-    else:
-        images, labels = held_out_images(meta, job.parity_images, data, root)
     built = BuildDevice.of(dev)
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
                         req.max_batch, precision, model.num_exits if early_exit else 0, built.type, built.capability,
@@ -155,7 +177,7 @@ def _export_as(job: _Job, req: ExportRequest, choice: PrecisionChoice,
         if plan.finish:
             plan.finish(parity)
         if early_exit:
-            parity["early_exit"] = exit_parity(model, artifact, images, labels) | selection
+            parity["early_exit"] = exit_parity(model, artifact, images, labels) | job.selection
         if fallback_from is not None:  # what auto tried first and why it was not kept
             parity["precision_fallback"] = fallback_from
         _refuse_failed(parity, target, plan, path, min_agreement)
@@ -163,11 +185,7 @@ def _export_as(job: _Job, req: ExportRequest, choice: PrecisionChoice,
         atomic_write(parity_path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
         _make_readable(parity_path)
         _publish(tmp, path, digest)
-    from torchcls.governance.artifacts import register_export  # the checkpoint's run has lineage: record it
-
-    register_export(path, ckpt, {"target": target, "precision": plan.label,
-                                 "top1_agreement": parity["top1_agreement"]}, sha256=digest)
-    return ExportResult(path, parity_path, parity, info)
+    return _Published(parity_path, parity, info, digest)
 
 
 def _announce(choice: PrecisionChoice) -> str:
@@ -366,5 +384,4 @@ def _artifact_path(out: str | Path | None, base: Path, suffix: str, target: str,
             path = path / f"model{suffix}"
         elif path.suffix != suffix:
             raise UserError(f"--out {out}: a --target {target} artifact must end in {suffix}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return path
+    return path  # its folder is made by the attempt that publishes into it (attempt_folder)
