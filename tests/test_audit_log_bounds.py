@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from torchcls.errors import UserError
-from torchcls.governance.lineage import AuditLog
 from torchcls.governance.log_search import second_pass
 from torchcls.governance.logcheck import verify_log
-from torchcls.governance.records import GENESIS, LINE_BOUNDS, ChainCheck, read_entries, record_hash
+from torchcls.provenance.lineage import AuditLog
+from torchcls.provenance.records import GENESIS, LINE_BOUNDS, ChainCheck, read_entries, record_hash
 
 PEAK_PROBE = """
 import resource, sys

@@ -22,9 +22,9 @@ from torchcls.cli import main
 from torchcls.errors import UserError
 from torchcls.governance import hook
 from torchcls.governance.cli_api import write_manifest
-from torchcls.governance.lineage import AuditLog
 from torchcls.governance.manifest import DatasetMeta, build_manifest, load_manifest
 from torchcls.governance.policy import load_policy
+from torchcls.provenance.lineage import AuditLog
 from torchcls.training import train
 
 MAGENTA = (250, 10, 240)  # only the restricted images have this colour (shapes: G >= 150, backgrounds < 80)

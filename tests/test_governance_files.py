@@ -13,13 +13,13 @@ from types import SimpleNamespace
 import pytest
 
 from conftest import draw_shape, make_image_folder, tiny_config
-from torchcls import governance
+from torchcls import events, governance
 from torchcls.data.files import data_files
 from torchcls.errors import UserError
-from torchcls.governance.artifacts import read_lineage
-from torchcls.governance.digest import sha256_file
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.manifest import build_manifest, save_manifest
+from torchcls.provenance.digest import sha256_file
+from torchcls.provenance.sidecars import read_lineage
 
 OLD = 1_600_000_000  # a modification time well in the past (2020), so no file counts as freshly written
 
@@ -162,14 +162,16 @@ def test_lineage_id_is_known_at_begin_and_finish_rewrites_no_stamped_checkpoint(
 
     folder = make_image_folder(tmp_path / "shapes", per_class=2)
     run = tmp_path / "runs" / "r"
-    gov = governance.begin(tiny_config(folder, tmp_path / "runs", "r"), run)
+    cfg = tiny_config(folder, tmp_path / "runs", "r")
+    gov = governance.begin(cfg, run)
     assert gov.lineage_id and gov.lineage["run_id"] == gov.lineage_id
     ckpts = run / "checkpoints"
     ckpts.mkdir(parents=True)
     save_file({"w": torch.zeros(2)}, ckpts / "last.safetensors", metadata=gov.checkpoint_metadata())
     save_file({"w": torch.ones(2)}, ckpts / "best.safetensors")  # a trainer that does not stamp
     inode = (ckpts / "last.safetensors").stat().st_ino
-    gov.finish(SimpleNamespace(steps=0, val_top1=None))
+    # as the trainer ends a run: governance's record, then the report (torchcls.consumers)
+    events.publish(events.RunFinished(cfg, run, SimpleNamespace(steps=0, val_top1=None), True, gov))
     assert (ckpts / "last.safetensors").stat().st_ino == inode  # not rewritten
     assert read_lineage(ckpts / "last.safetensors") == gov.lineage == read_lineage(ckpts / "best.safetensors")
     assert "4 read, 0 unchanged since hashed" in (run / "report.html").read_text()  # new files: all read

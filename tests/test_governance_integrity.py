@@ -13,8 +13,8 @@ import pytest
 from conftest import make_image_folder, tiny_config
 from torchcls.cli import main
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_file
-from torchcls.governance.lineage import AuditLog, record_hash
+from torchcls.provenance.digest import sha256_file
+from torchcls.provenance.lineage import AuditLog, record_hash
 from torchcls.training import train
 
 KEY = "0123456789abcdef-test-audit-key"

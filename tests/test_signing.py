@@ -27,10 +27,10 @@ from hypothesis import strategies as st
 from conftest import make_image_folder, tiny_config
 from torchcls.cli import main
 from torchcls.errors import UserError
-from torchcls.governance import dsse
-from torchcls.governance.lineage import AuditLog
-from torchcls.governance.records import MAX_LINE_BYTES, record_hash
-from torchcls.governance.signing import SIGNING_KEY_ENV, TRUSTED_KEYS_ENV, keygen, load_signer
+from torchcls.provenance import dsse
+from torchcls.provenance.lineage import AuditLog
+from torchcls.provenance.records import MAX_LINE_BYTES, record_hash
+from torchcls.provenance.signing import SIGNING_KEY_ENV, TRUSTED_KEYS_ENV, keygen, load_signer
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +253,8 @@ def test_a_signed_run_verifies_with_only_the_public_key_in_a_fresh_process(signe
 
 
 def test_an_exports_in_toto_statement_names_its_inputs_and_fails_after_one_byte_changes(signed_run, keys, tmp_path):
-    from torchcls.governance.attestation import SLSA_PROVENANCE, STATEMENT_TYPE, attestation_path
-    from torchcls.governance.digest import sha256_file
+    from torchcls.provenance.attestation import SLSA_PROVENANCE, STATEMENT_TYPE, attestation_path
+    from torchcls.provenance.digest import sha256_file
 
     model, pub = signed_run["model"], str(signed_run["pub"])
     env = dsse.parse(json.loads(attestation_path(model).read_text()))
@@ -284,8 +284,8 @@ def test_a_pt2_loads_when_a_trusted_public_key_vouches_for_it(signed_run, keys, 
     under a public key the loader trusts (TORCHCLS_TRUSTED_KEYS)."""
     import shutil
 
-    from torchcls.governance.attestation import attestation_path
-    from torchcls.governance.trust import RECORD_ENV, decide
+    from torchcls.provenance.attestation import attestation_path
+    from torchcls.provenance.trust import RECORD_ENV, decide
 
     monkeypatch.setenv(RECORD_ENV, str(tmp_path / "exports.jsonl"))  # nothing was exported on this machine
     model = signed_run["model"]
@@ -418,7 +418,7 @@ def test_a_policy_requiring_signatures_refuses_an_unsigned_run_before_it_starts(
 
 
 def test_the_record_count_is_bounded(keys, tmp_path, capsys, monkeypatch):
-    from torchcls.governance import records
+    from torchcls.provenance import records
 
     log = signed_log(tmp_path / "audit.jsonl", keys["signer"], n=4)
     monkeypatch.setattr(records, "MAX_RECORDS", 3)

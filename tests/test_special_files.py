@@ -160,9 +160,9 @@ def _inputs() -> dict[str, tuple[str, Callable[[Path], object], tuple[str, ...]]
     from torchcls.data.images import BadImage, load_image
     from torchcls.data.shards import open_shards
     from torchcls.data.sources import open_source
-    from torchcls.governance.artifacts import read_lineage
     from torchcls.governance.manifest import load_manifest
     from torchcls.governance.policy import load_policy
+    from torchcls.provenance.sidecars import read_lineage
 
     def image(path: Path) -> None:  # the decoder says BadImage (skippable); predict names the file in a UserError
         try:

@@ -1,4 +1,4 @@
-"""A .pt2 is native code: it loads only after a trust decision (torchcls.governance.trust).
+"""A .pt2 is native code: it loads only after a trust decision (torchcls.provenance.trust).
 
 The hostile package here is real: an exported .pt2 whose shared library is replaced by one with a
 constructor that creates a marker file, which is what runs when AOTInductor loads a package. Every
@@ -19,10 +19,10 @@ import pytest
 
 from torchcls.artifacts import load_artifact
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_bytes, sha256_file
-from torchcls.governance.keys import KEY_ENV
-from torchcls.governance.lineage import AuditLog, record_hash
-from torchcls.governance.trust import RECORD_ENV
+from torchcls.provenance.digest import sha256_bytes, sha256_file
+from torchcls.provenance.keys import KEY_ENV
+from torchcls.provenance.lineage import AuditLog, record_hash
+from torchcls.provenance.trust import RECORD_ENV
 
 pytestmark = pytest.mark.slow
 MARKER_ENV = "TORCHCLS_TEST_MARKER"
@@ -161,7 +161,7 @@ def test_a_registration_under_the_configured_key_is_trusted(aoti_export, tmp_pat
 
 def test_a_pt2_that_is_not_a_regular_file_is_refused_before_any_loader(tmp_path) -> None:
     """A device (or FIFO) named .pt2 used to skip the trust decision and go to AOTInductor's loader."""
-    from torchcls.governance.trust import decide
+    from torchcls.provenance.trust import decide
 
     device = tmp_path / "model.pt2"
     device.symlink_to("/dev/null")
@@ -187,7 +187,7 @@ def test_the_audit_log_a_sidecar_names_is_read_only_under_a_key_and_line_by_boun
     """The sidecar comes with the file and names any file as its audit log: a huge one-line file was read
     whole (memory) before the missing key was noticed. Now no key: the log is not opened; a key: a line
     longer than any record is refused from a bounded read, before the log is parsed."""
-    from torchcls.governance import trust
+    from torchcls.provenance import trust
 
     def not_read(self):
         raise AssertionError(f"{self.path} was parsed")

@@ -258,13 +258,13 @@ def load(args, rec: Record) -> int:
 
 def parity(args, rec: Record) -> int:
     """Eager against the package on --images held-out images; parity.json beside the package; when it passes,
-    the package is recorded as exported here (torchcls.governance.trust), as `torchcls export` does."""
+    the package is recorded as exported here (torchcls.provenance.trust), as `torchcls export` does."""
     from torchcls.artifacts import load_artifact
     from torchcls.artifacts.exporter import OnDevice
     from torchcls.artifacts.parity import held_out_images, measure_parity
     from torchcls.checkpoint.files import load_model
-    from torchcls.governance.digest import sha256_file
-    from torchcls.governance.trust import record_export
+    from torchcls.provenance.digest import sha256_file
+    from torchcls.provenance.trust import record_export
 
     device, path = _device(args.device), Path(args.artifact)
     phase("parity:images")

@@ -6,11 +6,13 @@ The public API is one function per command. They are imported lazily (torchcls.l
 
 from __future__ import annotations
 
+from torchcls import consumers
 from torchcls.lazy import lazy_api
 from torchcls.noise import silence_known_noise
+from torchcls.version import __version__
 
-__version__ = "0.1.0"
 silence_known_noise()  # library lines that read as errors on a successful run (torchcls.noise)
+consumers.connect()  # governance and the report hear the trainer and the exporter (torchcls.events)
 
 _API = {
     "train": "torchcls.training",

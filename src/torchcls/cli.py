@@ -109,17 +109,17 @@ def _cmd_audit_kernels(opts: o.AuditKernelsOptions) -> int:
 
 
 def _cmd_bench_compile(opts: o.BenchCompileOptions) -> int:
-    from torchcls.bench.compile import bench_compile, to_markdown
+    from torchcls.bench.compile import bench_compile, config_from, to_markdown
 
-    data = bench_compile(opts.to_config(), opts.out)
+    data = bench_compile(config_from(opts), opts.out)
     print(to_markdown(data) + f"\nwrote {Path(opts.out) / 'bench_compile.json'}")
     return 0
 
 
 def _cmd_bench_memory(opts: o.BenchMemoryOptions) -> int:
-    from torchcls.bench.memory import bench_memory, to_markdown
+    from torchcls.bench.memory import bench_memory, config_from, to_markdown
 
-    data = bench_memory(opts.to_config(), opts.out)
+    data = bench_memory(config_from(opts), opts.out)
     print(to_markdown(data) + f"\nwrote {Path(opts.out) / 'bench_memory.json'}")
     return 0
 

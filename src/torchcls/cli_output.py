@@ -13,7 +13,7 @@ def version_line() -> str:
     import sys
     from importlib.metadata import version
 
-    from torchcls import __version__
+    from torchcls.version import __version__
 
     return f"torchcls {__version__} (torch {version('torch')}, Python {sys.version.split()[0]})"
 

@@ -203,13 +203,6 @@ class BenchCompileOptions:
     timeout: int = opt(1800, "seconds per configuration before it is recorded as failed")
     out: str = opt("bench-compile", "output folder; a run dir puts the results in its report")
 
-    def to_config(self):
-        from torchcls.bench.compile import BenchCompileConfig
-
-        return BenchCompileConfig(split_list(self.models), split_ints(self.batch, "--batch"),
-                                  split_list(self.precision), split_list(self.modes), self.device, self.img_size,
-                                  self.repeats, self.timeout)
-
 
 @dataclass
 class BenchMemoryOptions:
@@ -231,15 +224,6 @@ class BenchMemoryOptions:
     overhead: str = opt("1GiB", "allowance per rank for the runtime, CUDA context and workspaces in the fit")
     timeout: int = opt(1800, "seconds per job before it is recorded as failed")
     out: str = opt("bench-memory", "output folder; a run dir puts the results in its report")
-
-    def to_config(self):
-        from torchcls.bench.memory import BenchMemoryConfig
-        from torchcls.bench.memory_fit import parse_size
-
-        memory = [parse_size(v, "--device-memory") for v in split_list(self.device_memory or "")] or None
-        return BenchMemoryConfig(self.model, split_list(self.parallel), split_ints(self.world_sizes, "--world-sizes"),
-                                 memory, self.batch, self.img_size, self.steps, parse_size(self.overhead, "--overhead"),
-                                 self.timeout)
 
 
 @dataclass

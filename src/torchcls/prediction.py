@@ -58,7 +58,7 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
     """Top-k labels for each image; `tta="flip"` averages the softmax of each image and its mirror.
     Multilabel models: probabilities are sigmoids, and "labels" lists every label at or above its threshold.
     `precision`: what a checkpoint runs in (auto = bf16 where the hardware computes it natively, else fp32)."""
-    from torchcls.governance.artifacts import check_pinned_sha256, refuse_forbidden_predictions
+    from torchcls.provenance.sidecars import check_pinned_sha256, refuse_forbidden_predictions
 
     check_tta(tta)
     refuse_forbidden_predictions(checkpoint, "predict")  # a policy's [outputs] predictions = false

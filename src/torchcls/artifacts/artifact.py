@@ -62,7 +62,7 @@ def load_artifact(path: str | Path, expect_sha256: str | None = None, device: st
     hardware computes it natively); an exported artifact's precision was fixed at export: another is refused.
 
     A .pt2 is native code: AOTInductor loads its shared library, whose constructors run before any
-    metadata is read. It loads only after a trust decision (torchcls.governance.trust): its SHA-256
+    metadata is read. It loads only after a trust decision (torchcls.provenance.trust): its SHA-256
     equals `expect_sha256`, `torchcls export` published it on this machine, its registration verifies
     under the configured audit key, or `trust=True` (--trust-artifact). What is loaded is a private copy
     whose digest was checked, so the file cannot be swapped between the check and the load.
@@ -75,7 +75,7 @@ def load_artifact(path: str | Path, expect_sha256: str | None = None, device: st
         raise UserError(f"artifact {path} does not exist")
     if path.suffix == ".pt2":  # whatever the file is: only the trust decision may let native code load
         return _as_exported(_load_native(path, expect_sha256, device, trust), precision)
-    from torchcls.governance.artifacts import check_pinned_sha256
+    from torchcls.provenance.sidecars import check_pinned_sha256
 
     check_pinned_sha256(path, expect_sha256)
     if path.is_dir() or path.suffix == ".safetensors":
@@ -96,8 +96,8 @@ def _as_exported(artifact: LoadedArtifact, precision: str) -> LoadedArtifact:
 
 
 def _load_native(path: Path, expect_sha256: str | None, device: str, trust: bool) -> LoadedArtifact:
-    from torchcls.governance.digest import sha256_stream
-    from torchcls.governance.trust import decide
+    from torchcls.provenance.digest import sha256_stream
+    from torchcls.provenance.trust import decide
 
     with tempfile.TemporaryDirectory(prefix="torchcls-pt2-") as private:  # 0700: only we can swap files here
         copy = Path(private) / path.name

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from torchcls.errors import UserError
+from torchcls.models.parts import is_convnet
 from torchcls.precision.dtypes import DTYPES
 from torchcls.precision.hardware import choose_precision
 from torchcls.precision.inference import CastIO
@@ -35,12 +36,6 @@ PRECISIONS = ("fp32", "bf16")
 def default_buckets(max_batch: int) -> tuple[int, ...]:
     sizes = {1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch}
     return tuple(sorted(sizes))
-
-
-def is_convnet(model: nn.Module) -> bool:
-    """channels_last pays for convolution-heavy nets (oneDNN/cuDNN NHWC kernels), not for a ViT
-    whose only convolution is the patch embedding."""
-    return sum(isinstance(m, nn.Conv2d) for m in model.modules()) >= 3
 
 
 @dataclass

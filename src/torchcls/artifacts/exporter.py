@@ -34,13 +34,14 @@ from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, 
 from torchcls.console import console, phase
 from torchcls.devices import BuildDevice
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_file
-from torchcls.governance.trust import record_export
+from torchcls.events import ArtifactExported, publish
 from torchcls.models.early_exit import CondEarlyExit, EarlyExitNet
 from torchcls.options import ExportOptions as _D  # the defaults, declared once
 from torchcls.precision.dtypes import DTYPES
 from torchcls.precision.hardware import PrecisionChoice, choose_precision
 from torchcls.precision.inference import CastIO
+from torchcls.provenance.digest import sha256_file
+from torchcls.provenance.trust import record_export
 
 PARITY_CHUNK = 32
 EARLY_EXIT_POOL = 4  # early-exit parity picks from this many times --parity-images held-out images
@@ -131,10 +132,9 @@ def _export_as(job: _Job, req: ExportRequest, choice: PrecisionChoice,
     path = _artifact_path(job.out, run_dir_of(job.ckpt) or job.ckpt.parent, job.tgt.suffix, job.target, plan.label)
     with attempt_folder(path.parent):
         result = _build_check_publish(job, req, choice, plan, path, min_agreement, fallback_from)
-    from torchcls.governance.artifacts import register_export  # the checkpoint's run has lineage: record it
-
-    register_export(path, job.ckpt, {"target": job.target, "precision": plan.label,
-                                     "top1_agreement": result.parity["top1_agreement"]}, sha256=result.digest)
+    # governance, subscribed, registers it in the audit log when the checkpoint's run has lineage
+    publish(ArtifactExported(path, job.ckpt, {"target": job.target, "precision": plan.label,
+                                              "top1_agreement": result.parity["top1_agreement"]}, result.digest))
     return ExportResult(path, result.parity_path, result.parity, result.info)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.options import BenchCompileOptions, split_ints, split_list
 from torchcls.run_files import write_text_atomic
 
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -36,6 +37,12 @@ class BenchCompileConfig:
     img_size: int | None = None
     repeats: int = 10
     timeout_s: int = 1800
+
+
+def config_from(opts: BenchCompileOptions) -> BenchCompileConfig:
+    """`torchcls bench compile`'s options (declared in options.py) as the lists this benchmark runs over."""
+    return BenchCompileConfig(split_list(opts.models), split_ints(opts.batch, "--batch"), split_list(opts.precision),
+                              split_list(opts.modes), opts.device, opts.img_size, opts.repeats, opts.timeout)
 
 
 def check_config(cfg: BenchCompileConfig) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 from torchcls.bench import memory_fit as mf
 from torchcls.console import console
 from torchcls.errors import UserError
+from torchcls.options import BenchMemoryOptions, split_ints, split_list
 from torchcls.run_files import write_text_atomic
 
 PARALLEL = ("ddp", "fsdp2")
@@ -47,6 +48,14 @@ class BenchMemoryConfig:
     @property
     def classes(self) -> int:
         return 10 if self.model == "smallnet" else 1000
+
+
+def config_from(opts: BenchMemoryOptions) -> BenchMemoryConfig:
+    """`torchcls bench memory`'s options (declared in options.py), sizes parsed to bytes."""
+    memory = [mf.parse_size(v, "--device-memory") for v in split_list(opts.device_memory or "")] or None
+    return BenchMemoryConfig(opts.model, split_list(opts.parallel), split_ints(opts.world_sizes, "--world-sizes"),
+                             memory, opts.batch, opts.img_size, opts.steps, mf.parse_size(opts.overhead, "--overhead"),
+                             opts.timeout)
 
 
 def full_state_bytes(cfg: BenchMemoryConfig) -> int:

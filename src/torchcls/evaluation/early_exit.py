@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -130,9 +129,9 @@ def latency_per_sample(model: EarlyExitNet, images: torch.Tensor, backbone_only:
     return (time.perf_counter() - t0) * 1000 / len(images)
 
 
-def exit_report(model: EarlyExitNet, loader, device: torch.device, image_shape, out_dir: Path,
+def exit_report(model: EarlyExitNet, loader, device: torch.device, image_shape,
                 calibration: dict[str, Any] | None = None, latency_images: int = 200) -> dict[str, Any]:
-    """eval.json's `early_exit` section, and exit_curve.png in out_dir."""
+    """eval.json's `early_exit` section (the report draws its exit_curve.png: report/subscriber.py)."""
     logits, targets = all_exit_logits(model, loader, device)
     costs = exit_costs(model, image_shape)
     points = sweep(logits, targets, costs, sorted(set(GRID) | {model.threshold}))
@@ -149,9 +148,6 @@ def exit_report(model: EarlyExitNet, loader, device: torch.device, image_shape, 
     }
     if calibration:
         result["calibration"] = calibration
-    from torchcls.report.early_exit import accuracy_compute_curve
-
-    accuracy_compute_curve(result, out_dir / "exit_curve.png")
     return result
 
 

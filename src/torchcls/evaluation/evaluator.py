@@ -7,7 +7,6 @@ thresholds the checkpoint carries (torchcls.tasks).
 from __future__ import annotations
 
 import json
-import os
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -23,6 +22,7 @@ from torchcls.data.splits import available_splits
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_logits
+from torchcls.events import EvaluationWritten, publish
 from torchcls.options import EvaluateOptions as _D  # the defaults, declared once
 from torchcls.run_files import write_text_atomic
 from torchcls.tasks import MULTILABEL, check_task, multilabel_metrics, thresholds_for
@@ -121,18 +121,13 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     if exits is not None:  # early-exit models: exits taken, FLOPs, latency, accuracy-vs-compute curve
         from torchcls.evaluation.early_exit import exit_report
 
-        result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), out, exits)
+        result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), exits)
     if meta.task != MULTILABEL:  # the report's gallery of the errors the model was surest of
         from torchcls.evaluation.gallery import worst_errors
 
         result["misclassified"] = worst_errors(logits, targets, dataset, meta.classes, out)
     write_text_atomic(out / "eval.json", json.dumps(result, indent=2))
-    from torchcls.report import plots, write_report
-
-    if "confusion_matrix" in result:  # multiclass
-        plots.confusion_matrix(result["confusion_matrix"], meta.classes, out / "confusion_matrix.png")
-    if os.path.lexists(out / "config.toml"):  # a run dir (its report reads no link: run_files)
-        write_report(out)
+    publish(EvaluationWritten(out, result, list(meta.classes)))  # the report draws its figures, refreshes report.html
     result["out_dir"] = str(out)
     return result
 

@@ -139,7 +139,7 @@ def _cmd_verify_log(args: argparse.Namespace) -> int:
 
 
 def _cmd_keygen(args: argparse.Namespace) -> int:
-    from torchcls.governance.signing import SIGNING_KEY_ENV, keygen
+    from torchcls.provenance.signing import SIGNING_KEY_ENV, keygen
 
     private, public, keyid = keygen(args.out, args.algorithm)
     print(f"wrote {private} (private key, mode 0600: keep it secret, outside runs/; use it with --signing-key-file "
@@ -151,9 +151,9 @@ def _cmd_verify_attestation(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from torchcls.errors import UserError
-    from torchcls.governance.attestation import attestation_path, verify_attestation
-    from torchcls.governance.digest import sha256_file
-    from torchcls.governance.signing import load_public_key, trusted_key_files
+    from torchcls.provenance.attestation import attestation_path, verify_attestation
+    from torchcls.provenance.digest import sha256_file
+    from torchcls.provenance.signing import load_public_key, trusted_key_files
 
     path = Path(args.artifact)
     if not path.is_file() or not attestation_path(path).is_file():

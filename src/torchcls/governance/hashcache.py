@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from pathlib import Path
 
-from torchcls.governance.digest import sha256_file
+from torchcls.provenance.digest import sha256_file
 
 CACHE_FILE = "hash_cache.sqlite"
 FRESH_NS = 2_000_000_000

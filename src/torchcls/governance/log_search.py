@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import IO, Any
 
-from torchcls.governance.records import ChainCheck, read_entries
+from torchcls.provenance.records import ChainCheck, read_entries
 
 MAX_RUN_DIRS = 16  # run dirs whose lineage.json may pin the run record (a run resumed elsewhere adds one)
 

@@ -12,15 +12,13 @@ A result has one of three statuses, and only one of them claims provenance:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from torchcls.governance.lineage import AuditLog
-from torchcls.governance.records import ChainCheck, Entry, read_entries
-from torchcls.governance.signatures import SignatureReport, Trusted, check_signatures, trusted_from
-from torchcls.governance.signing import short
+from torchcls.provenance.lineage import AuditLog
+from torchcls.provenance.signatures import LogScan, SignatureReport, Trusted, scan_log, trusted_from
+from torchcls.provenance.signing import short
 
 EXIT_CODES = {"verified": 0, "failed": 1, "unverified": 3}
 HMAC_NOTE = ("HMAC: shows only that a holder of this secret key wrote it; anyone who can check it can also forge "
@@ -65,29 +63,6 @@ def listed(items: list, more: int = 0) -> str:
     """The first five of `items`, and how many more (`more`: those not even kept)."""
     more += max(0, len(items) - 5)
     return "; ".join(str(p) for p in items[:5]) + (f" (+{more} more)" if more else "")
-
-
-@dataclass
-class LogScan:
-    """One pass over a log: its chain and its signatures, as running state (no record is kept)."""
-
-    chain: ChainCheck
-    signatures: SignatureReport
-
-
-def scan_log(f: IO[bytes], trusted: Trusted, see: Callable[[dict[str, Any]], None] | None = None) -> LogScan:
-    """Read the log `f` once, line by bounded line, checking its chain and signatures as it goes; `see` is
-    shown each record (a search that keeps the few it needs). Memory: one line, not the log."""
-    chain = ChainCheck()
-
-    def fed() -> Iterator[Entry]:
-        for e in read_entries(f):
-            chain.feed(e)
-            if see is not None and e.record is not None:
-                see(e.record)
-            yield e
-
-    return LogScan(chain, check_signatures(fed(), trusted))
 
 
 def check_log(res: VerifyResult, log: AuditLog, scan: LogScan, trusted: Trusted,

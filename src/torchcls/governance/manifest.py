@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
-from torchcls.governance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_basis_term
 from torchcls.io_files import open_regular, read_bytes
+from torchcls.provenance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.suggest import data_names, did_you_mean
 
 MAX_MANIFEST_BYTES = 512 << 20  # a record is ~300 bytes: over a million files; parsed whole, so bounded first

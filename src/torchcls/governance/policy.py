@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
-from torchcls.governance.digest import sha256_json
-from torchcls.governance.signing import looks_like_key_id
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT, check_tags
+from torchcls.provenance.digest import sha256_json
+from torchcls.provenance.signing import looks_like_key_id
 from torchcls.toml_files import read_toml
 
 _SCHEMA: dict[str, dict[str, type]] = {

@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
-from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.integrity import record_path
-from torchcls.governance.lineage import AuditLog, manifest_store
 from torchcls.governance.manifest import MAX_MANIFEST_BYTES
 from torchcls.io_files import read_bytes
+from torchcls.provenance.digest import looks_like_sha256, sha256_file
+from torchcls.provenance.lineage import AuditLog, manifest_store
 
 
 def file_lineage(path_or_hash: str, audit_log: str | Path) -> dict[str, Any]:

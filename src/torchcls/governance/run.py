@@ -1,4 +1,5 @@
-"""A governed training run, one object from its start to its end. The trainer calls three methods:
+"""A governed training run, one object from its start to its end. The trainer announces its start and its
+finish (torchcls.events: `on_run_started`, `on_run_finished` below) and calls the guard's methods between:
 
 - `begin(cfg, run_path)`: the policy and the data's integrity are checked before any data is read
   into a tensor; the lineage id is known from here on, so checkpoints carry it from their first
@@ -23,14 +24,11 @@ from typing import Any
 from torchcls import run_files
 from torchcls.config import Config, DataConfig
 from torchcls.errors import UserError
-from torchcls.governance.artifacts import LINEAGE_KEY, SIDECAR_BYTES, read_lineage, stamp_checkpoint
-from torchcls.governance.digest import sha256_file
+from torchcls.events import RunFinished, RunStarted
 from torchcls.governance.environment import code_version, package_versions
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.hooks import Hook, HookedImages, SampleInfo, by_stage, resolve_hooks
 from torchcls.governance.integrity import check_data, describes, record_path
-from torchcls.governance.keys import key_id, load_key
-from torchcls.governance.lineage import STORE_DIR, AuditLog, default_audit_log, manifest_store
 from torchcls.governance.manifest import (
     BUILTIN_META,
     MANIFEST_HASH_VERSION,
@@ -40,10 +38,14 @@ from torchcls.governance.manifest import (
 )
 from torchcls.governance.outputs import redact_skipped, sample_grid
 from torchcls.governance.policy import Policy, facts_of, load_policy, violations
-from torchcls.governance.signatures import check_signing
-from torchcls.governance.signing import signer_from
 from torchcls.governance.store import store_built, store_given
 from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
+from torchcls.provenance.digest import sha256_file
+from torchcls.provenance.keys import key_id, load_key
+from torchcls.provenance.lineage import STORE_DIR, AuditLog, default_audit_log, manifest_store
+from torchcls.provenance.sidecars import LINEAGE_KEY, SIDECAR_BYTES, read_lineage, stamp_checkpoint
+from torchcls.provenance.signatures import check_signing
+from torchcls.provenance.signing import signer_from
 from torchcls.run_files import write_text_atomic
 
 
@@ -244,10 +246,7 @@ class Governance:
             record = self._record_run(result, summary)
             summary["audit_record"] = {"seq": record["seq"], "hash": record["hash"], "log": self.lineage["audit_log"]}
         write_text_atomic(run / "governance.json", json.dumps(summary, indent=2))
-        from torchcls.report import write_report
-
-        write_report(run)
-        return summary
+        return summary  # the report's governance section reads governance.json (report/subscriber.py redraws it next)
 
     def _record_run(self, result, summary: dict[str, Any]) -> dict[str, Any]:
         run, cfg = self.run_path, self.cfg
@@ -298,6 +297,17 @@ class Governance:
             if str(record_path(self.manifest, r).resolve()) == target or Path(file).stem == r["sha256"]:
                 return self.record_infos[k]
         return None
+
+
+def on_run_started(event: RunStarted) -> None:
+    """Every training run is governed (torchcls.consumers subscribes this): refused here, before any data is
+    read, when its policy or data manifest says so; otherwise the run's guard."""
+    event.guard = begin(event.cfg, event.run_path)
+
+
+def on_run_finished(event: RunFinished) -> None:
+    if isinstance(event.guard, Governance):
+        event.guard.finish(event.result)
 
 
 def begin(cfg: Config, run_path: Path) -> Governance:

@@ -34,18 +34,18 @@ from typing import Any
 
 from torchcls.errors import UserError
 from torchcls.governance.anchors import check_pins, pins_of
-from torchcls.governance.artifacts import read_lineage
-from torchcls.governance.attestation import attestation_path, verify_attestation
-from torchcls.governance.digest import looks_like_sha256, sha256_file
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
-from torchcls.governance.lineage import STORE_DIR, AuditLog, manifest_store
 from torchcls.governance.log_search import ArtifactSearch, second_pass
 from torchcls.governance.logcheck import VerifyResult, check_log, listed, scan_log
 from torchcls.governance.manifest import MAX_MANIFEST_BYTES, content_key, manifest_hash, records_root
 from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
-from torchcls.governance.signatures import Trusted, trusted_from
 from torchcls.io_files import read_bytes
+from torchcls.provenance.attestation import attestation_path, verify_attestation
+from torchcls.provenance.digest import looks_like_sha256, sha256_file
+from torchcls.provenance.lineage import STORE_DIR, AuditLog, manifest_store
+from torchcls.provenance.sidecars import read_lineage
+from torchcls.provenance.signatures import Trusted, trusted_from
 
 __all__ = ["VerifyResult", "find_audit_log", "verify"]
 

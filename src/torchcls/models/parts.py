@@ -5,7 +5,7 @@ backbone leaves trainable). `stage_map`: every parameter's stage, 0 = the stem, 
 S + 1 = the head and anything after the last stage (what --freeze stages:N and the --layer-decay
 fallback count). Families: timm models (their get_classifier() and coarse group_matcher, the same
 grouping timm's layer decay uses), SmallNet, torchvision ResNets (layer1..4) and torchvision models
-with a `features` Sequential (features[0] is the stem), early-exit models (head only).
+with a `features` Sequential (features[0] is the stem), early-exit models (head only). `is_convnet`: whether its memory layout should be channels_last.
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ def unwrap(model: nn.Module) -> nn.Module:
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+def is_convnet(model: nn.Module) -> bool:
+    """channels_last pays for convolution-heavy nets (oneDNN/cuDNN NHWC kernels), not for a ViT
+    whose only convolution is the patch embedding."""
+    return sum(isinstance(m, nn.Conv2d) for m in model.modules()) >= 3
 
 
 def classifier_modules(model: nn.Module) -> list[nn.Module]:

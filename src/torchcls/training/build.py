@@ -2,7 +2,8 @@
 
 build: data (a DataBundle or a ShardBundle, and the feed that batches it), model (random init or
 --pretrained, governance hooks, precision, parallelism, rank-0 init), optimizer and schedule,
-mixing, checkpointer, compile. Governance refuses before any data is read.
+mixing, checkpointer, compile. The run is announced (torchcls.events.RunStarted) before any data is
+read: governance, subscribed, refuses it there or guards it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchcls import governance, run_files
+from torchcls import run_files
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.pretrained import PretrainedSource, model_for, pretrained_model, resolve_pretrained
 from torchcls.config import Config, ModelConfig, resume_command
@@ -31,6 +32,7 @@ from torchcls.data.shard_data import build_shard_data
 from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
+from torchcls.events import RunStarted, Unguarded, publish
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.machine import (
     CpuActivity,
@@ -131,7 +133,9 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     if cfg.train.threads:  # an explicit count holds for the data loading too; the default waits for the feed
         torch.set_num_threads(cfg.train.threads)
     torch.manual_seed(cfg.train.seed)
-    gov = governance.begin(cfg, run.path)  # policy and data checks: refuses before any data is read
+    started = RunStarted(cfg, run.path)
+    publish(started)  # governance checks the policy and the data here: a refusal raises before any data is read
+    gov = started.guard or Unguarded(cfg.data)
     with collect():  # the unreadable files of every check before training (headers, sizes, decodes) in one refusal
         data = _open_data(gov.data_config, cfg.train.seed, run, session, source.input if source else None)
         gov.install_data(data)  # tensor hooks first: every feed, the in-memory cache too, reads through them

@@ -32,9 +32,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from torchcls.artifacts.compile import is_convnet
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.models.parts import is_convnet
 from torchcls.precision.hardware import PrecisionChoice
 
 TRIAL_ROUNDS = (3, 9)  # timed steps per candidate (fewest, most), interleaved (A B A B ...), after one warm-up

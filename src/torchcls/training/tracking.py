@@ -147,7 +147,7 @@ def _run_for(client, uri: str, experiment_id: str, cfg: Config, run_dir: Path) -
             return run.info.run_id, True
         console.print(f"[yellow]tracking: MLflow run {saved['run_id']} of {run_dir / TRACKING_FILE} is gone from "
                       f"{uri}; logging the resumed run as a new MLflow run[/]")
-    from torchcls import __version__
+    from torchcls.version import __version__
 
     tags = {"torchcls.version": __version__, "torchcls.run_dir": str(run_dir.resolve())}
     run = client.create_run(experiment_id, run_name=run_dir.name, tags=tags)

@@ -25,7 +25,7 @@ from torchcls.checkpoint.checkpointer import Checkpointer, Progress
 from torchcls.checkpoint.files import CheckpointMeta, read_meta
 from torchcls.config import Config
 from torchcls.console import console
-from torchcls.io_errors import writing
+from torchcls.events import CheckpointSaved, RunFinished, RunGuard, publish
 from torchcls.models import ModelSpec
 from torchcls.models.early_exit import exit_loss
 from torchcls.precision.training import PrecisionPlan
@@ -59,7 +59,7 @@ class Trainer:
     cfg: Config
     session: Session
     run: RunDir
-    gov: Any
+    gov: RunGuard  # what governs the run (torchcls.events.RunStarted), or Unguarded
     device: torch.device
     memory_format: torch.memory_format
     data: Any  # torchcls.data.DataBundle
@@ -105,6 +105,7 @@ class Trainer:
             p = dataclasses.replace(p, step_in_epoch=p.step_in_epoch - self.micro)
         self.checkpointer.save(self.model, self.optimizer, self.scheduler, p, self.meta(), self.precision)
         self.feed.save_state(self.run.checkpoints, self.session.rank, p.step, p.step_in_epoch)
+        publish(CheckpointSaved(self.run.path, self.checkpointer.last_weights, p.step))
 
     def resume(self) -> None:
         built_weight_decays = [g.get("weight_decay", 0.0) for g in self.optimizer.param_groups]  # the new options'
@@ -299,16 +300,13 @@ class Trainer:
         self.session.close()
 
     def finish(self) -> TrainResult:
-        """After the last epoch: memory report, run report, governance record."""
+        """After the last epoch: the memory report and the skipped files, then the run is announced finished
+        (governance's audit record and the run report subscribe: torchcls.consumers)."""
         if self.memory:
             self.memory.finish()
-        from torchcls.report import write_report
-
         if self.session.is_main:
             self._write_skipped()
-            with writing(self.run.path / "report.html"):
-                write_report(self.run.path)
-        self.gov.finish(self.result())  # redacted sample outputs, audit record
+        publish(RunFinished(self.cfg, self.run.path, self.result(), self.session.is_main, self.gov))
         if self.tracker is not None:  # report, metrics, config and best checkpoint as MLflow artifacts
             self.tracker.finish(self.result())
         return self.result()

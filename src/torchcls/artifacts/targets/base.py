@@ -94,7 +94,7 @@ class LoadedArtifact(ABC):
 
     info: ArtifactInfo
     device: torch.device = torch.device("cpu")
-    trust: str = ""  # a .pt2: why it was allowed to load (torchcls.governance.trust)
+    trust: str = ""  # a .pt2: why it was allowed to load (torchcls.provenance.trust)
     _staging: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

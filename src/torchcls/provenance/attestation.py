@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
-from torchcls.governance import dsse
-from torchcls.governance.signing import Signer, short, verify_signature
 from torchcls.io_files import read_bytes
+from torchcls.provenance import dsse
+from torchcls.provenance.signing import Signer, short, verify_signature
 from torchcls.run_files import write_text_atomic
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
@@ -39,7 +39,7 @@ def statement(artifact: Path, digest: str, source: Path, source_sha256: str, man
               kind: str, details: dict[str, Any], invocation: str) -> dict[str, Any]:
     """The in-toto Statement for `artifact` (SHA-256 `digest`), built from `source` with data `manifests`
     (the run record's manifest summaries)."""
-    from torchcls import __version__
+    from torchcls.version import __version__
 
     deps = [{"name": source.name, "uri": source.resolve().as_uri(), "digest": {"sha256": source_sha256},
              "annotations": {"role": "source-checkpoint"}}]

@@ -25,10 +25,11 @@ from pathlib import Path
 from typing import IO, Any
 
 from torchcls.errors import UserError
-from torchcls.governance import dsse
-from torchcls.governance.digest import canonical_json
-from torchcls.governance.keys import KEY_ENV, key_id, sign
-from torchcls.governance.records import (
+from torchcls.io_files import open_regular
+from torchcls.provenance import dsse
+from torchcls.provenance.digest import canonical_json
+from torchcls.provenance.keys import KEY_ENV, key_id, sign
+from torchcls.provenance.records import (
     GENESIS,
     ChainCheck,
     ChainProblem,
@@ -39,9 +40,8 @@ from torchcls.governance.records import (
     record_hash,
     signed_how,
 )
-from torchcls.governance.signatures import Trusted, check_signatures
-from torchcls.governance.signing import SIGNING_KEY_ENV, Signer, short
-from torchcls.io_files import open_regular
+from torchcls.provenance.signatures import Trusted, check_signatures
+from torchcls.provenance.signing import SIGNING_KEY_ENV, Signer, short
 
 STORE_DIR = "_governance"
 __all__ = ["GENESIS", "STORE_DIR", "AuditLog", "ChainProblem", "record_hash"]

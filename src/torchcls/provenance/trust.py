@@ -32,16 +32,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchcls.errors import UserError
-from torchcls.governance.artifacts import sidecar
-from torchcls.governance.attestation import attestation_path, verify_attestation
-from torchcls.governance.digest import looks_like_sha256, sha256_file
-from torchcls.governance.keys import KEY_ENV
-from torchcls.governance.lineage import AuditLog, record_hash
-from torchcls.governance.logcheck import scan_log
-from torchcls.governance.records import MAX_LINE_BYTES
-from torchcls.governance.signatures import trusted_from
-from torchcls.governance.signing import TRUSTED_KEYS_ENV, load_public_key, trusted_key_files
 from torchcls.io_files import open_regular, read_bytes
+from torchcls.provenance.attestation import attestation_path, verify_attestation
+from torchcls.provenance.digest import looks_like_sha256, sha256_file
+from torchcls.provenance.keys import KEY_ENV
+from torchcls.provenance.lineage import AuditLog, record_hash
+from torchcls.provenance.records import MAX_LINE_BYTES
+from torchcls.provenance.sidecars import sidecar
+from torchcls.provenance.signatures import scan_log, trusted_from
+from torchcls.provenance.signing import TRUSTED_KEYS_ENV, load_public_key, trusted_key_files
 
 RECORD_ENV = "TORCHCLS_EXPORT_RECORD"
 TRUST_FLAG = "--trust-artifact"

@@ -29,9 +29,9 @@ from typing import IO, Any
 
 from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
-from torchcls.governance import dsse
-from torchcls.governance.digest import sha256_json
-from torchcls.governance.signing import looks_like_key_id
+from torchcls.provenance import dsse
+from torchcls.provenance.digest import sha256_json
+from torchcls.provenance.signing import looks_like_key_id
 
 MAX_LINE_BYTES = 1 << 20  # a record is a few KB (a run record with its config and package versions)
 MAX_RECORDS = 1_000_000

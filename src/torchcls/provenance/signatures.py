@@ -18,15 +18,15 @@ from __future__ import annotations
 import base64
 import binascii
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import IO, Any
 
 from torchcls.errors import UserError
-from torchcls.governance.keys import key_id as hmac_key_id
-from torchcls.governance.keys import load_key, signature_ok
-from torchcls.governance.records import Entry, record_hash, signed_how
-from torchcls.governance.signing import (
+from torchcls.provenance.keys import key_id as hmac_key_id
+from torchcls.provenance.keys import load_key, signature_ok
+from torchcls.provenance.records import ChainCheck, Entry, read_entries, record_hash, signed_how
+from torchcls.provenance.signing import (
     key_id,
     load_public_key,
     public_der,
@@ -160,3 +160,26 @@ def check_signing(policy, audit, origin: str) -> None:
     if signer is not None and policy.trusted_keys and signer.keyid not in policy.trusted_keys:
         raise UserError(f"policy {origin} trusts keys {', '.join(short(k) for k in policy.trusted_keys)}; the signing "
                         f"key {signer.keyid} is not one of them ([provenance] trusted_keys)")
+
+
+@dataclass
+class LogScan:
+    """One pass over a log: its chain and its signatures, as running state (no record is kept)."""
+
+    chain: ChainCheck
+    signatures: SignatureReport
+
+
+def scan_log(f: IO[bytes], trusted: Trusted, see: Callable[[dict[str, Any]], None] | None = None) -> LogScan:
+    """Read the log `f` once, line by bounded line, checking its chain and signatures as it goes; `see` is
+    shown each record (a search that keeps the few it needs). Memory: one line, not the log."""
+    chain = ChainCheck()
+
+    def fed() -> Iterator[Entry]:
+        for e in read_entries(f):
+            chain.feed(e)
+            if see is not None and e.record is not None:
+                see(e.record)
+            yield e
+
+    return LogScan(chain, check_signatures(fed(), trusted))
