@@ -149,7 +149,8 @@ def test_a_cache_folder_others_can_write_is_not_used(run, bf16_here_and_own_cach
 
 def test_the_cache_keeps_at_most_max_records(monkeypatch, bf16_here_and_own_cache):
     monkeypatch.setattr(store, "MAX_RECORDS", 3)
-    for i in range(5):
-        assert store.remember({"weights_sha256": f"{i:064x}"}, store.Measured(1.0, 10)).startswith("remembered")
-    names = {p.name for p in _records(bf16_here_and_own_cache)}
-    assert len(names) == 3 and store.record_name({"weights_sha256": f"{4:064x}"}) in names
+    folder, keys = bf16_here_and_own_cache, [{"weights_sha256": f"{i:064x}"} for i in range(5)]
+    for i, key in enumerate(keys):
+        assert store.remember(key, store.Measured(1.0, 10)).startswith("remembered")
+        os.utime(folder / store.record_name(key), (1e9 + i, 1e9 + i))  # distinct ages (mtime ticks are coarse)
+    assert {p.name for p in _records(folder)} == {store.record_name(k) for k in keys[2:]}
