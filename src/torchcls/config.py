@@ -51,8 +51,11 @@ class DataConfig:
                                "images are converted to match")
     augment: str = opt("light", "training augmentation: none; light = small shifts (digits, text); flip = shifts "
                        "and horizontal flips; standard = random resized crops and flips (photos); randaugment, "
-                       "trivialaugment, autoaugment = torchvision's policies (ImageNet op set)",
-                       choices=("none", "light", "flip", "standard", "randaugment", "trivialaugment", "autoaugment"))
+                       "trivialaugment, autoaugment = torchvision's policies (ImageNet op set); flip-alternate = "
+                       "flip's shifts, and each image mirrored in every other epoch: in epoch 0 a seeded half of the "
+                       "images, in odd epochs exactly the others (airbench's alternating flip; in-memory loader only)",
+                       choices=("none", "light", "flip", "flip-alternate", "standard", "randaugment", "trivialaugment",
+                                "autoaugment"))
     max_shift: int | None = opt(None, "light/flip: the largest random shift in pixels (RandomCrop's padding); "
                                 "default: an eighth of --img-size (3 px at 28); 0 = no shifts (flip: mirrors only)")
     random_erasing: float = opt(0.0, "probability of erasing a random box of each training image (after "
@@ -113,6 +116,15 @@ class ModelConfig:
                                  "weights_only), or a local hub folder; the classifier is re-initialised when the "
                                  "classes differ and the first convolution adapted when the channels differ",
                                  const="hub")
+    init: str = opt("", "initialisation on top of the model's own (random init only), comma-separated: whiten = the "
+                    "first convolution's filters from the training images' patch covariance (its eigenvectors over "
+                    "sqrt(eigenvalue + --whiten-eps), each also negated: 2 x channels x k x k filters; with fewer "
+                    "out-channels the top eigenvectors, with more the rest keep their init); dirac = every later "
+                    "stride-1 convolution starts as the identity on its first min(in, out) channels; empty = off")
+    whiten_eps: float = opt(5e-4, "--init whiten: added to each eigenvalue before its square root (bounds the gain "
+                            "of the flattest directions)")
+    freeze_first_conv: bool = opt(False, "do not train the weight of the model's first convolution (e.g. its "
+                                  "--init whiten filters, as airbench keeps them); its bias still trains")
 
 
 @dataclass
@@ -142,6 +154,15 @@ class OptimConfig:
     warmup_epochs: float = opt(0.5, "linear warm-up length in epochs")
     label_smoothing: float = opt(0.1, "label smoothing of the cross-entropy loss")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this value (0 = off)")
+    bn_bias_lr_scale: float = opt(1.0, "learning rate of BatchNorm biases as a multiple of the others' (airbench: "
+                                  "64); they stay out of weight decay; 1 = the same rate")
+    freeze_first_bias_after_epochs: int = opt(0, "stop training the first layer's bias after N epochs: the first "
+                                              "convolution's bias, or when it has none the bias of the BatchNorm "
+                                              "right after it; 0 = never")
+    lookahead: int = opt(0, "wrap the optimizer in Lookahead (timm.optim.Lookahead): every K steps the slow "
+                         "weights move --lookahead-alpha of the way to the fast ones and the fast ones restart from "
+                         "them (also at each epoch end, so validation and checkpoints see them); 0 = off")
+    lookahead_alpha: float = opt(0.5, "--lookahead: the slow weights' step towards the fast ones, in (0, 1]")
 
 
 @dataclass

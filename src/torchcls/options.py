@@ -63,8 +63,9 @@ class EvaluateOptions(RuntimeOptions):
     batch_size: int = opt(256, "images per forward pass")
     workers: int = opt(2, "DataLoader workers")
     tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
-                   "mirror (two forward passes; for left-right symmetric classes); recorded in eval.json",
-                   choices=("none", "flip"))
+                   "mirror (two forward passes; for left-right symmetric classes); multicrop = also both translated "
+                   "1 px down-right and up-left (six passes, airbench's weights: 1/4 each untranslated view, 1/8 "
+                   "each translated); recorded in eval.json", choices=("none", "flip", "multicrop"))
 
 
 @dataclass
@@ -77,7 +78,8 @@ class PredictOptions(RuntimeOptions):
     images: list[str] = positional("image files and/or folders (searched recursively)", nargs="+")
     topk: int = opt(3, "how many labels per image")
     tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
-                   "mirror (two forward passes, also for exported artifacts)", choices=("none", "flip"))
+                   "mirror (two forward passes, also for exported artifacts); multicrop = also both translated 1 px "
+                   "down-right and up-left (six passes)", choices=("none", "flip", "multicrop"))
     json: bool = opt(False, "print JSON instead of a table")
     precision: str = opt("auto", "a checkpoint runs in: auto = bf16 where the hardware computes it natively (CPU "
                          "with AVX-512-bf16 or AMX, GPU of compute capability >= 8.0), else fp32; an exported "

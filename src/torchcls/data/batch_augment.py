@@ -85,3 +85,19 @@ def resized_crop_flip(x: torch.Tensor, box: torch.Tensor, flip: torch.Tensor, si
     grid = torch.stack(torch.broadcast_tensors(gx[:, None, :], gy[:, :, None]), dim=-1)
     # "border" clamps at the image edge as a resize does, instead of blending in zeros.
     return F.grid_sample(x, grid, mode="bilinear", padding_mode="border", align_corners=False)
+
+
+def alternating_flips(n: int, seed: int) -> torch.Tensor:
+    """--augment flip-alternate (airbench): a seeded random half of the n samples, mirrored in even epochs;
+    sample i is mirrored in epoch e iff `base[i] ^ (e % 2 == 1)`, so every image is seen both ways in every
+    two epochs, which random flips leave to chance. Drawn from its own generator (the epoch generators'
+    draws stay as they are)."""
+    return torch.rand(n, generator=torch.Generator().manual_seed(FLIP_SALT + seed)) < 0.5
+
+
+def flips_at(base: torch.Tensor, positions: torch.Tensor, epoch: int) -> torch.Tensor:
+    """Which of the samples at `positions` are mirrored in `epoch` (see alternating_flips)."""
+    return base[positions] ^ bool(epoch % 2)
+
+
+FLIP_SALT = 0x5F11_9A17  # the base flips' generator: not a seed any epoch's order uses for small seeds

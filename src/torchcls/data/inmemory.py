@@ -30,7 +30,14 @@ from typing import Any
 import torch
 from torchvision.transforms import v2
 
-from torchcls.data.batch_augment import one_thread, resized_crop_boxes, resized_crop_flip, shift_flip
+from torchcls.data.batch_augment import (
+    alternating_flips,
+    flips_at,
+    one_thread,
+    resized_crop_boxes,
+    resized_crop_flip,
+    shift_flip,
+)
 from torchcls.data.images import BadImage
 from torchcls.data.preprocess import Preprocess
 from torchcls.data.refusals import refuse
@@ -39,7 +46,7 @@ from torchcls.data.sources import ImageSet
 from torchcls.data.transforms import batch_augmentable, resize_and_crop, shift_pixels
 from torchcls.errors import UserError
 
-AUGMENTS = ("none", "light", "flip", "standard")
+AUGMENTS = ("none", "light", "flip", "flip-alternate", "standard")
 MODES = ("auto", "on", "off")
 
 
@@ -152,6 +159,7 @@ class InMemoryLoader:
         self._bias = (-mean / std).view(1, -1, 1, 1).to(self.device)
         self._epoch, self._resume, self._live = 0, None, None
         self.weights: torch.Tensor | None = None  # --balanced-sampler: per-sample draw weights (epoch_order)
+        self._base_flips = alternating_flips(self.n, seed) if self.augment == "flip-alternate" else None
 
     def __len__(self) -> int:
         return math.ceil(self._padded_n() / self.batch_size)
@@ -211,6 +219,8 @@ class InMemoryLoader:
                 positions = order[k * self.batch_size:(k + 1) * self.batch_size]
                 with one_thread():
                     params = self._draw(len(positions), gen)  # for the global batch: same on every rank
+                if self._base_flips is not None:  # flip-alternate: a function of (sample, epoch), not drawn
+                    params["flip"] = flips_at(self._base_flips, positions, epoch)
                 mine = slice(self.rank, None, self.world)
                 rows = self.rows[positions[mine]]
                 with one_thread() if small else contextlib.nullcontext():
@@ -237,7 +247,7 @@ class InMemoryLoader:
         p = self.max_shift
         if self.augment == "none":
             return {}
-        if self.augment in ("light", "flip"):
+        if self.augment in ("light", "flip", "flip-alternate"):
             params = {"shift": torch.randint(0, 2 * p + 1, (b, 2), generator=gen)}
             if self.augment == "flip":
                 params["flip"] = torch.rand(b, generator=gen) < 0.5

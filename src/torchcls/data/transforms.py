@@ -16,7 +16,9 @@ from torchvision.transforms import v2
 from torchcls.data.preprocess import Preprocess
 from torchcls.errors import UserError
 
-GEOMETRIC = ("none", "light", "flip", "standard")
+# flip-alternate mirrors by (sample, epoch), which only the in-memory loader knows (data/inmemory.py):
+# its per-sample pipeline here has the shifts alone, and training/feed.py refuses it any other feed.
+GEOMETRIC = ("none", "light", "flip", "flip-alternate", "standard")
 # Policies searched or randomised over the ImageNet op set; they run on uint8 before ToDtype,
 # where their integer magnitudes (posterize bits, solarize threshold) are defined.
 POLICIES: dict[str, Callable[[], v2.Transform]] = {
@@ -68,7 +70,7 @@ def build_transform(pre: Preprocess, train: bool, augment: str = "none", source_
                   v2.RandomHorizontalFlip()]
     else:
         steps += resize_and_crop(pre, source_size)
-        if train and augment in ("light", "flip") and shift:
+        if train and augment in ("light", "flip", "flip-alternate") and shift:
             # Small translations: safe for digits and text, where flips and big crops are not.
             steps.append(v2.RandomCrop(size, padding=shift))
         if train and augment == "flip":  # for left-right symmetric classes (clothes, objects)

@@ -55,6 +55,7 @@ from torchcls.training.distributed import Session, setup, sync_buffers
 from torchcls.training.ema import WeightEma
 from torchcls.training.feed import build_feed
 from torchcls.training.freeze import apply_freeze
+from torchcls.training.init import FirstBiasFreeze, freeze_first_conv, initialise, parse_init
 from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
@@ -171,12 +172,13 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
                                                                label_smoothing=cfg.optim.label_smoothing)
     if cfg.data.task == "multilabel":  # BCE (torchcls.tasks)
         criterion = multilabel_criterion(cfg, data, mixing)
+    at_epoch_start = [FirstBiasFreeze(model, n)] if (n := cfg.optim.freeze_first_bias_after_epochs) else []
     tracker = open_tracker(cfg, run.path) if session.is_main else None  # last: a refused store leaves nothing
     return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
                    optimizer, scheduler, criterion, feed, checkpointer,
                    [*callbacks, memory] if memory else list(callbacks), mixing, memory,
                    open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes, ema=ema,
-                   tracker=tracker)
+                   tracker=tracker, at_epoch_start=at_epoch_start)
 
 
 def _check_options(cfg: Config) -> None:
@@ -197,6 +199,22 @@ def _check_options(cfg: Config) -> None:
                         "--epochs")
     check_schedule(cfg.data.resize_schedule, cfg.train.epochs, cfg.data.img_size)
     check_precision_options(cfg.precision, cfg.parallel.parallel)
+    _check_training_options(cfg)
+
+
+def _check_training_options(cfg: Config) -> None:
+    """--init, --lookahead and --freeze-first-bias-after-epochs: the combinations they are defined for."""
+    if parse_init(cfg.model.init) and cfg.model.pretrained:
+        raise UserError(f"--init {cfg.model.init} replaces weights, --pretrained {cfg.model.pretrained} loads them: "
+                        "give one of the two")
+    if cfg.optim.freeze_first_bias_after_epochs < 0:
+        raise UserError(f"--freeze-first-bias-after-epochs {cfg.optim.freeze_first_bias_after_epochs}: give a number "
+                        "of epochs >= 1, or 0 to train the bias throughout")
+    if cfg.parallel.parallel != "none" and (cfg.optim.lookahead or cfg.optim.freeze_first_bias_after_epochs):
+        # DCP's optimizer state dict does not know timm's wrapper, and DDP expects a gradient for every
+        # parameter it registered: a bias frozen mid-run would stop its all-reduce.
+        raise UserError(f"--lookahead and --freeze-first-bias-after-epochs are for one process; with --parallel "
+                        f"{cfg.parallel.parallel} leave them at 0")
 
 
 def _set_threads(cfg: Config, feed, activity: CpuActivity, run: RunDir) -> ThreadChoice:
@@ -264,12 +282,16 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
     from_rank0 = rank0_init.applies(cfg.parallel, cfg.precision, gov.has_model_hooks)
     factory = partial(_new_model, spec, source, run if session.is_main else None, data.classes,
                       cfg.checkpoint.unsafe_unpickle)
+    if parse_init(cfg.model.init):  # --init whiten/dirac: part of building the weights (rank 0's, under FSDP2)
+        factory = partial(_initialised, factory, cfg.model, data, cfg.train.seed, session.is_main)
     if from_rank0:  # FSDP2: no rank holds the whole model on its device
         model, rank0_weights = rank0_init.build_on_meta(factory, session.rank)
         model = model.to(memory_format=memory_format)  # so that fsdp2 still refuses channels_last
     else:
         model = factory().to(device, memory_format=memory_format)
     if (frozen := apply_freeze(model, cfg.model.freeze)) and session.is_main:  # before DDP wraps it
+        console.print(frozen)
+    if cfg.model.freeze_first_conv and (frozen := freeze_first_conv(model)) and session.is_main:
         console.print(frozen)
     model = gov.install_model(model)  # model hooks of the governed processing path
     # before parallelize: FP8 swaps Linear layers, which FSDP must see already swapped
@@ -281,6 +303,15 @@ def _build_model(cfg: Config, spec: ModelSpec, gov, data, session: Session, run:
     if from_rank0:
         rank0_init.materialize(model, rank0_weights, device, cfg.parallel)
     return model, precision
+
+
+def _initialised(factory, model_cfg: ModelConfig, data, seed: int, verbose: bool) -> nn.Module:
+    """The model `factory` builds, then --init applied to it (seeded by --seed, never the global RNG)."""
+    model = factory()
+    for line in initialise(model, parse_init(model_cfg.init), data, seed, model_cfg.whiten_eps):
+        if verbose:
+            console.print(line, highlight=False)
+    return model
 
 
 def _resolve_pretrained(cfg: Config) -> PretrainedSource | None:

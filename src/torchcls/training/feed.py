@@ -108,6 +108,15 @@ def _skip(batches: Iterator, n: int) -> Iterator:
 
 def build_feed(cfg: Config, data, session: Session, device: torch.device) -> Feed:
     """The feed `data` (a DataBundle or ShardBundle) calls for under cfg.data (--in-memory, --workers)."""
+    feed = _feed(cfg, data, session, device)  # (no loader has started a worker or read a file yet)
+    if cfg.data.augment == "flip-alternate" and feed.kind != "memory":
+        raise UserError("--augment flip-alternate mirrors each image by its index and the epoch, which only the "
+                        "in-memory loader knows: use --in-memory auto or on (with a --memory-limit-mb the data "
+                        "fits in, no --decode device), or --augment flip (random mirrors)")
+    return feed
+
+
+def _feed(cfg: Config, data, session: Session, device: torch.device) -> Feed:
     d, seed, rank, world = cfg.data, cfg.train.seed, session.rank, session.world
     if isinstance(data, ShardBundle):
         if d.balanced_sampler:

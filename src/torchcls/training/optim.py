@@ -4,7 +4,9 @@ Groups come from timm's own grouping: no weight decay for 1-d parameters (norms)
 model names in no_weight_decay() (a ViT's pos_embed, cls_token); with --layer-decay F, timm's
 layer-wise groups from the model's group_matcher (SmallNet and torchvision models, which have
 none, get the stage map of models/parts.py: stem, stages, head). --head-lr F splits the classifier's
-parameters into groups of their own. Each group carries `lr_scale` (timm's convention): its rate is
+parameters into groups of their own, --bn-bias-lr-scale F the BatchNorm biases (already without weight
+decay: the scale changes their step size alone; airbench decays them at wd / F, so that their decay per
+step stays the others', which is not reproduced here). Each group carries `lr_scale` (timm's convention): its rate is
 the schedule's value times lr_scale, which the schedule (training/schedule.py) applies.
 
 adamw, adam and sgd use torch's fused kernels on CPU and CUDA: on CPU (2 threads) a fused AdamW step
@@ -25,6 +27,7 @@ from torch import nn
 from torchcls.config import OptimConfig
 from torchcls.errors import UserError
 from torchcls.models.parts import head_parameter_ids, stage_map, unwrap
+from torchcls.training.init import BATCHNORMS
 from torchcls.training.schedule import LRSchedule, build_scheduler
 
 FUSED = ("adamw", "adam", "sgd")  # torch optimizers with fused kernels
@@ -40,8 +43,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     groups = param_groups(model, cfg)
     extra = {"fused": True} if cfg.optimizer in FUSED and _fusable(groups) else {}
     # sgd is timm's Nesterov SGD; momentum reaches the optimizers that take one (sgd, lars, rmsprop).
-    return create_optimizer_v2(groups, opt=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
-                               momentum=cfg.momentum, **extra)
+    optimizer = create_optimizer_v2(groups, opt=cfg.optimizer, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                                    momentum=cfg.momentum, **extra)
+    return with_lookahead(optimizer, cfg)
+
+
+def with_lookahead(optimizer: torch.optim.Optimizer, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """--lookahead K: timm's Lookahead around `optimizer`. Its slow weights live in the inner optimizer's
+    state ("lookahead_slow_buff") and its step count in the groups ("lookahead_step"), so its state_dict,
+    which checkpoints save, holds them: a resumed run continues them exactly. timm's wrapper starts the slow
+    weights at the first sync (step K) from the fast ones, so the first pull-back happens at step 2K."""
+    if not cfg.lookahead:
+        return optimizer
+    from timm.optim import Lookahead
+
+    return Lookahead(optimizer, alpha=cfg.lookahead_alpha, k=cfg.lookahead)
 
 
 def _fusable(groups: list[dict]) -> bool:
@@ -70,6 +86,9 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     if cfg.head_lr != 1.0:
         head = head_parameter_ids(net)
         groups = _split(groups, lambda p: cfg.head_lr if id(p) in head else 1.0)
+    if cfg.bn_bias_lr_scale != 1.0:  # airbench's 64x: BatchNorm biases (no decay in any case) learn faster
+        bn_biases = {id(m.bias) for m in net.modules() if isinstance(m, BATCHNORMS) and m.bias is not None}
+        groups = _split(groups, lambda p: cfg.bn_bias_lr_scale if id(p) in bn_biases else 1.0)
     for g in groups:
         g.setdefault("lr_scale", 1.0)
         # Right before any schedule runs too; "initial_lr" is the unscaled base timm's schedulers start from.
@@ -84,6 +103,12 @@ def _check(cfg: OptimConfig) -> None:
                         "from the head gets that times its successor's rate), or 0 for off")
     if not cfg.head_lr > 0.0:
         raise UserError(f"--head-lr {cfg.head_lr}: give a positive multiple of --lr (e.g. 10), or 1 for the same rate")
+    if not (cfg.bn_bias_lr_scale > 0.0 and math.isfinite(cfg.bn_bias_lr_scale)):
+        raise UserError(f"--bn-bias-lr-scale {cfg.bn_bias_lr_scale}: give a positive multiple of --lr (airbench: "
+                        "64), or 1 for the same rate")
+    if cfg.lookahead < 0 or (cfg.lookahead and not 0.0 < cfg.lookahead_alpha <= 1.0):
+        raise UserError(f"--lookahead {cfg.lookahead} --lookahead-alpha {cfg.lookahead_alpha}: give K >= 1 steps "
+                        "(0 = off) and an alpha in (0, 1] (e.g. --lookahead 5 --lookahead-alpha 0.5)")
 
 
 def _stage_scales(net: nn.Module, decay: float) -> Callable[[nn.Parameter], float]:

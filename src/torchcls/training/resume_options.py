@@ -21,9 +21,10 @@ from torchcls.training.rundir import read_metrics
 # refused by the checkpoint itself; another --parallel or world size is what DCP resharding is for.)
 FIXED = {"data": ("source", "root", "val_data", "val_fraction", "img_size", "channels", "batch_size",
                   "image_column", "label_column", "in_memory", "task", "balanced_sampler"),
-         "model": ("exits", "drop_rate", "drop_path", "freeze"),
-         "optim": ("accum_steps", "ema", "optimizer", "layer_decay", "head_lr"),  # the last three: the restored
-         # optimizer's state and its groups' lr_scale would silently keep the old ones
+         "model": ("exits", "drop_rate", "drop_path", "freeze", "init", "whiten_eps", "freeze_first_conv"),
+         "optim": ("accum_steps", "ema", "optimizer", "layer_decay", "head_lr", "bn_bias_lr_scale", "lookahead",
+                   "lookahead_alpha"),  # from "optimizer" on: the restored optimizer's state and its groups'
+         # lr_scale and lookahead_* would silently keep the old ones
          "train": ("seed",)}
 
 

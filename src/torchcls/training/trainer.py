@@ -84,6 +84,8 @@ class Trainer:
     window: int = 1  # micro-batches in the current window
     thresholds: list[float] | None = None  # multilabel: per-label thresholds chosen on the validation set
     tracker: Any = None  # --tracking mlflow (training/tracking.py), rank 0 only
+    # Called with the 0-based epoch before its first batch, a resumed epoch's too (--freeze-first-bias-after-epochs)
+    at_epoch_start: list[Callable[[int], None]] = field(default_factory=list)
     # The epoch's running sums on the device (loss x images, correct, images), and (perf_counter at the
     # epoch's (re)start, seconds it ran before): see epoch_sums(), which checkpoints save.
     sums: torch.Tensor | None = None
@@ -187,6 +189,8 @@ class Trainer:
         self.clock, p.epoch_sums = (time.perf_counter(), before[3]), None
         window = torch.zeros(3, dtype=torch.float64, device=self.device)
         size = size_at(parse_schedule(cfg.data.resize_schedule), p.epoch)  # --resize-schedule; None: full size
+        for hook in self.at_epoch_start:
+            hook(p.epoch)
         for x, y in self._batches():
             # Every image of this batch failed to decode (--on-bad-file skip). Known limit: under torchrun
             # only this rank skips the batch, and the others wait for it in the gradient all-reduce.
@@ -208,6 +212,8 @@ class Trainer:
         if self.micro:  # batches left out of the feed (all-bad batches) ended the epoch inside a window
             self.micro = 0
             sums += torch.nan_to_num(window) * self.optimizer_step()
+        if hasattr(self.optimizer, "sync_lookahead"):  # --lookahead: validate and save the slow weights (timm's
+            self.optimizer.sync_lookahead()  # train.py syncs at each epoch end too)
         self.precision.check()
         loss_sum, correct, seen, elapsed = self.epoch_sums()
         self.sums = None
