@@ -143,7 +143,10 @@ class ClientDeadlines:
             try:
                 message = await within(receive(), left)
             except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
-                await cut(reason, "request body too slow" if reason == "body_too_slow" else
+                # The answer names the option, as every refusal of the server does (a client's operator
+                # reads it to tell a slow network from a bound set too tight).
+                await cut(reason, f"request body slower than {self.limits.min_body_rate / 1024:g} KiB/s "
+                                  "(--min-body-rate-kb)" if reason == "body_too_slow" else
                           f"request body not complete within {self.limits.body_timeout:g} s (--body-timeout)")
             clock.waited += time.monotonic() - begun
             if message["type"] == "http.request":
