@@ -12,6 +12,14 @@ import torch
 from torchcls.serve.batcher import DynamicBatcher
 
 
+async def until(condition, patience_s: float = 30.0) -> None:
+    """Yield to the loop until `condition` holds (failing after `patience_s`)."""
+    deadline = asyncio.get_running_loop().time() + patience_s
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "never happened"
+        await asyncio.sleep(0.001)
+
+
 class CountingLoop(asyncio.SelectorEventLoop):
     """An ordinary event loop that counts the wake-ups other threads ask of it."""
 
@@ -32,7 +40,8 @@ def test_requests_queued_while_the_model_is_busy_run_as_one_batch_and_wake_the_l
             gate.wait(10)
         return x.flatten(1) @ weight
 
-    batcher = DynamicBatcher(model, max_batch=16, max_wait_s=0.0, max_queue=64)
+    depth = [0]  # the images waiting for the model, as the server's torchcls_queue_depth gauge reports them
+    batcher = DynamicBatcher(model, max_batch=16, max_wait_s=0.0, max_queue=64, on_depth=lambda n: depth.__setitem__(0, n))
     ready = threading.Event()
     batcher.start([torch.zeros(1, 3, 2, 2)], lambda e: ready.set())
     assert ready.wait(10)
@@ -40,11 +49,10 @@ def test_requests_queued_while_the_model_is_busy_run_as_one_batch_and_wake_the_l
 
     async def main():
         first = asyncio.ensure_future(batcher.submit(torch.randn(1, 3, 2, 2)))  # occupies the model
-        while len(calls) < 2:
-            await asyncio.sleep(0.005)
+        await until(lambda: len(calls) == 2)
         xs = [torch.randn(1 + i % 2, 3, 2, 2) for i in range(7)]  # 10 images in 7 requests
         tasks = [asyncio.ensure_future(batcher.submit(x)) for x in xs]
-        await asyncio.sleep(0.05)
+        await until(lambda: depth[0] == 10)  # all 7 queued (a count, not a pause)
         before = loop.wakeups
         gate.set()
         results = await asyncio.gather(*tasks)
