@@ -1,18 +1,30 @@
-"""Inference latency (batch 1) and throughput (batch 16) of every torchcls inference path, at 224 px.
+"""Inference latency (batch 1) and throughput (batch 16) of every torchcls inference path and of its peers, at 224 px.
 
-Paths: eager, eager channels_last, torchcls compile (fp32, bf16: `compile_for_inference`),
-AOTInductor package (fp32) and ONNX Runtime (fp32), for resnet18, resnet50, mobilenetv3,
-convnext_tiny and vit_small. Models are randomly initialised (nothing is downloaded).
+torchcls paths: eager, eager channels_last, torchcls compile (fp32, bf16: `compile_for_inference`), AOTInductor
+package (fp32), and `default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its
+default (target, precision auto with its fallback to fp32 when the reduced precision fails parity on the probe;
+`torchcls serve` serves that artifact as it was exported). Peers, each from the same ONNX file (torchcls' onnx
+target): ONNX Runtime fp32 (`ort`), ONNX Runtime int8 (`ort_int8`: static QDQ quantization, only where the CPU
+has VNNI), OpenVINO with PERFORMANCE_HINT THROUGHPUT (`ov_throughput`: b16 through an AsyncInferQueue of its
+optimal request count) and LATENCY (`ov_latency`), OpenVINO in its default inference precision. Every path runs
+with the same thread count (--threads: torch.set_num_threads, ORT intra_op_num_threads, OpenVINO
+INFERENCE_NUM_THREADS). A peer that cannot run here (openvino not installed, no VNNI) is skipped with a line
+saying why. Models: resnet18, resnet50, mobilenetv3, convnext_tiny, vit_small, randomly initialised (nothing
+is downloaded).
 
 One process per configuration (compiled variants interfere inside one process); all of a model's
 processes are prepared first, then measured in interleaved rounds (A B C ... A B C ...), and the
 figures are medians over rounds. Ratios compare against eager and ONNX Runtime measured in the
 same run; "peak" is the best fp32 / bf16 GEMM GFLOP/s over a few shapes, measured in the same run too.
 Top-1 agreement and max |Δlogit| (torchcls.artifacts.parity.compare) are against eager fp32 on 32
-fixed random inputs (random-init nets have near-tied logits, so this is a strict test).
-Prints JSON, then a Markdown table.
+fixed random inputs (random-init nets have near-tied logits, so this is a strict test); int8 calibrates on
+other random inputs. Per model, `goals` holds the default path against the fastest peer (issue 31: b16
+throughput >= 1.2x, b1 latency <= 0.9x, agreement >= 99%; benchmarks/inference_goals.py). The machine
+record names the CPU, SIMD level, cores, threads, precisions, runtime versions and the load average before
+and after. Prints JSON, then Markdown tables.
 
     python benchmarks/inference.py --models resnet18 --quick
+    python benchmarks/inference.py --models resnet18,resnet50,mobilenetv3   # issue 31's three models
     python benchmarks/inference.py            # all five models: long on a CPU (compiles ~1 min each)
 """
 
@@ -26,24 +38,107 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
+
+from inference_goals import goal_summary
+from inference_peers import OV_HINTS, OpenVinoRunner, default_export_request, ort_int8_runner, skip_reason
+from inference_report import add_ratios, machine_record, measure_peaks, model_gflop, report
 
 MODELS = {"resnet18": "resnet18", "resnet50": "resnet50", "mobilenetv3": "mobilenetv3_large_100",
           "convnext_tiny": "convnext_tiny", "vit_small": "vit_small_patch16_224"}
-CONFIGS = ("eager", "eager_cl", "compile_fp32", "compile_bf16", "aoti", "ort")
+CONFIGS = ("eager", "eager_cl", "compile_fp32", "compile_bf16", "aoti", "default", "ort", "ort_int8",
+           "ov_throughput", "ov_latency")
 BATCHES = (1, 16)
 SIZE = 224
+PROBE = 32  # agreement inputs, seed 1
 
 
 # ---------------------------------------------------------------- worker: one configuration
-def build_runner(model_name: str, config: str, workdir: Path):
+def _info(model_name: str, target: str, max_batch: int, precision: str):
+    from torchcls.artifacts.targets.base import ArtifactInfo
+    from torchcls.data import Preprocess
+
+    return ArtifactInfo(model_name, target, [str(i) for i in range(1000)],
+                        Preprocess(SIZE, 3, (0.5,) * 3, (0.5,) * 3), max_batch, precision)
+
+
+def probe_inputs():
     import torch
 
-    from torchcls.data import Preprocess
+    return torch.randn(PROBE, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
+
+
+def logits_of(run, x):
+    import torch
+
+    with torch.no_grad():
+        return torch.cat([run(x[i:i + 16]).float() for i in range(0, len(x), 16)])
+
+
+def shared_onnx(model_name: str, model, shared: Path) -> Path:
+    """The fp32 ONNX file (torchcls' onnx target, batch 1-16) every ONNX peer reads: built by the first worker
+    that needs it (workers are prepared one at a time), under a temporary name, then renamed."""
+    from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.targets import onnx
+
+    path = shared / f"{model_name}.onnx"
+    if not path.exists():
+        info = _info(model_name, "onnx", 16, "fp32")
+        tmp = shared / f"{model_name}.partial.onnx"
+        onnx.build(capture(model, info), info, tmp, {})
+        os.replace(tmp, path)
+    return path
+
+
+def default_runner(model_name: str, model, workdir: Path):
+    """What `torchcls export` builds by default here, with its auto fallback: the reduced precision is kept
+    only when it agrees with eager fp32 on the probe as the exporter requires, else fp32 is built."""
+    import copy
+
+    from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare
+
+    tgt, req, choice = default_export_request()
+    probe = probe_inputs()
+    ref, reason = logits_of(model, probe), choice.reason
+    for attempt in dict.fromkeys((req.precision, "fp32")):
+        req = replace(req, precision=attempt)
+        plan = tgt.plan(req, None)
+        info = _info(model_name, tgt.name, req.max_batch, attempt)
+        path = workdir / f"default-{attempt}{tgt.suffix}"
+        plan.build(capture(copy.deepcopy(model), info), info, path, {})
+        run = tgt.load(path)
+        agreement = compare(ref, logits_of(run, probe))["top1_agreement"]
+        need = plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[attempt]
+        if agreement >= need or attempt == "fp32":
+            break
+        reason += f"; {attempt} failed parity here ({agreement:.1%} < {need:.1%}): fp32 instead, as export does"
+    why = (f"`torchcls export` defaults: --target {tgt.name}, --precision {choice.requested} -> {attempt} ({reason}), "
+           f"--max-batch {req.max_batch}" + (", --autotune" if req.autotune else ""))
+    run.bench_info = {"runtime": "torch", "precision": attempt, "path": f"{tgt.name}-{plan.label}", "reason": why,
+                      "how": f"{tgt.name}-{plan.label} as {why}"}
+    return run
+
+
+def build_runner(model_name: str, config: str, workdir: Path, shared: Path, threads: int):
+    import torch
+
     from torchcls.models import ModelSpec, create_model
 
     torch.manual_seed(0)
     model = create_model(ModelSpec(MODELS[model_name], 1000, 3, SIZE)).eval()
+    if config == "default":
+        return default_runner(model_name, model, workdir)
+    if config in ("ort", "ort_int8") or config in OV_HINTS:
+        onnx_path = shared_onnx(model_name, model, shared)
+        if config == "ort_int8":
+            return ort_int8_runner(onnx_path, workdir, threads, SIZE)
+        if config in OV_HINTS:
+            return OpenVinoRunner(onnx_path, OV_HINTS[config], threads, BATCHES, SIZE)
+        from torchcls.artifacts.targets import onnx
+
+        return onnx.TARGET.load(onnx_path)  # intra_op_num_threads = torch's thread count, set by the worker
     if config in ("eager", "eager_cl"):
         fmt = torch.channels_last if config == "eager_cl" else torch.contiguous_format
         model = model.to(memory_format=fmt)
@@ -54,42 +149,58 @@ def build_runner(model_name: str, config: str, workdir: Path):
         return compile_for_inference(model, torch.randn(1, 3, SIZE, SIZE), "cpu", config.split("_")[1],
                                      max_batch=16, buckets=BATCHES)
     from torchcls.artifacts.exporter import capture
-    from torchcls.artifacts.targets import aoti, onnx
-    from torchcls.artifacts.targets.base import ArtifactInfo
+    from torchcls.artifacts.targets import aoti
 
-    target = aoti if config == "aoti" else onnx
-    info = ArtifactInfo(model_name, target.TARGET.name, [str(i) for i in range(1000)],
-                        Preprocess(SIZE, 3, (0.5,) * 3, (0.5,) * 3), 16, "fp32")
-    path = workdir / f"{model_name}{target.TARGET.suffix}"
-    target.build(capture(model, info), info, path, {})
-    return target.TARGET.load(path)
+    info = _info(model_name, "aoti", 16, "fp32")
+    path = workdir / f"{model_name}.pt2"
+    aoti.build(capture(model, info), info, path, {})
+    return aoti.TARGET.load(path)
 
 
-def worker(model_name: str, config: str) -> None:
+def describe_runner(config: str, run, threads: int) -> dict:
+    """How a path is configured: the runner's own account (peers, default), else from its name."""
+    own = getattr(run, "bench_info", None)
+    if own is not None:
+        return dict(own)
+    runtime = "onnxruntime" if config == "ort" else "torch"
+    how = {"ort": f"CPUExecutionProvider, intra_op_num_threads={threads}", "aoti": "AOTInductor, frozen",
+           "eager_cl": "channels_last"}.get(config, "torch.compile, frozen" if config.startswith("compile") else "")
+    return {"runtime": runtime, "precision": "bf16" if config.endswith("bf16") else "fp32", "how": how}
+
+
+def time_calls(run, x, iters: int) -> list[float]:
+    import torch
+
+    timed = getattr(run, "timed", None)
+    with torch.no_grad():
+        if timed is not None:  # a runner that keeps several requests in flight measures itself
+            return timed(x, iters)
+        times = []
+        for _ in range(iters):
+            t = time.perf_counter()
+            run(x)
+            times.append(time.perf_counter() - t)
+        return times
+
+
+def worker(model_name: str, config: str, threads: int, shared: str) -> None:
     """Prepare, say "ready", then answer measurement requests on stdin (one JSON line each)."""
     import torch
 
+    torch.set_num_threads(threads)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run = build_runner(model_name, config, Path(tmp))
+        run = build_runner(model_name, config, Path(tmp), Path(shared), threads)
         with torch.no_grad():
             for b in BATCHES:  # warm-up: compile each batch bucket, fault in memory
                 run(torch.randn(b, 3, SIZE, SIZE))
                 run(torch.randn(b, 3, SIZE, SIZE))
-            g = torch.Generator().manual_seed(1)
-            probe = torch.randn(32, 3, SIZE, SIZE, generator=g)
-            logits = torch.cat([run(probe[i:i + 16]).float() for i in range(0, 32, 16)])
-        _reply({"ready": True, "prepare_s": time.perf_counter() - t0, "logits": logits.tolist()})
+        logits = logits_of(run, probe_inputs())
+        _reply({"ready": True, "prepare_s": time.perf_counter() - t0, "logits": logits.tolist(),
+                "info": describe_runner(config, run, threads)})
         for line in sys.stdin:
             req = json.loads(line)
-            x = torch.randn(req["batch"], 3, SIZE, SIZE)
-            times = []
-            with torch.no_grad():
-                for _ in range(req["iters"]):
-                    t = time.perf_counter()
-                    run(x)
-                    times.append(time.perf_counter() - t)
-            _reply({"times": times})
+            _reply({"times": time_calls(run, torch.randn(req["batch"], 3, SIZE, SIZE), req["iters"])})
 
 
 def _reply(obj: dict) -> None:
@@ -98,51 +209,11 @@ def _reply(obj: dict) -> None:
 
 
 # ---------------------------------------------------------------- parent: orchestration
-PEAK_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 1024, 4096), (8192, 512, 2048))
-
-
-def measure_peaks(rounds: int = 5) -> dict[str, float]:
-    """fp32 and bf16 GEMM GFLOP/s: the best of several shapes (M, K, N) through F.linear (oneDNN/MKL; a bf16
-    `a @ b` takes a slow generic path), each the median of interleaved rounds in this process. One 1024³
-    GEMM was not the machine's peak: ONNX Runtime's convolutions ran at 132% of it on an AVX2 EPYC. Still a
-    measured bound, not a datasheet one: a path may exceed it (the table then says so)."""
-    import torch
-    from torch.nn.functional import linear
-
-    best = {"fp32": 0.0, "bf16": 0.0}
-    for m, k, n in PEAK_SHAPES:
-        mats = {name: (torch.randn(m, k).to(dt), torch.randn(n, k).to(dt))
-                for name, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
-        times: dict[str, list[float]] = {name: [] for name in mats}
-        for a, b in mats.values():
-            linear(a, b)  # warm-up
-        for _ in range(rounds):
-            for name, (a, b) in mats.items():
-                t = time.perf_counter()
-                linear(a, b)
-                times[name].append(time.perf_counter() - t)
-        for name, ts in times.items():
-            best[name] = max(best[name], 2 * m * k * n / statistics.median(ts) / 1e9)
-    return best
-
-
-def model_gflop(model_name: str) -> float:
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from torchcls.models import ModelSpec, create_model
-
-    model = create_model(ModelSpec(MODELS[model_name], 1000, 3, SIZE)).eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(torch.randn(1, 3, SIZE, SIZE))
-    return counter.get_total_flops() / 1e9
-
-
 class Worker:
-    def __init__(self, model_name: str, config: str):
+    def __init__(self, model_name: str, config: str, threads: int, shared: Path):
         self.config = config
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", model_name, config],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", model_name, config, str(threads),
+                                      str(shared)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.ready = self._read()
 
     def _read(self) -> dict:
@@ -157,11 +228,13 @@ class Worker:
         return self._read()["times"]
 
     def close(self) -> None:
-        self.proc.stdin.close()
+        if self.proc.stdin:
+            self.proc.stdin.close()
         self.proc.wait(timeout=60)
 
 
-def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[int, int]) -> list[dict]:
+def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[int, int], threads: int,
+                shared: Path) -> list[dict]:
     import torch
 
     from torchcls.artifacts.parity import compare
@@ -170,7 +243,7 @@ def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[in
     try:
         for c in configs:  # prepared one at a time: compiles do not compete with each other
             print(f"[{model_name}] preparing {c} ...", file=sys.stderr, flush=True)
-            workers.append(Worker(model_name, c))
+            workers.append(Worker(model_name, c, threads, shared))
         samples = {(w.config, b): [] for w in workers for b in BATCHES}
         for r in range(rounds):
             order = workers[r % len(workers):] + workers[:r % len(workers)]  # rotate who goes first
@@ -186,7 +259,7 @@ def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[in
         logits = torch.tensor(w.ready["logits"])
         row = {"model": model_name, "config": w.config, "prepare_s": round(w.ready["prepare_s"], 1),
                "b1_ms": statistics.median(samples[(w.config, 1)]) * 1e3,
-               "b16_ms": statistics.median(samples[(w.config, 16)]) * 1e3}
+               "b16_ms": statistics.median(samples[(w.config, 16)]) * 1e3} | w.ready["info"]
         if ref is not None:
             parity = compare(ref, logits)
             row["top1_agreement"], row["max_abs_diff"] = parity["top1_agreement"], parity["max_abs_diff"]
@@ -194,87 +267,68 @@ def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[in
     return rows
 
 
-def add_ratios(rows: list[dict], gflop: float, peaks: dict[str, float]) -> None:
-    by = {r["config"]: r for r in rows}
-    for r in rows:
-        r["b16_img_s"] = 16 / r["b16_ms"] * 1e3
-        if "eager" in by:
-            r["b16_vs_eager"] = by["eager"]["b16_ms"] / r["b16_ms"]
-            r["b1_vs_eager"] = by["eager"]["b1_ms"] / r["b1_ms"]
-        if "ort" in by:
-            r["b16_vs_ort"] = by["ort"]["b16_ms"] / r["b16_ms"]
-            r["b1_vs_ort"] = by["ort"]["b1_ms"] / r["b1_ms"]
-        peak = "bf16" if r["config"].endswith("bf16") else "fp32"
-        r["peak"] = peak
-        r["fraction_of_peak_b16"] = gflop * 16 / (r["b16_ms"] / 1e3) / peaks[peak]
+def runnable(configs: list[str]) -> tuple[list[str], dict[str, str]]:
+    skipped = {c: why for c in configs if (why := skip_reason(c))}
+    for c, why in skipped.items():
+        print(f"skipped {c}: {why}", file=sys.stderr, flush=True)
+    return [c for c in configs if c not in skipped], skipped
 
 
-def markdown(rows: list[dict], peaks: dict[str, float]) -> str:
-    def f(r, k, fmt):
-        return format(r[k], fmt) if k in r else "–"
+def parse_args() -> argparse.Namespace:
+    from torchcls.machine import cpu_budget
 
-    lines = ["| model | path | b1 ms | b16 ms | b16 img/s | b16 × eager | b16 × ORT | b1 × ORT | of peak (b16) "
-             "| top-1 agree |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['model']} | {r['config']} | {r['b1_ms']:.1f} | {r['b16_ms']:.0f} | "
-                     f"{r['b16_img_s']:.1f} | {f(r, 'b16_vs_eager', '.2f')} | {f(r, 'b16_vs_ort', '.2f')} | "
-                     f"{f(r, 'b1_vs_ort', '.2f')} | {r['fraction_of_peak_b16']:.0%} {r['peak']} | "
-                     f"{f(r, 'top1_agreement', '.3f')} |")
-    lines.append(f"\nPeaks measured in this run: fp32 {peaks['fp32']:.0f} GFLOP/s, bf16 {peaks['bf16']:.0f} GFLOP/s "
-                 f"(the best of GEMMs {', '.join('x'.join(map(str, s)) for s in PEAK_SHAPES)}, {os.cpu_count()} CPUs)"
-                 + ("; paths above 100% beat the best GEMM measured here." if any(
-                     r["fraction_of_peak_b16"] > 1 for r in rows) else "."))
-    return "\n".join(lines)
-
-
-def machine_record(configs: list[str]) -> dict:
-    """torchcls.machine's record, with the precisions measured and whether bf16 was native or emulated."""
-    from torchcls.machine import describe_machine
-    from torchcls.precision.hardware import cpu_bf16_here
-
-    native, why = cpu_bf16_here()
-    precisions = ", ".join(sorted({"bf16" if c.endswith("bf16") else "fp32" for c in configs}))
-    return describe_machine(precisions) | {"bf16_native": native, "bf16_reason": why}
-
-
-def machine_line(machine: dict) -> str:
-    from torchcls.machine import machine_line as line
-
-    return line(machine) + ("" if machine["bf16_native"] else "; bf16 emulated")
-
-
-def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds (default: 5)")
     p.add_argument("--quick", action="store_true", help="3 rounds, fewer iterations per round")
+    p.add_argument("--threads", type=int, default=cpu_budget().usable,
+                   help="threads of every path (default: the CPUs this process may use)")
     p.add_argument("--out", help="also write <out>.json and <out>.md")
-    p.add_argument("--worker", nargs=2, metavar=("MODEL", "CONFIG"), help=argparse.SUPPRESS)
+    p.add_argument("--worker", nargs=4, metavar=("MODEL", "CONFIG", "THREADS", "SHARED"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(*args.worker)
-    models = [m for m in args.models.split(",") if m]
-    configs = [c for c in args.configs.split(",") if c]
-    for name, known in (("model", MODELS), ("config", CONFIGS)):
-        bad = [v for v in (models if name == "model" else configs) if v not in known]
+        return args
+    args.models = [m for m in args.models.split(",") if m]
+    args.configs = [c for c in args.configs.split(",") if c]
+    for name, given, known in (("model", args.models, MODELS), ("config", args.configs, CONFIGS)):
+        bad = [v for v in given if v not in known]
         if bad:
             sys.exit(f"unknown {name}(s): {', '.join(bad)}; choose from {', '.join(known)}")
+    if args.threads < 1:
+        sys.exit("--threads must be at least 1")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker:
+        model, config, threads, shared = args.worker
+        return worker(model, config, int(threads), shared)
+    import torch
+
+    torch.set_num_threads(args.threads)  # the GEMM peaks with the paths' thread count
+    configs, skipped = runnable(args.configs)
     rounds, iters = (3, {1: 5, 16: 2}) if args.quick else (args.rounds, {1: 10, 16: 3})
+    load_before = os.getloadavg()
     # Inductor's caches and temp files stay inside one folder that is removed at the end.
     with tempfile.TemporaryDirectory(prefix="torchcls-bench-") as scratch:
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(Path(scratch) / "inductor"))
         os.environ["TMPDIR"] = scratch
+        shared = Path(scratch) / "onnx"
+        shared.mkdir()
         peaks = measure_peaks()
         rows = []
-        for m in models:
-            model_rows = bench_model(m, configs, rounds, iters)
-            add_ratios(model_rows, model_gflop(m), peaks)
+        for m in args.models:
+            model_rows = bench_model(m, configs, rounds, iters, args.threads, shared)
+            add_ratios(model_rows, model_gflop(MODELS[m], SIZE), peaks)
             rows += model_rows
+    machine = machine_record({r["precision"] for r in rows}, args.threads, load_before, os.getloadavg())
+    goals = goal_summary(rows)
     result = {"size": SIZE, "batches": list(BATCHES), "rounds": rounds, "iters": iters, "peaks_gflops": peaks,
-              "threads": os.cpu_count(), "machine": machine_record(configs), "rows": rows}
+              "threads": args.threads, "machine": machine, "skipped": skipped, "rows": rows, "goals": goals}
     print(json.dumps(result, indent=2))
-    table = f"Machine: {machine_line(result['machine'])}\n\n" + markdown(rows, peaks)
+    table = report(result)
     print(table)
     if args.out:
         Path(f"{args.out}.json").write_text(json.dumps(result, indent=2))
