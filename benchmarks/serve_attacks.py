@@ -189,7 +189,7 @@ async def _slow_reader(port: int, attack: Attack, stop: asyncio.Event, requests:
 
 async def _pipelining(port: int, attack: Attack, stop: asyncio.Event, requests: int) -> None:
     """`requests` minimal GETs in one write, their answers read and counted by status; repeat."""
-    payload = b"GET /v2/health/live HTTP/1.1\r\n\r\n" * requests
+    payload = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n" * requests  # HTTP/1.1 needs Host (h11: 400)
     while not stop.is_set():
         if (conn := await _connect(port, attack, 0.5)) is None:
             continue

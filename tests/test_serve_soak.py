@@ -38,29 +38,32 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
         if v["hostile"]:
             assert set(v["statuses"]) <= {"400", "404", "408", "413", "503"}, (kind, v["statuses"])
     assert kinds["body above limit"]["statuses"].get("413") and kinds["unknown model"]["statuses"].get("404")
-    # Probes on --probe-port are never refused. On the API's port a burst of reconnecting attackers can fill
-    # the 64-connection reserve with connections not read yet (nothing tells a probe from an attacker before
-    # its bytes are read), so a probe there may be closed unread now and then: that is what --probe-port is for
+    # Probes on --probe-port are never refused. On the API's port the probes are exempt from --max-connections
+    # (requests in progress), but share the event loop with every attacker: one may miss its client's timeout now
+    # and then, which is what --probe-port is for
     assert result["probes_failed"] == 0 and result["probes"] >= 10 and result["rss_after_mb"] > 0
     assert result["api_port_probes"] >= 5  # fewer than on the probe port: each waits longer for its answer
     assert result["api_port_probes_failed"] <= max(2, result["api_port_probes"] // 10), result["api_port_probes_failed"]
     attacks, counts = result["attacks"], result["server_counts"]
     assert set(attacks) == {"slowloris", "slow body", "slow-body-flood", "huge headers", "large bodies", "parse bombs",
                             "disconnects", "answered-early body", "slow reader", "pipelining"}
-    for kind in ("slowloris", "slow body", "slow-body-flood", "huge headers"):  # each cut off, none held to the end
+    # Slowloris: closed by Hypercorn's header timeout (silently: "closed"); huge headers: Hypercorn's or the app's
+    # 431; slow bodies: the app's 408. Each cut off, none held to the end
+    for kind in ("slowloris", "slow body", "slow-body-flood", "huge headers"):
         seen = attacks[kind]["outcomes"]
         assert sum(n for k, n in seen.items() if k in ("408", "431", "closed")) >= 1, (kind, seen)
-    # Answered early, then closed within --header-timeout; never read, then reset after --send-timeout; a pipeline
-    # of 2,000 GETs answered in full
+    # Answered early, then closed by Hypercorn at once (its request unfinished); a pipeline of 2,000 GETs answered
     assert attacks["answered-early body"]["outcomes"].get("200, then closed", 0) >= 16, attacks["answered-early body"]
-    assert attacks["slow reader"]["outcomes"].get("closed", 0) >= 8, attacks["slow reader"]
-    assert counts.get("closed send_timeout", 0) + counts.get("closed evicted_send", 0) >= 8, counts
     assert attacks["pipelining"]["outcomes"].get("200", 0) >= 2000, attacks["pipelining"]
+    # Never read: each reader's scrape is cut from the app after --send-timeout (one per reader connection), but
+    # Hypercorn's closing write has no deadline: the connection stays open until the reader leaves (at the end)
+    assert counts.get("closed send_timeout", 0) >= 8, counts
+    assert set(attacks["slow reader"]["outcomes"]) <= {"open at the end", "closed"}, attacks["slow reader"]
     # 408: a bomb's 31 MiB not read within --body-timeout 2 s while the loop was behind (seen held to AVX2)
     assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "408", "503", "closed"}, attacks["parse bombs"]
     assert attacks["parse bombs"]["outcomes"].get("400"), attacks["parse bombs"]
     assert counts.get("status 499", 0) >= 1 and not any(k.startswith("status 5") and k != "status 503" for k in counts)
-    assert counts.get("closed header_timeout", 0) + counts.get("closed evicted", 0) >= 1
-    # The flood's bodies (more of them than --max-connections) were closed for their rate, not held for --body-timeout
-    assert counts.get("closed body_too_slow", 0) + counts.get("closed evicted_body", 0) >= 40, counts
+    # The flood's bodies (more of them than --max-connections) were cut, each with 408: here --body-timeout 2 ends
+    # before the rate's 2 s of grace do (body_timeout); at the default 60 s the rate cuts them (body_too_slow)
+    assert counts.get("closed body_too_slow", 0) + counts.get("closed body_timeout", 0) >= 40, counts
     assert "| 5xx (not 503) | lost | 503 |" in r.stdout and "PASS" in r.stdout
