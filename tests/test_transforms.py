@@ -169,7 +169,7 @@ def test_tta_flip_averages_the_image_and_its_mirror():
     assert torch.equal(tta_logits(model, x, "none"), model(x))
     symmetric = x + x.flip(-1)  # a flip-symmetric input: TTA changes nothing
     assert torch.allclose(tta_probs(model, symmetric, "flip"), model(symmetric).softmax(1))
-    with pytest.raises(UserError, match="--tta must be one of none, flip, got 'crop'"):
+    with pytest.raises(UserError, match="--tta must be one of none, flip, multicrop, got 'crop'"):
         tta_probs(model, x, "crop")
 
 
