@@ -16,7 +16,7 @@ sys.path.insert(0, str(TESTS))  # makes tests/kernels_example importable, as --i
 
 @pytest.fixture(scope="module")
 def audit():
-    from torchcls.audit.kernels import audit_kernels
+    from torchcls.kernel_audit.kernels import audit_kernels
 
     return audit_kernels(["kernels_example"], model="kernels_example:gelu_net",
                          namespaces=["torchcls_example"]).as_dict()
@@ -49,7 +49,7 @@ def test_model_graph_and_triton_kernels_found(audit):
 def test_op_without_fake_impl_fails_fake_check():
     import torch
 
-    from torchcls.audit.ops import audit_op
+    from torchcls.kernel_audit.ops import audit_op
 
     lib = torch.library.Library("torchcls_nofake", "DEF")
     lib.define("plus_one(Tensor x) -> Tensor")
@@ -64,7 +64,7 @@ def test_op_without_fake_impl_fails_fake_check():
 def test_fatbin_archs_of_a_real_cuda_extension():
     import torchvision
 
-    from torchcls.audit.binaries import runs_on, scan_shared_object
+    from torchcls.kernel_audit.binaries import runs_on, scan_shared_object
 
     so = Path(torchvision.__file__).parent / "_C_stable.so"
     if not so.is_file():

@@ -174,8 +174,8 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("lazy.py", "lazy_api"): "a package's constant _API table",
     # `torchcls audit kernels --import PKG` / `--model pkg.mod:factory`: code the user names on the command
     # line (or the API) in order to audit it; no file-read value reaches these.
-    ("audit/kernels.py", "_import_targets"): "the user's --import argument",
-    ("audit/graph.py", "load_audit_model"): "the user's --model pkg.mod:factory argument",
+    ("kernel_audit/kernels.py", "_import_targets"): "the user's --import argument",
+    ("kernel_audit/graph.py", "load_audit_model"): "the user's --model pkg.mod:factory argument",
     # Hooks: the one plugin path, an installed package's entry point chosen by its registered name.
     ("governance/hooks.py", "available_hooks"): "entry-point names only (metadata, nothing loaded)",
     ("governance/hooks.py", "_entry_point"): "the entry point of the name asked for (metadata only)",

@@ -37,8 +37,8 @@ def chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def full_report(trained_run, tmp_path_factory) -> Path:
     """The trained run, evaluated, with a real kernel audit of torchvision's ops (the table that overflowed)."""
-    from torchcls.audit.kernels import audit_kernels, write_audit
     from torchcls.evaluation import evaluate
+    from torchcls.kernel_audit.kernels import audit_kernels, write_audit
     from torchcls.report import write_report
 
     run = tmp_path_factory.mktemp("browser") / "run"

@@ -99,7 +99,7 @@ def _cmd_consolidate(opts: o.ConsolidateOptions) -> int:
 
 
 def _cmd_audit_kernels(opts: o.AuditKernelsOptions) -> int:
-    from torchcls.audit.kernels import audit_kernels, default_out, to_markdown, write_audit
+    from torchcls.kernel_audit.kernels import audit_kernels, default_out, to_markdown, write_audit
 
     audit = audit_kernels(opts.imports or [], model=opts.model, namespaces=opts.namespaces)
     json_path, _ = write_audit(audit, Path(opts.out) if opts.out else default_out(opts.model))

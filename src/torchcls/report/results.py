@@ -104,7 +104,7 @@ def kernel_audit(run_dir: Path) -> str | None:
              f"{len(d['binaries'])} GPU binar(ies), {len(d['triton_kernels'])} Triton kernel(s); local GPU: "
              f"{esc(d['device'].get('capability') or 'none')}</p>"]
     if d.get("library_ops"):
-        from torchcls.audit.kernels import library_line
+        from torchcls.kernel_audit.kernels import library_line
 
         parts.append(f"<p>{esc(library_line(d['library_ops']))}</p>")
     if d["ops"]:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from torchcls.audit.examples import examples_for
+from torchcls.kernel_audit.examples import examples_for
 
 # Namespaces that PyTorch itself defines (listed from `import torch` on 2.14): not "custom".
 BUILTIN_NAMESPACES = frozenset({

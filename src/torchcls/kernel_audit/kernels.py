@@ -73,7 +73,7 @@ def _import_targets(names: list[str]) -> list[Path]:
 
 
 def _binary_entry(binary, device: dict[str, Any]) -> dict[str, Any]:
-    from torchcls.audit.binaries import runs_on
+    from torchcls.kernel_audit.binaries import runs_on
 
     d = binary.as_dict()
     if binary.error:
@@ -94,7 +94,7 @@ def audit_kernels(imports: list[str] = (), model: str | None = None,
     import torch
     import torchvision  # noqa: F401  (torchcls's own dependency: its ops are there before the user's code runs)
 
-    from torchcls.audit import binaries, graph, ops
+    from torchcls.kernel_audit import binaries, graph, ops
 
     before = ops.namespaces_now()
     library = before - ops.BUILTIN_NAMESPACES

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchcls.audit.ops import BUILTIN_NAMESPACES
 from torchcls.errors import UserError
+from torchcls.kernel_audit.ops import BUILTIN_NAMESPACES
 
 
 def load_audit_model(target: str, img_size: int | None = None, batch: int = 2) -> tuple[nn.Module, torch.Tensor, str]:
