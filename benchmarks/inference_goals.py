@@ -50,7 +50,8 @@ def goal_summary(rows: list[dict]) -> list[dict]:
                          "min_top1_agreement": MIN_AGREEMENT}}
         rec |= _against(default, peers)
         alt = _against(default, [r for r in peers if _agrees(r)])
-        if alt and (alt["fastest_peer_b16"], alt["fastest_peer_b1"]) != (rec["fastest_peer_b16"], rec["fastest_peer_b1"]):
+        fastest = ("fastest_peer_b16", "fastest_peer_b1")
+        if alt and [alt[k] for k in fastest] != [rec[k] for k in fastest]:
             rec["vs_agreeing_peers"] = alt  # the fastest peers disagree with eager fp32: also against those that agree
         rec["agreement_goal_met"] = _agrees(default)
         rec["all_goals_met"] = bool(peers) and rec["agreement_goal_met"] and rec["b16_goal_met"] and rec["b1_goal_met"]
