@@ -1,6 +1,6 @@
 """Per-rank memory of a ViT-Base-sized model under DDP and FSDP2 at world sizes 1, 2 and 4.
 
-A thin wrapper over `torchcls bench memory` (src/torchcls/bench/memory.py): each configuration is
+A thin wrapper over `torchcls bench memory` (src/torchcls/suite/memory_scaling.py): each configuration is
 a real torchrun job (gloo on CPU, NCCL on GPUs) that builds timm's vit_base_patch16_224 (86M
 parameters, random init), applies `parallelize` as `torchcls train --parallel ...` does, runs
 two AdamW steps and reports, per rank, parameter, gradient and optimizer-state bytes, activation
@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from torchcls.bench.memory import BenchMemoryConfig, bench_memory, to_markdown
 from torchcls.machine import describe_machine, machine_line
+from torchcls.suite.memory_scaling import BenchMemoryConfig, bench_memory, to_markdown
 
 MODEL = "vit_base_patch16_224"
 

@@ -6,7 +6,7 @@ Training: one optimizer step (forward, backward, fused AdamW) through the same P
 (the default) the whole model is compiled in every arm, the NaN/Inf check is the deferred one and the
 loss stays a tensor (no scalar read inside a step; on a GPU that would be a host synchronisation per
 step), and each figure carries the layers its precision converted (0 here: FP8 is the GPU check's,
-benchmarks/gpu/steps.py fp8, with torchcls.bench.steps). Inference: the model
+benchmarks/gpu/steps.py fp8, with torchcls.suite.timed_steps). Inference: the model
 from `torchcls.precision.inference.apply_inference_precision` (fp32, bf16 weights, int8 dynamic),
 eager; with --compile also fp32 and int8 under torch.compile + freezing, where int8 pays.
 Variants are interleaved per round (A B C A B C ...) because this machine's speed drifts;
@@ -29,13 +29,13 @@ import torch
 from torch import nn
 
 from torchcls.artifacts.parity import compare
-from torchcls.bench.steps import fused_adamw
 from torchcls.config import PrecisionConfig
 from torchcls.machine import describe_machine, machine_line
 from torchcls.models import ModelSpec, create_model
 from torchcls.precision.hardware import cpu_bf16_here, cpu_int8_matmul_exact
 from torchcls.precision.inference import apply_inference_precision
 from torchcls.precision.training import apply_precision
+from torchcls.suite.timed_steps import fused_adamw
 
 CPU = torch.device("cpu")
 MODELS = {"resnet18": "tv/resnet18", "vit-tiny": "vit_tiny_patch16_224"}

@@ -12,7 +12,7 @@ TESTS = Path(__file__).parent
 
 
 def test_bench_compile_counts_the_break_and_records_failures(tmp_path, monkeypatch):
-    from torchcls.bench.compile import BenchCompileConfig, bench_compile
+    from torchcls.suite.compile_gains import BenchCompileConfig, bench_compile
 
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(TESTS.parent / "src"), str(TESTS)]))
     cfg = BenchCompileConfig(["bench_models:break_net", "bench_models:failing_net"], [2], ["fp32"], ["default"],
@@ -35,8 +35,8 @@ def test_bench_compile_counts_the_break_and_records_failures(tmp_path, monkeypat
 
 
 def test_bench_compile_rejects_unknown_model(tmp_path):
-    from torchcls.bench.compile import BenchCompileConfig, bench_compile
     from torchcls.errors import UserError
+    from torchcls.suite.compile_gains import BenchCompileConfig, bench_compile
 
     with pytest.raises(UserError, match="resnet5O"):
         bench_compile(BenchCompileConfig(["resnet5O"], [1], ["fp32"], ["default"]), tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from torchcls.bench import memory_fit as mf
+from torchcls.suite import memory_fit as mf
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 GiB = 2**30
@@ -74,7 +74,7 @@ def test_unknown_model_and_bad_sizes_are_clear_errors(tmp_path):
 
 
 def test_a_configuration_that_cannot_start_is_skipped_with_the_reason():
-    from torchcls.bench.memory import BenchMemoryConfig, cannot_start, full_state_bytes
+    from torchcls.suite.memory_scaling import BenchMemoryConfig, cannot_start, full_state_bytes
 
     cfg = BenchMemoryConfig("vit_giant_patch14_224", ["ddp"], [8])
     state = full_state_bytes(cfg)  # built on the meta device: nothing allocated
@@ -99,7 +99,7 @@ def test_fit_names_the_limiting_ranks_and_what_does_not_fit():
 
 
 def test_a_job_that_fails_is_started_once_more_and_both_errors_are_kept(tmp_path):
-    from torchcls.bench.memory import BenchMemoryConfig, launch
+    from torchcls.suite.memory_scaling import BenchMemoryConfig, launch
 
     # launch is called directly, past the checks: 3 px is no multiple of test_vit's 16 px patches, and
     # each rank's forward raises (an exception, not the worker's own refusal): started twice.
@@ -113,7 +113,7 @@ def test_a_job_that_fails_is_started_once_more_and_both_errors_are_kept(tmp_path
 
 
 def test_the_failing_rank_s_exception_is_reported_not_torchrun_s_summary():
-    from torchcls.bench.memory import worker_error
+    from torchcls.suite.memory_scaling import worker_error
 
     # As torchrun prints a rank's failure: its traceback lines prefixed with [rank0]:, then the summary.
     stderr = ("W1204 14:00:59 torch/distributed/run.py:803] Setting OMP_NUM_THREADS\n"

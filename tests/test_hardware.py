@@ -343,7 +343,7 @@ def test_eager_inference_follows_the_rule(monkeypatch):
 
 
 def test_bench_compile_says_when_bf16_is_emulated(monkeypatch):
-    from torchcls.bench.compile import BenchCompileConfig, emulated_bf16_note, to_markdown
+    from torchcls.suite.compile_gains import BenchCompileConfig, emulated_bf16_note, to_markdown
 
     cfg = BenchCompileConfig(["smallnet"], [1], ["fp32", "bf16"], ["default"])
     monkeypatch.setattr(hardware, "cpu_bf16_here", lambda: EMULATED)

@@ -175,7 +175,7 @@ WRITES_BY_NAME = {
     "provenance/signing.py": "keygen --out: a new private key O_EXCL 0600, its public key beside it",
     "governance/isolate.py": "a folder mkdtemp made for this process",
     "provenance/trust.py": "the export record in the user's state dir (appended under flock)",
-    "bench/memory_worker.py": "the result file its parent process named in its own temp dir",
+    "suite/memory_scaling_worker.py": "the result file its parent process named in its own temp dir",
     "data/shards.py": "the tars and index.json of a folder this process made (made_dirs), renamed into place whole",
     # An export builds into the temporary file the exporter made with mkstemp (O_EXCL) beside the artifact,
     # then checks it and renames it into place (artifacts/exporter.py _partial_file / _publish).

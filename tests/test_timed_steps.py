@@ -1,4 +1,4 @@
-"""torchcls.bench.steps: the timed training steps the precision benchmarks share. No scalar is read back
+"""torchcls.suite.timed_steps: the timed training steps the precision benchmarks share. No scalar is read back
 inside the timed steps (Tensor.item raises there), the losses match an ordinary loop that checks every
 step, and a non-finite step is still caught, once, after the timing."""
 
@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from torchcls.bench.steps import fused_adamw, timed_train_steps
 from torchcls.config import PrecisionConfig
 from torchcls.precision.training import NonFiniteLoss, apply_precision
+from torchcls.suite.timed_steps import fused_adamw, timed_train_steps
 
 CPU = torch.device("cpu")
 

@@ -8,7 +8,7 @@
     infer  a CUDA .pt2 vs eager vs torch.compile of its checkpoint: batch-1 latency, batch-64 throughput
 
 Training goes through torchcls's `apply_precision` (the function `torchcls train` uses), so the FP8 layer
-selection and autocast are the ones a run gets, and through torchcls.bench.steps.timed_train_steps: no
+selection and autocast are the ones a run gets, and through torchcls.suite.timed_steps.timed_train_steps: no
 host synchronisation inside the timed steps (deferred NaN/Inf check, losses kept as tensors, one CUDA
 event pair around them). Every figure is written to the --json file as soon as it is measured: a step
 killed by its timeout still leaves what it measured.
@@ -94,9 +94,9 @@ def train(args, rec: Record) -> int:
     """bf16 eager, then bf16 torch.compile of the same weights on the same batches (what --compile does)."""
     import timm
 
-    from torchcls.bench.steps import fused_adamw, timed_train_steps
     from torchcls.config import PrecisionConfig
     from torchcls.precision.training import apply_precision
+    from torchcls.suite.timed_steps import fused_adamw, timed_train_steps
 
     torch.manual_seed(0)
     size = args.img_size
@@ -124,14 +124,14 @@ def train(args, rec: Record) -> int:
 def fp8(args, rec: Record) -> int:
     """bf16 vs FP8 tensorwise vs rowwise training of one timm backbone (--model, --depth blocks), the whole
     model compiled in every arm, the same weights and batches, no host synchronisation inside the timed
-    steps (torchcls.bench.steps); the layers FP8 converts are the ones torchcls's rule chooses at this batch
+    steps (torchcls.suite.timed_steps); the layers FP8 converts are the ones torchcls's rule chooses at this batch
     (or --fp8-table's), counted next to each figure. Then bf16 vs FP8 inference, both compiled."""
     import timm
 
-    from torchcls.bench.steps import fused_adamw, timed_train_steps
     from torchcls.config import PrecisionConfig
     from torchcls.precision.hardware import require_fp8_hardware
     from torchcls.precision.training import apply_precision
+    from torchcls.suite.timed_steps import fused_adamw, timed_train_steps
 
     variants = args.variants.split(",")
     if any(v.startswith("fp8") for v in variants) and not args.fp8_emulate:

@@ -109,7 +109,7 @@ def _cmd_audit_kernels(opts: o.AuditKernelsOptions) -> int:
 
 
 def _cmd_bench_compile(opts: o.BenchCompileOptions) -> int:
-    from torchcls.bench.compile import bench_compile, config_from, to_markdown
+    from torchcls.suite.compile_gains import bench_compile, config_from, to_markdown
 
     data = bench_compile(config_from(opts), opts.out)
     print(to_markdown(data) + f"\nwrote {Path(opts.out) / 'bench_compile.json'}")
@@ -117,7 +117,7 @@ def _cmd_bench_compile(opts: o.BenchCompileOptions) -> int:
 
 
 def _cmd_bench_memory(opts: o.BenchMemoryOptions) -> int:
-    from torchcls.bench.memory import bench_memory, config_from, to_markdown
+    from torchcls.suite.memory_scaling import bench_memory, config_from, to_markdown
 
     data = bench_memory(config_from(opts), opts.out)
     print(to_markdown(data) + f"\nwrote {Path(opts.out) / 'bench_memory.json'}")

@@ -63,7 +63,7 @@ def transient_bytes(parallel: str, largest_unit_bytes: float, full_grad_bytes: f
 
 
 def rank_model(parallel: str, world: int, rank: dict[str, Any]) -> RankModel:
-    """From a measured rank record (bench/memory_worker.py + full sizes), at its world size or projected
+    """From a measured rank record (suite/memory_scaling_worker.py + full sizes), at its world size or projected
     to another one: the state follows the sharding rule, the rest does not depend on the world size."""
     state = rank["full_state_bytes"] / (world if parallel == "fsdp2" else 1)
     return RankModel(state, transient_bytes(parallel, rank["largest_unit_bytes"], rank["full_grad_bytes"]),

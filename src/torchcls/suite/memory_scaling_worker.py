@@ -7,7 +7,7 @@ peak RSS / CUDA allocator peaks) plus two inputs of the analytic model: the acti
 one sample keeps for backward, and the largest FSDP unit (the most parameters unsharded at once).
 Rank 0 writes the list of per-rank records as JSON to --out.
 
-    torchrun --nproc-per-node N -m torchcls.bench.memory_worker --model M --parallel fsdp2 --out F
+    torchrun --nproc-per-node N -m torchcls.suite.memory_scaling_worker --model M --parallel fsdp2 --out F
 """
 
 from __future__ import annotations

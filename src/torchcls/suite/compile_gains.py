@@ -67,7 +67,7 @@ def check_config(cfg: BenchCompileConfig) -> None:
 
 def run_config(model: str, batch: int, precision: str, mode: str, cfg: BenchCompileConfig) -> dict[str, Any]:
     cache = Path(tempfile.mkdtemp(prefix="torchcls-bench-inductor-"))
-    cmd = [sys.executable, "-m", "torchcls.bench.compile_worker", "--model", model, "--batch", str(batch),
+    cmd = [sys.executable, "-m", "torchcls.suite.compile_gains_worker", "--model", model, "--batch", str(batch),
            "--precision", precision, "--mode", mode, "--device", cfg.device, "--repeats", str(cfg.repeats)]
     if cfg.img_size:
         cmd += ["--img-size", str(cfg.img_size)]

@@ -1,9 +1,9 @@
 """`torchcls bench memory`: per-rank memory of DDP and FSDP2 training as the world grows, measured
 in real torchrun jobs, next to the analytic model, and what fits on a heterogeneous cluster.
 
-Each (parallel, world size) configuration is its own torchrun job (bench/memory_worker.py); one
+Each (parallel, world size) configuration is its own torchrun job (suite/memory_scaling_worker.py); one
 that fails or cannot start is recorded and the rest go on. The fit advice uses the analytic
-model of bench/memory_fit.py, fed with what the jobs measured (state bytes per rank, activation
+model of suite/memory_fit.py, fed with what the jobs measured (state bytes per rank, activation
 bytes per sample, the largest FSDP unit).
 """
 
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchcls.bench import memory_fit as mf
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.options import BenchMemoryOptions, split_ints, split_list
 from torchcls.run_files import write_text_atomic
+from torchcls.suite import memory_fit as mf
 
 PARALLEL = ("ddp", "fsdp2")
 
@@ -119,7 +119,7 @@ def launch(cfg: BenchMemoryConfig, parallel: str, world: int, tmp: Path) -> dict
 def _launch_once(cfg: BenchMemoryConfig, parallel: str, world: int, tmp: Path) -> dict[str, Any]:
     out = tmp / f"{parallel}-{world}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "torchcls.bench.memory_worker", "--model", cfg.model, "--parallel", parallel,
+           "-m", "torchcls.suite.memory_scaling_worker", "--model", cfg.model, "--parallel", parallel,
            "--batch", str(cfg.batch), "--img-size", str(cfg.size), "--classes", str(cfg.classes),
            "--steps", str(cfg.steps), "--out", str(out)]
     # One thread per rank: the ranks share the host's cores (and each rank's state is the subject).

@@ -1,1 +1,0 @@
-"""Benchmarks as commands: `torchcls bench compile` (compile gains per backbone)."""
