@@ -2,8 +2,8 @@
 
 Trains the `fmnist-fast` recipe (src/torchcls/recipes/fmnist-fast.toml) with `torchcls.training`
 on all 60,000 training images, and after every epoch evaluates the 10,000 test images with
-`torchcls.evaluation` and the recipe's test-time augmentation (a step callback, outside the
-timed training work: its time is subtracted). Any `torchcls train` flag overrides the recipe.
+`torchcls.evaluation` and the recipe's test-time augmentation (a subscriber to the checkpoint each
+epoch's end writes, outside the timed training work: its time is subtracted). Any `torchcls train` flag overrides the recipe.
 Prints JSON, a Markdown table, and last a one-line JSON summary:
 {"target", "reached", "seconds_to_target", "best_top1", "seconds", ...}.
 
@@ -23,17 +23,17 @@ from pathlib import Path
 
 import torch
 
-from torchcls.checkpoint.files import load_model
+from torchcls.checkpoint.files import load_model, read_meta
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
 from torchcls.evaluation.evaluator import predict_logits
+from torchcls.events import CheckpointSaved, subscribe
 from torchcls.machine import machine_line
 from torchcls.options import add_config_flags, config_from_args
 from torchcls.recipes import recipe_evaluation
 from torchcls.training import train
 
 TARGET = 0.94
-TRAIN_IMAGES = 60_000
 
 
 def parse() -> tuple[Config, str, argparse.Namespace]:
@@ -52,46 +52,51 @@ def parse() -> tuple[Config, str, argparse.Namespace]:
     return cfg, tta, args
 
 
-def test_top1(run_dir: Path, cfg: Config, tta: str) -> float:
+def test_top1(run_dir: Path, cfg: Config, tta: str, split: str = "test") -> float:
     model, meta = load_model(run_dir / "checkpoints" / "last.safetensors")
-    ds, _ = eval_dataset(cfg.data, meta.preprocess, "test", cfg.train.seed)
+    ds, _ = eval_dataset(cfg.data, meta.preprocess, split, cfg.train.seed)
     # fp32, as `torchcls evaluate` runs it: the figure is the one a user gets from the checkpoint.
     logits, targets = predict_logits(model, make_loader(ds, 500, 0, shuffle=False), torch.device("cpu"), tta)
     return (logits.argmax(1) == targets).float().mean().item()
 
 
-def run(cfg: Config, tta: str, test_from: int = 1) -> tuple[list[dict], float, dict]:
+def run(cfg: Config, tta: str, test_from: int = 1, split: str = "test") -> tuple[list[dict], float, dict]:
     """Train; the test top-1 and the training seconds so far after every epoch; the total training seconds;
-    the run's machine.json."""
+    the run's machine.json. Each epoch is tested from the checkpoint its end writes (after the trainer's
+    epoch-end work, e.g. --lookahead's sync), which is what `torchcls evaluate` of that epoch would read."""
     with tempfile.TemporaryDirectory() as tmp:
         cfg.run.out_dir, cfg.run.name, cfg.train.progress = tmp, "fashion", False
         run_dir = Path(tmp) / "fashion"
         per_epoch: list[dict] = []
-        batches = -(-TRAIN_IMAGES // cfg.data.batch_size)
-        steps_per_epoch = -(-batches // cfg.optim.accum_steps)
-        cfg.checkpoint.save_every = steps_per_epoch  # last.safetensors is current when the callback runs
         excluded = 0.0  # time spent evaluating the test set between epochs, not part of training
         t_start = time.perf_counter()
 
-        def test_after_epoch(step: int) -> None:
+        def test_after_epoch(event: CheckpointSaved) -> None:
             nonlocal excluded
-            if step % steps_per_epoch:
-                return
             t0 = time.perf_counter()
-            top1 = test_top1(run_dir, cfg, tta) if step // steps_per_epoch >= test_from else None
-            per_epoch.append({"epoch": step // steps_per_epoch, "train_s": round(t0 - t_start - excluded, 1),
+            epoch = read_meta(event.path).epoch
+            if Path(event.run_path).resolve() != run_dir.resolve() or epoch == (per_epoch[-1]["epoch"] if per_epoch
+                                                                               else 0):
+                return  # (another run's, or a --save-every checkpoint inside an epoch)
+            top1 = test_top1(run_dir, cfg, tta, split) if epoch >= test_from else None
+            per_epoch.append({"epoch": epoch, "train_s": round(t0 - t_start - excluded, 1),
                               "test_top1": None if top1 is None else round(top1, 4)})
             excluded += time.perf_counter() - t0
             print(json.dumps(per_epoch[-1]), file=sys.stderr, flush=True)  # progress while it runs
 
-        train(cfg, callbacks=[test_after_epoch])
+        stop = subscribe(CheckpointSaved, test_after_epoch)
+        try:
+            train(cfg)
+        finally:
+            stop()
         total = time.perf_counter() - t_start - excluded
         epochs = [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
                   if r.get("kind") == "epoch"]
+        images = json.loads((run_dir / "data_splits.json").read_text())["train"]["images"]
         previous = 0.0
         for e, r in zip(per_epoch, epochs):  # the fit from the trainer's records (train top-1)
             # Speed from this benchmark's clock: the trainer's own img_per_s includes the test pass above.
-            e |= {"train_top1": round(r["train_top1"], 4), "img_per_s": round(TRAIN_IMAGES / (e["train_s"] - previous))}
+            e |= {"train_top1": round(r["train_top1"], 4), "img_per_s": round(images / (e["train_s"] - previous))}
             previous = e["train_s"]
         # What it ran on: CPU model and SIMD level, cores and quota, threads, the precision auto chose.
         machine = json.loads((run_dir / "machine.json").read_text())
