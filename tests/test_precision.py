@@ -320,7 +320,7 @@ def test_precision_package_never_imports_artifacts():
 
 @pytest.mark.slow
 def test_compile_for_inference_bf16_uses_castio_and_keeps_the_model_fp32():
-    from torchcls.artifacts.compile import compile_for_inference
+    from torchcls.artifacts.compiled_classifier import compile_for_inference
     from torchcls.models.smallnet import SmallNet
 
     torch.manual_seed(0)

@@ -13,8 +13,8 @@ _API = {
     "ArtifactInfo": "torchcls.artifacts.targets.base",
     "LoadedArtifact": "torchcls.artifacts.targets.base",
     "load_artifact": "torchcls.artifacts.artifact",
-    "CompiledClassifier": "torchcls.artifacts.compile",
-    "compile_for_inference": "torchcls.artifacts.compile",
+    "CompiledClassifier": "torchcls.artifacts.compiled_classifier",
+    "compile_for_inference": "torchcls.artifacts.compiled_classifier",
     "ExportResult": "torchcls.artifacts.exporter",
     "export": "torchcls.artifacts.exporter",
 }

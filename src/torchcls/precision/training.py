@@ -239,7 +239,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
 
     Call before parallelize(): FP8 swaps nn.Linear modules, which FSDP must see already swapped.
     `parallel` is the parallel mode (none/ddp/fsdp2). `compile` and `compile_note` say whether and why the
-    caller compiles the model (torchcls.training.compile.should_compile decides): reported, not decided here.
+    caller compiles the model (torchcls.training.compiled_forward.should_compile decides): reported, not decided here.
     `example_shape`: one training batch on this rank (N, C, H, W); FP8 measures each layer's tokens from it.
     `choice`: what --precision already resolved to (the training step's timing picked it), else the rule's.
     With `run` (a RunDir), the plan is printed, saved as precision.json and logs skipped steps."""

@@ -47,7 +47,7 @@ def explain(model, x) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from torchcls.artifacts.compile import compile_for_inference
+    from torchcls.artifacts.compiled_classifier import compile_for_inference
     from torchcls.kernel_audit.graph import load_audit_model
     from torchcls.models.parts import is_convnet
     from torchcls.precision.dtypes import DTYPES

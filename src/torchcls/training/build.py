@@ -50,7 +50,7 @@ from torchcls.run_files import write_text_atomic
 from torchcls.tasks import multilabel_criterion
 from torchcls.training import rank0_init, sharding
 from torchcls.training.class_weights import loss_weights
-from torchcls.training.compile import compile_for_training, should_compile
+from torchcls.training.compiled_forward import compile_for_training, should_compile
 from torchcls.training.distributed import Session, setup, sync_buffers
 from torchcls.training.ema import WeightEma
 from torchcls.training.feed import build_feed
