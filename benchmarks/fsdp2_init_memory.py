@@ -24,8 +24,8 @@ def worker(args: argparse.Namespace) -> None:
     from torchcls.config import Config
     from torchcls.models import ModelSpec, create_model
     from torchcls.training import distributed, rank0_init
-    from torchcls.training.memory import peak_memory
     from torchcls.training.parallel import parallelize
+    from torchcls.training.rank_memory import peak_memory
 
     cfg = Config()
     cfg.parallel.parallel, cfg.data.batch_size = "fsdp2", int(os.environ["WORLD_SIZE"])

@@ -169,7 +169,7 @@ def test_a_linked_checkpoints_folder_is_refused_before_training(tmp_path: Path) 
 # What may still write by name in src/, and why it is not a file of a run dir. Everything else routes through
 # run_files (replace_file / write_*_atomic / append_text), or writes into the temp file such a helper made.
 WRITES_BY_NAME = {
-    "training/memory.py": "/proc/self/clear_refs",
+    "training/rank_memory.py": "/proc/self/clear_refs",
     "training/step_choice.py": "the user's own cache (~/.cache), under its lock",
     "training/distributed.py": "os.devnull",
     "provenance/signing.py": "keygen --out: a new private key O_EXCL 0600, its public key beside it",

@@ -51,7 +51,7 @@ def early_exit(run_dir: Path) -> str | None:
 
 @section("rank_memory", "Per-rank memory", "torchrun ... -m torchcls train --parallel ddp|fsdp2", 55)
 def rank_memory(run_dir: Path) -> str | None:
-    from torchcls.report.memory import memory_section
+    from torchcls.report.memory_table import memory_section
 
     fragment = memory_section(run_dir)
     return fragment or None  # its heading names the mode and world size: keep it

@@ -62,9 +62,9 @@ def run(args: argparse.Namespace) -> None:
     from torchcls.config import Config
     from torchcls.models import ModelSpec, create_model
     from torchcls.training import distributed
-    from torchcls.training.memory import measure, reset_peak_memory
     from torchcls.training.optim import build_optimizer
     from torchcls.training.parallel import parallelize
+    from torchcls.training.rank_memory import measure, reset_peak_memory
 
     world = int(os.environ["WORLD_SIZE"])
     cfg = Config()

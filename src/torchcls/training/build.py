@@ -56,9 +56,9 @@ from torchcls.training.ema import WeightEma
 from torchcls.training.feed import build_feed
 from torchcls.training.freeze import apply_freeze
 from torchcls.training.init import FirstBiasFreeze, freeze_first_conv, initialise, parse_init
-from torchcls.training.memory import record_memory
 from torchcls.training.optim import build_optimizer, build_scheduler
 from torchcls.training.parallel import parallelize
+from torchcls.training.rank_memory import record_memory
 from torchcls.training.resize import check_schedule
 from torchcls.training.resume_options import Finished, finished_run, option_changes
 from torchcls.training.rundir import RunDir
