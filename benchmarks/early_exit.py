@@ -20,8 +20,8 @@ import torch
 from torchcls.checkpoint.files import load_model
 from torchcls.config import Config
 from torchcls.data import eval_dataset, make_loader
-from torchcls.evaluation.early_exit import all_exit_logits, calibrate, exit_costs, sweep, sweep_point
 from torchcls.evaluation.evaluator import predict_logits
+from torchcls.evaluation.exit_sweep import all_exit_logits, calibrate, exit_costs, sweep, sweep_point
 from torchcls.machine import describe_machine, machine_line
 from torchcls.precision.hardware import choose_precision
 from torchcls.training import train

@@ -137,7 +137,7 @@ def test_cli_rejects_bad_threshold(tmp_path, capsys):
 
 
 def test_calibration_hits_its_target_on_a_fixed_data_set():
-    from torchcls.evaluation.early_exit import ExitCosts, calibrate, reached, simulate, sweep
+    from torchcls.evaluation.exit_sweep import ExitCosts, calibrate, reached, simulate, sweep
 
     g = torch.Generator().manual_seed(0)
     n, c = 400, 4

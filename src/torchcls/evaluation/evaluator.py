@@ -119,7 +119,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent)
     out.mkdir(parents=True, exist_ok=True)
     if exits is not None:  # early-exit models: exits taken, FLOPs, latency, accuracy-vs-compute curve
-        from torchcls.evaluation.early_exit import exit_report
+        from torchcls.evaluation.exit_sweep import exit_report
 
         result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), exits)
     if meta.task != MULTILABEL:  # the report's gallery of the errors the model was surest of
@@ -150,7 +150,7 @@ def _early_exit_setup(model, meta, data_cfg: DataConfig, seed: int, device, batc
         return {}
     if target_accuracy is None and target_compute is None:
         return {}
-    from torchcls.evaluation.early_exit import calibrate_on
+    from torchcls.evaluation.exit_sweep import calibrate_on
 
     val, _ = eval_dataset(data_cfg, meta.preprocess, "val", seed)  # the training data's held-out part
     if len(val) == 0:

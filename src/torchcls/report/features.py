@@ -43,7 +43,7 @@ def early_exit(run_dir: Path) -> str | None:
     ev = read_json(run_dir / "eval.json") or {}
     if "early_exit" not in ev:
         return None
-    from torchcls.report.early_exit import section as early_exit_html
+    from torchcls.report.exit_curve import section as early_exit_html
 
     curve = run_dir / "exit_curve.png"
     return (_body(early_exit_html(ev["early_exit"])) or "") + (img(curve) if os.path.lexists(curve) else "")

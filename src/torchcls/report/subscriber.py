@@ -11,7 +11,7 @@ import os
 from torchcls.events import EvaluationWritten, RunFinished
 from torchcls.io_errors import writing
 from torchcls.report import plots
-from torchcls.report.early_exit import accuracy_compute_curve
+from torchcls.report.exit_curve import accuracy_compute_curve
 from torchcls.report.html import write_report
 
 
