@@ -257,7 +257,7 @@ def apply_precision(model: nn.Module, cfg: PrecisionConfig, device: torch.device
     if run is not None:
         plan.log, plan.run_path = run.log, run.path
         write_text_atomic(run.path / "precision.json", json.dumps(plan.report, indent=2))
-        from torchcls.precision.report import print_precision
+        from torchcls.precision.summary import print_precision
 
         print_precision(plan.report)
     return plan

@@ -33,7 +33,7 @@ def precision(run_dir: Path) -> str | None:
     if not report:
         return None
     report["machine"] = read_json(run_dir / "machine.json")  # CPU, cores, quota and threads of the run
-    from torchcls.precision.report import html_section
+    from torchcls.precision.summary import html_section
 
     return _body(html_section(report))
 
@@ -59,6 +59,6 @@ def rank_memory(run_dir: Path) -> str | None:
 
 @section("governance", "Data governance", "torchcls train (records lineage unless --no-lineage)", 70)
 def governance(run_dir: Path) -> str | None:
-    from torchcls.governance.report import governance_html
+    from torchcls.governance.report_section import governance_html
 
     return _body(governance_html(run_dir))
