@@ -1,4 +1,4 @@
-"""Governance hashes exactly the files training reads (data/files.py), re-reads only changed files
+"""Governance hashes exactly the files training reads (data/dataset_files.py), re-reads only changed files
 (the hash cache), and knows a run's lineage id from the start."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import draw_shape, make_image_folder, tiny_config
 from torchcls import events, governance
-from torchcls.data.files import data_files
+from torchcls.data.dataset_files import data_files
 from torchcls.errors import UserError
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.manifest import build_manifest, save_manifest

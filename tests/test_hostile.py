@@ -19,7 +19,7 @@ from PIL import Image
 from torchcls.data.images import BadImage, load_image
 from torchcls.data.loaders import Preprocess
 from torchcls.serve import oip
-from torchcls.serve.errors import HTTPError
+from torchcls.serve.http_errors import HTTPError
 
 FUZZ = settings(max_examples=200, deadline=None, derandomize=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])

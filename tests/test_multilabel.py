@@ -151,7 +151,7 @@ def test_export_onnx_and_serve_give_sigmoid_probabilities(ml_run, ml_csv):
 
     from torchcls.artifacts import export, load_artifact
     from torchcls.serve.app import create_app
-    from torchcls.serve.config import ServeConfig
+    from torchcls.serve.serve_config import ServeConfig
 
     result = export(ml_run, target="onnx")
     artifact = load_artifact(result.path)

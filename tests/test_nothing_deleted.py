@@ -211,7 +211,7 @@ def test_an_elastic_restart_after_a_start_that_saved_nothing_moves_its_dir_aside
 # -- other removals of a path named by input ---------------------------------------------------------------
 def test_the_demo_moves_an_existing_dir_aside_and_the_gallery_removes_only_its_thumbnails(tmp_path) -> None:
     from torchcls.demo import _start_fresh
-    from torchcls.evaluation.gallery import _remove_thumbnails
+    from torchcls.evaluation.worst_errors import _remove_thumbnails
 
     mine = tmp_path / "Documents"  # `torchcls demo --out-dir ~ --name Documents` used to delete it
     mine.mkdir()

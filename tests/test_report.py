@@ -102,7 +102,7 @@ def test_worst_errors_gallery_shows_each_with_its_labels(tmp_path):
     from conftest import make_image_folder
     from torchcls.data.loaders import Transformed
     from torchcls.data.sources import open_source
-    from torchcls.evaluation.gallery import worst_errors
+    from torchcls.evaluation.worst_errors import worst_errors
     from torchcls.report import write_report
 
     images = open_source(str(make_image_folder(tmp_path / "shapes", per_class=3, size=120)), None, "train", 3, "error")

@@ -1,7 +1,7 @@
 """The `torchcls` command: parses, calls one public function per command, prints.
 
 Flags are generated from typed options declared once: the training config (torchcls.config) for
-`train`, torchcls.options for the other commands, torchcls.serve.config for `serve`.
+`train`, torchcls.options for the other commands, torchcls.serve.serve_config for `serve`.
 """
 
 from __future__ import annotations
@@ -176,8 +176,8 @@ def _add_commands(sub, commands) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from torchcls.governance.cli import add_governance_commands
-    from torchcls.serve.config import ServeConfig
+    from torchcls.governance.commands import add_governance_commands
+    from torchcls.serve.serve_config import ServeConfig
 
     parser = argparse.ArgumentParser(prog="torchcls", description="PyTorch-native image classification: "
                                      "train, evaluate and predict on real images.")

@@ -123,7 +123,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
 
         result["early_exit"] = exit_report(model, loader, resolve_device(device), _image_shape(meta), exits)
     if meta.task != MULTILABEL:  # the report's gallery of the errors the model was surest of
-        from torchcls.evaluation.gallery import worst_errors
+        from torchcls.evaluation.worst_errors import worst_errors
 
         result["misclassified"] = worst_errors(logits, targets, dataset, meta.classes, out)
     write_text_atomic(out / "eval.json", json.dumps(result, indent=2))

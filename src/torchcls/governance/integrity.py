@@ -68,7 +68,7 @@ def _unlisted(manifest: dict[str, Any], files: list[Path] | None) -> list[Path]:
     if files is None:
         if not src.exists():
             return []
-        from torchcls.data.files import data_files
+        from torchcls.data.dataset_files import data_files
 
         files = data_files(str(src), manifest["tc:root"])
     listed = {record_path(manifest, r).resolve() for r in manifest["tc:records"]}

@@ -63,7 +63,7 @@ def build_manifest(source: str, root: str | None = None, meta: DatasetMeta | Non
     basis = legal_basis_term(meta.legal_basis, "manifest")
     expires = _iso_date(meta.expires, "--expires") if meta.expires else None
     cache = cache or HashCache(None)
-    from torchcls.data.files import is_packed  # torch: only once something is hashed
+    from torchcls.data.dataset_files import is_packed  # torch: only once something is hashed
 
     if source in BUILTIN_META:
         base, records, distribution = _builtin(source, root, cache)
@@ -187,7 +187,7 @@ def _file_object(path: Path, name: str, url: str, digest: tuple[str, int], kind:
 def _file_backed(path: Path, root: str | None, cache: HashCache) -> tuple[Path, list, list]:
     """Records for the files of a folder or CSV, exactly the files training lists (data_files), with the
     CSV's own hash in the distribution (it holds the labels)."""
-    from torchcls.data.files import data_files, open_splits
+    from torchcls.data.dataset_files import data_files, open_splits
     from torchcls.tasks import label_names
 
     is_csv = path.suffix.lower() == ".csv"
@@ -261,7 +261,7 @@ def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, An
 def _containers(source: str, cache: HashCache) -> tuple[Path, list, list]:
     """Shards or a local Hugging Face data set: one record per file that packs samples (hashing
     every sample would mean decoding them all). A shard index is cited, and must agree with the files."""
-    from torchcls.data.files import data_files
+    from torchcls.data.dataset_files import data_files
 
     files = data_files(source)
     resolved = [f.resolve() for f in files]
@@ -289,7 +289,7 @@ def _cite_shard_index(source: str, records: list[dict[str, Any]]) -> dict[str, A
 def _builtin(source: str, root: str | None, cache: HashCache) -> tuple[Path, list, list]:
     """The packed files' hashes, and one record per sample: the SHA-256 of its raw pixels, so a
     sample is named by content whatever file packs it."""
-    from torchcls.data.files import data_files
+    from torchcls.data.dataset_files import data_files
     from torchcls.data.sources import open_source
 
     files = data_files(source, root)

@@ -141,7 +141,7 @@ class Governance:
         """The files this run will read, listed as training lists them (its own --root)."""
         if source in BUILTIN_META:
             return None
-        from torchcls.data.files import data_files
+        from torchcls.data.dataset_files import data_files
 
         return data_files(source, self.cfg.data.root)
 

@@ -1,4 +1,4 @@
-"""The report's first section: the misclassified images the model was surest of (torchcls.evaluation.gallery),
+"""The report's first section: the misclassified images the model was surest of (torchcls.evaluation.worst_errors),
 each with its predicted and true label, embedded as thumbnails."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from torchcls.serve.config import ServeConfig
+from torchcls.serve.serve_config import ServeConfig
 
 __all__ = ["ServeConfig", "serve"]
 

@@ -36,11 +36,11 @@ from torchcls.data.images import BadImage, decode_bytes
 from torchcls.errors import UserError
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
-from torchcls.serve.config import ServeConfig
 from torchcls.serve.deadlines import ClientDeadlines, RequestLimits
-from torchcls.serve.errors import HTTPError
+from torchcls.serve.http_errors import HTTPError
 from torchcls.serve.limits import AuthMiddleware, BodyGuard, InflightBudget
 from torchcls.serve.metrics import MetricsMiddleware, ServeMetrics
+from torchcls.serve.serve_config import ServeConfig
 from torchcls.tasks import labels_above
 
 log = logging.getLogger("torchcls.serve")

@@ -20,7 +20,7 @@ import orjson
 import torch
 
 from torchcls.artifacts.artifact import ArtifactInfo
-from torchcls.serve.errors import HTTPError
+from torchcls.serve.http_errors import HTTPError
 from torchcls.serve.tensor_json import load_request, parse_data
 from torchcls.tasks import labels_above
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
-from torchcls.serve.config import TOKEN_ENV, ServeConfig
 from torchcls.serve.run_loop import hypercorn_config, run_until
+from torchcls.serve.serve_config import TOKEN_ENV, ServeConfig
 
 log = logging.getLogger("torchcls.serve")
 # How long a thread waiting for the GIL lets the holder run before asking for it (CPython's default:

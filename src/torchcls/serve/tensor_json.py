@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import orjson
 
-from torchcls.serve.errors import HTTPError
+from torchcls.serve.http_errors import HTTPError
 
 MAX_ENVELOPE = 64 * 1024  # bytes of request JSON outside the data arrays: names, shape, outputs, parameters
 MAX_QUOTES = 4096  # '"' in a whole request: a few dozen strings are plenty for one FP32 input
