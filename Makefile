@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 FASHION_MNIST := /usr/share/datasets/fashion-mnist
 
-.PHONY: demo test fashion-mnist chromium clean
+.PHONY: demo test test-lowest fashion-mnist chromium clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV) || python3 -m venv $(VENV)
@@ -27,6 +27,42 @@ demo: $(VENV)/.installed-demo
 test: $(VENV)/.installed-test fashion-mnist chromium
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(PY) -m pytest
+	$(MAKE) --no-print-directory test-lowest
+
+# The lowest torch torchcls supports (pyproject: torch>=2.11), in a second venv set up the way a user who
+# already has torch gets torchcls: torch and its torchvision installed FIRST, then torchcls on top as
+# `pip install` gives it (a wheel, not editable; core dependencies + the export extra), which must keep
+# that torch: a range or a new dependency that asks for a newer one fails here, not on a user's machine.
+# The rest of the set is constraints.txt without the torch stack (torch pins its own CUDA libraries exactly),
+# so the run is reproducible and follows constraints.txt's upgrades. Set up once, again when pyproject.toml,
+# constraints.txt or this file change; torchcls itself is reinstalled from the working tree on every run.
+LOWEST       ?= .venv-lowest
+LOWEST_PY    := $(LOWEST)/bin/python
+LOWEST_TORCH := torch==2.11.0 torchvision==0.26.0
+TORCH_STACK  := ^(torch|torchvision|triton|cuda-toolkit|nvidia-[a-z0-9-]+)==
+# What runs against it (about a minute of CPU): every module imports without the optional extras and the
+# console script reports this torch (test_install); train -> predict -> evaluate -> ONNX export -> load
+# through the public API (test_api); exact resume and the run dir (test_train); checkpoint files
+# (test_checkpoint); data sources and loaders (test_data); the image decoder (test_images); evaluate and
+# predict (test_evaluate_predict); the timm/torchvision model factory (test_models); typed config (test_config).
+LOWEST_TESTS := tests/test_install.py tests/test_api.py tests/test_train.py tests/test_checkpoint.py \
+	tests/test_data.py tests/test_images.py tests/test_evaluate_predict.py tests/test_models.py tests/test_config.py
+
+$(LOWEST_PY):
+	$(PYTHON) -m venv $(LOWEST)
+
+$(LOWEST)/.installed: pyproject.toml constraints.txt Makefile | $(LOWEST_PY)
+	grep -vE '$(TORCH_STACK)' constraints.txt > $(LOWEST)/constraints.txt
+	$(LOWEST_PY) -m pip install -c $(LOWEST)/constraints.txt $(LOWEST_TORCH)
+	$(LOWEST_PY) -m pip install -c $(LOWEST)/constraints.txt '.[export]' pytest pytest-timeout
+	@frozen="$$($(LOWEST_PY) -m pip freeze)"; for req in $(LOWEST_TORCH); do echo "$$frozen" | grep -qxF "$$req" \
+		|| { echo "pip replaced the $$req installed first: torchcls must install on top of it"; exit 1; }; done
+	touch $@
+
+test-lowest: $(LOWEST)/.installed
+	rm -rf build  # setuptools' build/lib keeps modules deleted from src, and the wheel would carry them
+	$(LOWEST_PY) -m pip install -q --no-deps --force-reinstall .
+	$(LOWEST_PY) -m pytest $(LOWEST_TESTS)
 
 # The real Fashion-MNIST files from Debian, used by tests and benchmarks: installed
 # when we are root and apt exists; otherwise the tests that need them say so.
