@@ -7,8 +7,10 @@ line + headers may buffer at most --max-header-kb. Everything after the headers 
 ASGI middleware that sees only `scope`, `receive` and `send`:
 
 - headers: at most --max-header-kb of them and MAX_HEADER_LINES lines in a request (431);
-- requests at once: at most --max-connections requests in progress; beyond it 503 at once, before any
-  body is read, except the health probes and /metrics, which are always answered;
+- requests at once: at most --max-connections requests in progress; at the cap a new request makes room
+  by cutting the body furthest behind the minimum rate (408, no grace: a flood of slow bodies would take
+  back every slot it loses), else it gets 503 at once, before any body is read; the health probes and
+  /metrics are always answered. (On Python 3.10 nothing is cut: asyncio has no movable deadline there);
 - body deadline: --body-timeout seconds from the headers to the end of the body (408, connection closed);
 - minimum body rate (--min-body-rate-kb), as Apache's mod_reqtimeout `MinRate`: a budget of GRACE_S
   seconds plus one second per `min_rate` bytes received. Only the seconds in which the app waited in
@@ -35,16 +37,29 @@ MAX_HEADER_LINES = 100  # Apache's LimitRequestFields: each line costs a tuple o
 # segment (Linux's minimum RTO is 0.2 s, doubling), and the time a client may take between writing its
 # headers and its body. After that each KiB it has sent buys it 1/--min-body-rate-kb more seconds.
 GRACE_S = 2.0
+# At --max-connections a body is cut to make room once it is this far behind the minimum rate: a trickling
+# flood is, a moment after it opens; an honest body whose first bytes are on their way is not (it has
+# waited a few milliseconds for nothing yet, and each KiB it sends puts it a second ahead).
+EVICT_BEHIND_S = 0.1
 
 
-if sys.version_info >= (3, 11):
-    async def within(awaitable, seconds: float):
-        """`await awaitable`, or TimeoutError after `seconds`: a deadline on the running task, no task of its
-        own per call (asyncio.wait_for creates one: twice per request, under load)."""
-        async with asyncio.timeout(seconds):
+EVICTABLE = sys.version_info >= (3, 11)  # asyncio.timeout's deadline can be moved: a waiting body can be cut
+
+
+async def within(awaitable, seconds: float, clock: BodyClock | None = None):
+    """`await awaitable`, or TimeoutError after `seconds`. From 3.11 on a deadline on the running task (no task
+    of its own per call, as asyncio.wait_for creates: twice per request, under load), which `clock.evict()`
+    brings forward to now."""
+    if not EVICTABLE:
+        return await asyncio.wait_for(awaitable, seconds)
+    async with asyncio.timeout(seconds) as timer:
+        if clock is not None:
+            clock.timer = timer
+        try:
             return await awaitable
-else:  # Python 3.10
-    within = asyncio.wait_for
+        finally:
+            if clock is not None:
+                clock.timer = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +86,26 @@ class BodyClock:
     def __init__(self, limits: RequestLimits, now: float):
         self.limits, self.deadline = limits, now + limits.body_timeout
         self.received, self.waited = 0, 0.0
+        self.wait_began: float | None = None  # while waiting in receive()
+        self.timer = None  # that wait's asyncio.timeout, while it lasts
+        self.evicted = False
+
+    def behind(self, now: float) -> float:
+        """Seconds this body is behind the minimum rate, counting the wait in progress and no grace (> 0:
+        slower than --min-body-rate-kb on average since its headers)."""
+        if self.limits.min_body_rate <= 0:
+            return 0.0
+        waited = self.waited + (now - self.wait_began if self.wait_began is not None else 0.0)
+        return waited - self.received / self.limits.min_body_rate
+
+    def can_evict(self) -> bool:
+        """Waiting now, and its deadline has not already fired (nor been moved by an earlier eviction)."""
+        return self.timer is not None and not self.evicted and not self.timer.expired()
+
+    def evict(self) -> None:
+        """Cut the wait in progress now: its receive() raises TimeoutError, the request gets 408."""
+        self.evicted = True
+        self.timer.reschedule(asyncio.get_running_loop().time())
 
     def allowance(self, now: float) -> tuple[float, str]:
         """Seconds the next wait may last, and the reason if it runs out."""
@@ -94,6 +129,7 @@ class ClientDeadlines:
     def __init__(self, app, limits: RequestLimits, on_cut: Callable[[str], None], exempt: frozenset[str]):
         self.app, self.limits, self.on_cut, self.exempt = app, limits, on_cut, exempt
         self.in_progress = 0
+        self.waiting: set[BodyClock] = set()  # bodies waiting in receive() now: the ones that can make room
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -117,9 +153,20 @@ class ClientDeadlines:
         if request_line_bytes(scope) > self.limits.max_header_bytes:
             raise _Cut("header_too_large", 431, f"request line and headers above {self.limits.max_header_bytes:,} "
                                                 "bytes (--max-header-kb)")
-        if scope["path"] not in self.exempt and self.in_progress >= self.limits.max_requests:
+        if scope["path"] not in self.exempt and self.in_progress >= self.limits.max_requests \
+                and not self._make_room():
             raise _Cut("over_capacity", 503, f"the server has {self.in_progress} requests in progress, its limit "
                                              "(--max-connections); retry later")
+
+    def _make_room(self) -> bool:
+        """At the cap, cut the body furthest behind the minimum rate (no grace: a flood of slow bodies would
+        otherwise take back every slot as soon as it frees); False if every body keeps up."""
+        now = time.monotonic()
+        behind = [(clock.behind(now), id(clock), clock) for clock in self.waiting if clock.can_evict()]
+        if not behind or max(behind)[0] <= EVICT_BEHIND_S:
+            return False
+        max(behind)[2].evict()  # its request ends at once (408) and gives its slot back
+        return True
 
     async def _run(self, scope, receive, send) -> None:
         clock, started, answered = BodyClock(self.limits, time.monotonic()), False, False
@@ -138,16 +185,23 @@ class ClientDeadlines:
             nonlocal body_done
             if body_done:  # after the body: only a disconnect is left to hear, without a deadline
                 return await receive()
-            begun = time.monotonic()
+            begun = clock.wait_began = time.monotonic()
             left, reason = clock.allowance(begun)
+            self.waiting.add(clock)
             try:
-                message = await within(receive(), left)
+                message = await within(receive(), left, clock)
             except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
+                if clock.evicted:
+                    await cut("evicted_body", f"request body slower than {self.limits.min_body_rate / 1024:g} KiB/s "
+                                              "(--min-body-rate-kb) while the server was full (--max-connections)")
                 # The answer names the option, as every refusal of the server does (a client's operator
                 # reads it to tell a slow network from a bound set too tight).
                 await cut(reason, f"request body slower than {self.limits.min_body_rate / 1024:g} KiB/s "
                                   "(--min-body-rate-kb)" if reason == "body_too_slow" else
                           f"request body not complete within {self.limits.body_timeout:g} s (--body-timeout)")
+            finally:
+                self.waiting.discard(clock)
+                clock.wait_began = None
             clock.waited += time.monotonic() - begun
             if message["type"] == "http.request":
                 clock.received += len(message.get("body", b""))

@@ -8,10 +8,17 @@ loop is uvloop's where it is installed (Hypercorn runs on any asyncio loop), the
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import socket
 import sys
 import threading
+
+# From Python 3.12.1 a listening server's wait_closed() also waits for every open connection, and Hypercorn
+# awaits it (hypercorn#308): a client that never reads its answer would hold the shutdown for ever. The drain
+# is given config.graceful_timeout plus this, then the server task is cancelled.
+DRAIN_MARGIN_S = 5.0
+log = logging.getLogger("torchcls.serve")
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -54,7 +61,18 @@ def run_until(app, config, stop: threading.Event, stopped_by: list[int] | None =
         if stopped_by is not None:
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(sig, lambda s=sig: (stopped_by.append(s), stop.set()))
-        await serve(app, config, shutdown_trigger=stopping.wait, mode="asgi")
+        served = asyncio.ensure_future(serve(app, config, shutdown_trigger=stopping.wait, mode="asgi"))
+        asked = asyncio.ensure_future(stopping.wait())
+        await asyncio.wait((served, asked), return_when=asyncio.FIRST_COMPLETED)
+        if not served.done():  # draining: give it its graceful timeout, then stop waiting for it
+            try:
+                await asyncio.wait_for(served, config.graceful_timeout + DRAIN_MARGIN_S)
+            except asyncio.TimeoutError:
+                log.warning("connections still open %.0f s after the drain began (clients that do not read "
+                            "their answers); closing", config.graceful_timeout + DRAIN_MARGIN_S)
+        asked.cancel()
+        if served.done() and not served.cancelled():
+            served.result()  # a failure of the server itself is raised here
 
     if sys.version_info >= (3, 11):
         with asyncio.Runner(loop_factory=_new_loop) as runner:
