@@ -55,15 +55,16 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     # Answered early, then closed by Hypercorn at once (its request unfinished); a pipeline of 2,000 GETs answered
     assert attacks["answered-early body"]["outcomes"].get("200, then closed", 0) >= 16, attacks["answered-early body"]
     assert attacks["pipelining"]["outcomes"].get("200", 0) >= 2000, attacks["pipelining"]
-    # Never read: each reader's scrape is cut from the app after --send-timeout (one per reader connection), but
-    # Hypercorn's closing write has no deadline: the connection stays open until the reader leaves (at the end)
-    assert counts.get("closed send_timeout", 0) >= 8, counts
+    # Never read: a reader's scrape is cut from the app after --send-timeout once the socket buffers are full
+    # (tests/test_serve_limits.py asserts that bound alone; here how many fill before the soak ends depends on
+    # its pace), but Hypercorn's closing write has no deadline: the connection stays open until the reader leaves
     assert set(attacks["slow reader"]["outcomes"]) <= {"open at the end", "closed"}, attacks["slow reader"]
     # 408: a bomb's 31 MiB not read within --body-timeout 2 s while the loop was behind (seen held to AVX2)
     assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "408", "503", "closed"}, attacks["parse bombs"]
     assert attacks["parse bombs"]["outcomes"].get("400"), attacks["parse bombs"]
     assert counts.get("status 499", 0) >= 1 and not any(k.startswith("status 5") and k != "status 503" for k in counts)
-    # The flood's bodies (more of them than --max-connections) were cut, each with 408: here --body-timeout 2 ends
-    # before the rate's 2 s of grace do (body_timeout); at the default 60 s the rate cuts them (body_too_slow)
-    assert counts.get("closed body_too_slow", 0) + counts.get("closed body_timeout", 0) >= 40, counts
+    # The flood's bodies (more of them than --max-connections) were cut, each with 408: at the cap to make room
+    # for a new request (evicted_body), else by --body-timeout 2, which ends before the rate's 2 s of grace do
+    cut = ("closed evicted_body", "closed body_too_slow", "closed body_timeout")
+    assert sum(counts.get(k, 0) for k in cut) >= 40, counts
     assert "| 5xx (not 503) | lost | 503 |" in r.stdout and "PASS" in r.stdout

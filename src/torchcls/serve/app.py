@@ -76,7 +76,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        worker = start_model_process(batcher, cfg, model_path) if model_path is not None else None
+        worker = start_model_process(batcher, cfg, model_path, artifact) if model_path is not None else None
         # Warm up with the smallest and largest batch: compiled artifacts specialise on first calls.
         batcher.start([torch.zeros(1, *shape), torch.zeros(batcher.max_batch, *shape)], on_ready)
         yield
@@ -277,9 +277,26 @@ def add_inference_routes(app: FastAPI, svc: Service, max_body: int) -> None:
                              headers={"X-Batch-Size": str(result.batch_size)})
 
 
-def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: str | Path):
-    """With --model-process: the batcher's model becomes a child process that loads `model_path`."""
-    if not cfg.model_process:
+def wants_model_process(cfg: ServeConfig, artifact: LoadedArtifact) -> tuple[bool, str]:
+    """--model-process, or its default here, and why."""
+    if cfg.model_process is not None:
+        return cfg.model_process, "--model-process" if cfg.model_process else "--no-model-process"
+    if artifact.runs_on.type != "cpu":
+        return False, f"the model runs on {artifact.runs_on}, not on the CPU the HTTP side uses"
+    from torchcls.machine import cpu_budget
+
+    budget = cpu_budget()
+    if budget.usable < 2:
+        return False, f"{budget.describe()}: nothing for a second process to run on"
+    return True, f"{budget.describe()}: the model never waits for the GIL the HTTP side holds"
+
+
+def start_model_process(batcher: DynamicBatcher, cfg: ServeConfig, model_path: str | Path,
+                        artifact: LoadedArtifact):
+    """The batcher's model becomes a child process that loads `model_path`, where wants_model_process says."""
+    wanted, why = wants_model_process(cfg, artifact)
+    log.info("model %s (%s)", "in a process of its own" if wanted else "in a thread of the server", why)
+    if not wanted:
         return None
     from torchcls.serve.worker import ModelProcess
 

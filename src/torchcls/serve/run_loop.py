@@ -14,11 +14,17 @@ import socket
 import sys
 import threading
 
-# From Python 3.12.1 a listening server's wait_closed() also waits for every open connection, and Hypercorn
-# awaits it (hypercorn#308): a client that never reads its answer would hold the shutdown for ever. The drain
-# is given config.graceful_timeout plus this, then the server task is cancelled.
+# Hypercorn's drain waits for every open connection to close, and its graceful timeout did not end it: a client
+# that never reads its answer held a SIGTERM past 35 s here (Python 3.11; from 3.12.1 the listening server's
+# wait_closed() waits for connections too, hypercorn#308). The drain gets config.graceful_timeout plus this,
+# then the server task is cancelled.
 DRAIN_MARGIN_S = 5.0
 log = logging.getLogger("torchcls.serve")
+
+
+def _quiet_cancellations(loop: asyncio.AbstractEventLoop, context: dict) -> None:
+    if not isinstance(context.get("exception"), asyncio.CancelledError):
+        loop.default_exception_handler(context)
 
 
 def _new_loop() -> asyncio.AbstractEventLoop:
@@ -65,6 +71,7 @@ def run_until(app, config, stop: threading.Event, stopped_by: list[int] | None =
         asked = asyncio.ensure_future(stopping.wait())
         await asyncio.wait((served, asked), return_when=asyncio.FIRST_COMPLETED)
         if not served.done():  # draining: give it its graceful timeout, then stop waiting for it
+            loop.set_exception_handler(_quiet_cancellations)  # connections cut at the end: one traceback each
             try:
                 await asyncio.wait_for(served, config.graceful_timeout + DRAIN_MARGIN_S)
             except asyncio.TimeoutError:

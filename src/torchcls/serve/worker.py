@@ -4,10 +4,11 @@ In the server's process an eager model hands the GIL back after every operator a
 again before the next one, while the event loop and the JSON parsing hold it (and every torch call
 on the loop waits for the model thread in turn). In its own process the model never waits for the
 HTTP side, at the cost of a second interpreter (its own copy of torch and of the weights) and of
-copying each batch through a socket as raw float32 bytes. Whether that pays depends on the
-machine: measure with `benchmarks/serve_load.py --compare-model-process` (same run, interleaved).
-On a shared, loaded 2-core machine it did not: the HTTP process's CPU per request (~1.6 ms for a
-1x3x64x64 JSON request) decided the throughput either way, so it is off by default.
+copying each batch through a socket as raw float32 bytes. Measured on a quiet 2-core machine
+(`benchmarks/serve_load.py --compare-model-process`, ResNet-18 at 64 px, 32 clients, the server on
+Hypercorn): 385 images/s (88% of the raw artifact) against 267 (61%) with the model in a thread, so
+it is the default where the model runs on the CPU and the process may use 2 or more CPUs
+(serve/app.py wants_model_process); on one CPU there is nothing for a second process to run on.
 
 The child (`python -m torchcls.serve.worker`, a fresh interpreter: nothing of the server's
 process is forked or re-imported) loads the artifact itself, checking the same pinned SHA-256 as
