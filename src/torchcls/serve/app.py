@@ -80,7 +80,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
         # Warm up with the smallest and largest batch: compiled artifacts specialise on first calls.
         batcher.start([torch.zeros(1, *shape), torch.zeros(batcher.max_batch, *shape)], on_ready)
         yield
-        batcher.close(timeout=cfg.graceful_timeout)  # uvicorn has already let in-flight requests finish
+        batcher.close(timeout=cfg.graceful_timeout)  # the server has already let in-flight requests finish
         if worker is not None:
             worker.close()
 

@@ -55,7 +55,7 @@ def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
 
 
 def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
-    """Bind here so that a busy port is a clear message, not a uvicorn traceback."""
+    """Bind here so that a busy port is a clear message, not a server traceback."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         sock = socket.socket(family, socket.SOCK_STREAM)
