@@ -17,7 +17,7 @@ class ServeConfig:
     host: str = opt("127.0.0.1", "address to listen on (localhost by default; 0.0.0.0 exposes the server)")
     port: int = opt(8080, "TCP port")
     probe_port: int | None = opt(None, "also answer the health probes and /metrics (nothing else) on this TCP port, "
-                                 "from a thread and event loop of their own with a small connection cap, so that "
+                                 "from a thread and event loop of their own with short header bounds, so that "
                                  "load on --port cannot delay them (Kubernetes probes time out after 1 s). Same "
                                  "--host; default: off (they are always answered on --port as well)")
     token: str | None = opt(None, "require 'Authorization: Bearer TOKEN' on every endpoint except the health "
@@ -27,25 +27,25 @@ class ServeConfig:
     max_wait_ms: float = opt(5.0, "how long the batcher waits for more requests after the first one")
     max_queue: int = opt(256, "images accepted but not yet running; requests beyond it get 503")
     max_body_mb: float = opt(32.0, "largest request body in MiB; bigger ones get 413")
-    max_connections: int = opt(1024, "open connections and requests at once; beyond it the server answers 503 "
-                               "at once instead of queueing without bound (health probes and /metrics are always "
-                               "answered), and a new connection closes the one waiting longest for its headers")
-    max_inflight_mb: float = opt(256.0, "request body bytes held at once by all connections together (counted as "
+    max_connections: int = opt(1024, "requests in progress at once; at the cap a new request cuts the body "
+                               "furthest behind --min-body-rate-kb (408), else it gets 503 at once instead of "
+                               "queueing without bound (health probes and /metrics are always answered). Open "
+                               "connections themselves are not capped: put a proxy in front for that")
+    max_inflight_mb: float = opt(256.0, "request body bytes held at once by all requests together (counted as "
                                  "they arrive); a body that does not fit gets 503 with Retry-After, refused before "
                                  "it is read when its Content-Length says so")
     max_header_kb: float = opt(16.0, "largest request line + headers in KiB (and at most 100 header lines); "
                                "beyond it 431 and the connection closes")
     header_timeout: float = opt(10.0, "seconds a client has to send a request's headers, counted from its "
-                                "connection or its previous answer; then 408 (or a silent close when idle)")
+                                "connection or its previous answer; then the connection is closed")
     body_timeout: float = opt(60.0, "seconds a client has to send a request's whole body once its headers are "
                               "in; then 408 and the connection closes")
     min_body_rate_kb: float = opt(1.0, "slowest request body accepted, in KiB/s averaged since its headers (time "
-                                  "the server was not reading does not count): after a 2 s grace, a body that "
-                                  "fell behind it gets 408; at --max-connections, a body below it is the first "
-                                  "closed (408) to make room for a new connection. 0 = no minimum")
-    send_timeout: float = opt(30.0, "seconds an answer may wait for its client to read it (the server's write buffer "
-                              "full all along); then the connection is closed at once. At --max-connections such a "
-                              "connection is closed to make room for a new one")
+                                  "the server was not waiting for it does not count): after a 2 s grace, a body "
+                                  "that fell behind it gets 408; at --max-connections, the body furthest below it "
+                                  "is cut (408) to make room for a new request. 0 = no minimum")
+    send_timeout: float = opt(30.0, "seconds one send of an answer may wait for its client to read (the write "
+                              "buffer full all along); then the request ends and its slot is given back")
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted")
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")
