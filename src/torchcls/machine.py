@@ -191,6 +191,7 @@ class CpuActivity:
 class ThreadChoice:
     threads: int
     reason: str
+    reserved: int = 0  # CPUs left to DataLoader workers; training/thread_tuning.py gives back those they leave idle
 
 
 def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudget | None = None,
@@ -206,7 +207,8 @@ def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudge
     same reason, CPUs that other processes keep busy when the run starts are left out (`busy`: (count, line),
     from a CpuActivity started with the run; measured here only for this machine's own budget): SmallNet
     trained at 179 images/s with 2 threads beside a busy core, ~1,000 with 1. Training records the choice
-    (machine.json) and a resume keeps it."""
+    (machine.json) and a resume keeps it; once the workers' load is measured, training gives back the reserved
+    CPUs they leave idle (training/thread_tuning.py)."""
     env = os.environ if env is None else env
     if requested > 0:
         return ThreadChoice(requested, f"--threads {requested}")
@@ -228,7 +230,7 @@ def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudge
         why += f", {reserved} left to {loader_workers} loader worker(s)"
     if busy[0]:
         why += f", {busy[1]}"
-    return ThreadChoice(threads, why)
+    return ThreadChoice(threads, why, reserved)
 
 
 def apply_threads(choice: ThreadChoice) -> ThreadChoice:
@@ -250,7 +252,8 @@ def describe_machine(precision: str | None = None, threads: ThreadChoice | None 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return {"cpu": cpu_model(), "simd": simd_level(flags), "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "cores": asdict(budget) | {"usable": budget.usable}, "torch_threads": torch.get_num_threads(),
-            "threads_reason": threads.reason if threads else None, "gpu": gpu, "precision": precision,
+            "threads_reason": threads.reason if threads else None,
+            "threads_reserved_for_workers": threads.reserved if threads else 0, "gpu": gpu, "precision": precision,
             "torch": torch.__version__, "platform": platform.platform()}
 
 

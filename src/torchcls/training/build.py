@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchcls import run_files
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.pretrained import PretrainedSource, model_for, pretrained_model, resolve_pretrained
 from torchcls.config import Config, ModelConfig, resume_command
@@ -33,7 +32,6 @@ from torchcls.data.shards import is_shard_source
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.events import RunStarted, Unguarded, publish
-from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.machine import (
     CpuActivity,
     ThreadChoice,
@@ -65,6 +63,7 @@ from torchcls.training.rundir import RunDir
 from torchcls.training.step_choice import STATE_FILE as STEP_STATE
 from torchcls.training.step_choice import StepChoice, choose_step
 from torchcls.training.tensorboard import open_writer
+from torchcls.training.thread_tuning import read_record, recorded_reservation, tuner_for
 from torchcls.training.tracking import open_tracker
 from torchcls.training.trainer import StepCallback, Trainer, TrainResult
 
@@ -145,7 +144,9 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     spec = ModelSpec(cfg.model.name, len(data.classes), pre.channels, pre.img_size, cfg.model.drop_rate,
                      exits=cfg.model.exits, exit_threshold=cfg.model.exit_threshold,
                      drop_path_rate=cfg.model.drop_path)
-    threads = _set_threads(cfg, feed, activity, run)  # before the step is timed: at the run's thread count
+    # machine.json of the run resumed, read before it is rewritten: the counts it started with and measured
+    recorded = read_record(run.path / "machine.json") if cfg.run.resume and not cfg.train.threads else {}
+    threads = _set_threads(cfg, feed, activity, recorded)  # before the step is timed: at the run's thread count
     step = _choose_step(cfg, spec, session, run, device, threads)
     memory_format = torch.channels_last if step.channels_last else torch.contiguous_format
     compile_model, compile_note = should_compile(cfg.train, cfg.precision)
@@ -155,6 +156,8 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     optimizer = build_optimizer(model, cfg.optim)
     steps_per_epoch = _optimizer_steps_per_epoch(len(feed), cfg.optim.accum_steps)
     scheduler = build_scheduler(optimizer, cfg.optim, steps_per_epoch, cfg.train.epochs)
+    tuner = tuner_for(threads, run.path / "machine.json", steps_per_epoch, recorded, single_cpu_process=(
+        device.type == "cpu" and not session.active and os.environ.get("LOCAL_WORLD_SIZE", "1") in ("", "1")))
     ema = WeightEma(model, cfg.optim.ema) if cfg.optim.ema else None
     checkpointer = Checkpointer(run.checkpoints, session, async_save=cfg.checkpoint.async_checkpoint,
                                 lineage=lineage_stamp(gov), before_save=lambda m: sync_buffers(m, session),
@@ -174,11 +177,15 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
         criterion = multilabel_criterion(cfg, data, mixing)
     at_epoch_start = [FirstBiasFreeze(model, n)] if (n := cfg.optim.freeze_first_bias_after_epochs) else []
     tracker = open_tracker(cfg, run.path) if session.is_main else None  # last: a refused store leaves nothing
-    return Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
-                   optimizer, scheduler, criterion, feed, checkpointer,
-                   [*callbacks, memory] if memory else list(callbacks), mixing, memory,
-                   open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes, ema=ema,
-                   tracker=tracker, at_epoch_start=at_epoch_start)
+    t = Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
+                optimizer, scheduler, criterion, feed, checkpointer,
+                # the tuner first: a callback that stops the run at the tuner's step comes after its decision
+                [*([tuner] if tuner else []), *callbacks, *([memory] if memory else [])], mixing, memory,
+                open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes, ema=ema,
+                tracker=tracker, at_epoch_start=at_epoch_start)
+    if tuner:  # given the global step before each epoch's first batch: a resumed run's too
+        t.at_epoch_start.append(lambda _epoch: tuner.begin(t.progress.step))
+    return t
 
 
 def _check_options(cfg: Config) -> None:
@@ -217,14 +224,14 @@ def _check_training_options(cfg: Config) -> None:
                         f"{cfg.parallel.parallel} leave them at 0")
 
 
-def _set_threads(cfg: Config, feed, activity: CpuActivity, run: RunDir) -> ThreadChoice:
+def _set_threads(cfg: Config, feed, activity: CpuActivity, recorded: dict[str, Any]) -> ThreadChoice:
     """--threads, or the quota- and load-aware default once the feed says whether DataLoader workers share the
-    CPUs (the in-memory feed has none). A resume keeps the run's count: results depend on it, bit for bit."""
-    recorded = run.path / "machine.json"
-    if cfg.run.resume and not cfg.train.threads and os.path.lexists(recorded):
-        threads = json.loads(run_files.read_bytes(recorded, max_bytes=SMALL_JSON_BYTES, what="machine.json")).get("torch_threads")
-        if isinstance(threads, int) and threads > 0:
-            return apply_threads(ThreadChoice(threads, "the count this run started with (resume)"))
+    CPUs (the in-memory feed has none). A resume keeps the run's count: results depend on it, bit for bit (and
+    training/thread_tuning.py re-applies the count measured later in the run at the step it changed)."""
+    threads = recorded.get("torch_threads")
+    if cfg.run.resume and not cfg.train.threads and isinstance(threads, int) and threads > 0:
+        return apply_threads(ThreadChoice(threads, "the count this run started with (resume)",
+                                          recorded_reservation(recorded)))
     workers = 0 if feed.kind == "memory" else cfg.data.workers
     busy = activity.busy() if not cfg.train.threads else (0, "")
     return apply_threads(choose_threads(cfg.train.threads, workers, busy=busy))
