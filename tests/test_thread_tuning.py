@@ -45,6 +45,9 @@ def test_other_work_stays_left_out_when_the_workers_give_back():
     start = choose_threads(0, 2, EIGHT, env={}, busy=(3, "other work kept 3.0 of 8 CPU(s) busy"))
     assert (start.threads, start.reserved) == (3, 2)
     assert retuned(start, 0.0) == 5  # the busy CPUs stay out: only the workers' reservation comes back
+    crowded = choose_threads(0, 2, CpuBudget(2, 2, None), env={}, busy=(1, "other work kept 1.0 of 2 CPU(s) busy"))
+    assert (crowded.threads, crowded.reserved) == (1, 0)  # one thread either way: the reservation took nothing
+    assert tuner_for(crowded, None, 100, {}, single_cpu_process=True) is None
 
 
 def test_a_count_the_user_fixed_is_never_retuned(tmp_path):
@@ -174,10 +177,11 @@ def test_a_resume_with_threads_given_keeps_them(tmp_path, idle_workers):
     assert "threads_after_measurement" not in json.loads((run / "machine.json").read_text())
 
 
-def test_the_measurement_on_this_machine_is_recorded_consistently(tmp_path):
+def test_the_measurement_on_this_machine_is_recorded_consistently(tmp_path, monkeypatch):
     """Real readings of real workers: whatever the load, the count follows the rule from it."""
     if machine.cpu_budget().usable < 2:
         pytest.skip("needs two usable CPUs")
+    monkeypatch.setattr(machine.CpuActivity, "busy", lambda self: (0, ""))  # (other work would take the reservation)
     before = torch.get_num_threads()
     try:
         cfg = _config(make_image_folder(tmp_path / "shapes", per_class=40), tmp_path, "real", 1)

@@ -191,7 +191,9 @@ class CpuActivity:
 class ThreadChoice:
     threads: int
     reason: str
-    reserved: int = 0  # CPUs left to DataLoader workers; training/thread_tuning.py gives back those they leave idle
+    # CPUs the DataLoader workers' reservation took from the threads; training/thread_tuning.py gives back those
+    # the workers leave idle
+    reserved: int = 0
 
 
 def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudget | None = None,
@@ -223,6 +225,8 @@ def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudge
     elif local > 1:  # several processes on this node: each would count the others' data loading as other work
         busy = (0, "")
     threads = max(1, per_process - reserved - busy[0])
+    # What the reservation took from the threads: less than reserved where the floor of 1 thread cut it short
+    taken = max(1, per_process - busy[0]) - threads
     why = budget.describe()
     if local > 1:
         why += f", shared by {local} processes on this node"
@@ -230,7 +234,7 @@ def choose_threads(requested: int = 0, loader_workers: int = 0, budget: CpuBudge
         why += f", {reserved} left to {loader_workers} loader worker(s)"
     if busy[0]:
         why += f", {busy[1]}"
-    return ThreadChoice(threads, why, reserved)
+    return ThreadChoice(threads, why, taken)
 
 
 def apply_threads(choice: ThreadChoice) -> ThreadChoice:
