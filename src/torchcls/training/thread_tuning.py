@@ -115,8 +115,9 @@ class WorkerLoadTuner:
             self.done = True
             if self.recorded is not None:
                 load = self.recorded.get("worker_load_cpus")
-                self._apply(self.recorded["threads_after_measurement"], load if isinstance(load, float) else 0.0,
-                            "(resume: the count this run measured)")
+                most = self.choice.threads + self.choice.reserved  # the reservation all given back, no more
+                self._apply(min(self.recorded["threads_after_measurement"], most),
+                            load if isinstance(load, float) else 0.0, "(resume: the count this run measured)")
         elif step >= self.first:  # resumed inside the window: measure what is left of it
             self.before = (children_cpu_seconds(), time.monotonic())
 
