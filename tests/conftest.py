@@ -79,6 +79,17 @@ def aoti_export(trained_run, tmp_path_factory):
                   precision="fp32")  # tests check it against eager fp32 to 1e-4; auto may pick bf16
 
 
+@pytest.fixture(scope="session")
+def onnx_path(trained_run, tmp_path_factory) -> Path:
+    """The trained run exported once per session as ONNX (max batch 8) through the CLI, to cover the command
+    as users type it; tests/test_export.py checks it and tests/test_serve_artifacts.py serves it."""
+    from torchcls.cli import main
+
+    out = tmp_path_factory.mktemp("onnx") / "shapes.onnx"
+    assert main(["export", str(trained_run), "--target", "onnx", "--max-batch", "8", "--out", str(out)]) == 0
+    return out
+
+
 def tiny_config(data: Path, out: Path, name: str = "run", epochs: int = 2):
     from torchcls.config import Config
 

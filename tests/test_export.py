@@ -22,17 +22,6 @@ CPP_DIR = Path(__file__).resolve().parent.parent / "cpp"
 
 
 @pytest.fixture(scope="session")
-def onnx_path(trained_run, tmp_path_factory) -> Path:
-    """Exported through the CLI, to cover the command as users type it."""
-    from torchcls.cli import main
-
-    out = tmp_path_factory.mktemp("onnx") / "shapes.onnx"
-    assert main(["export", str(trained_run), "--target", "onnx", "--max-batch", str(MAX_BATCH),
-                 "--out", str(out)]) == 0
-    return out
-
-
-@pytest.fixture(scope="session")
 def classify_pt2(tmp_path_factory) -> Path:
     """The C++ runner, built once per session with CMake against the torch wheel's libtorch."""
     if not (shutil.which("cmake") and shutil.which("c++")):
