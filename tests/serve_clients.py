@@ -53,10 +53,7 @@ class LoggedServer:
             self.out.close()
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.url}/metrics", timeout=PATIENCE_S).text
-        want = [f'{k}="{v}"' for k, v in labels.items()]
-        found = re.findall(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M)  # label values may hold braces
-        return sum(float(v) for got, v in found if all(w in got for w in want))
+        return metric_value(httpx.get(f"{self.url}/metrics", timeout=PATIENCE_S).text, name, **labels)
 
     def wait_metric(self, name: str, at_least: float, **labels: str) -> float:
         """The metric once it reaches `at_least`, or its value after PATIENCE_S (the caller's assert fails)."""
@@ -76,6 +73,13 @@ class LoggedServer:
         """Whether the server process still has its end of the connection from local `port` open."""
         return any(c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
                    for c in psutil.Process(self.proc.pid).net_connections("tcp"))
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples in a Prometheus text page whose labels include `labels`."""
+    want = [f'{k}="{v}"' for k, v in labels.items()]
+    found = re.findall(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M)  # label values may hold braces
+    return sum(float(v) for got, v in found if all(w in got for w in want))
 
 
 def wait_until(condition, what: str) -> None:

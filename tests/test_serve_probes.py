@@ -21,6 +21,7 @@ import pytest
 import torch
 
 httpx = pytest.importorskip("httpx")
+from serve_clients import metric_value  # noqa: E402
 from test_serve import free_port, infer_body  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -62,10 +63,7 @@ class ProbedServer:
             self.out.close()
 
     def metric(self, name: str, **labels: str) -> float:
-        text = httpx.get(f"{self.probe_url}/metrics", headers=AUTH).text
-        want = [f'{k}="{v}"' for k, v in labels.items()]
-        found = re.findall(rf"^{name}(?:{{(.*)}})? (\S+)$", text, re.M)
-        return sum(float(v) for got, v in found if all(w in got for w in want))
+        return metric_value(httpx.get(f"{self.probe_url}/metrics", headers=AUTH).text, name, **labels)
 
 
 @pytest.fixture(scope="module")
