@@ -55,7 +55,8 @@ def export_lines(r) -> list[str]:
 
     p = r.parity
     quantized = p.get("executorch", {}).get("quantize") not in (None, "none")  # int8 weights and activations
-    kind = f"{r.info.target} {p['executorch']['quantize'] if quantized else r.info.precision}"
+    runtime = " on OpenVINO" if r.info.runtime == "openvino" else ""
+    kind = f"{r.info.target}{runtime} {p['executorch']['quantize'] if quantized else r.info.precision}"
     lines = [f"wrote {r.path} ({r.path.stat().st_size / 1e6:.1f} MB, {kind}, batch 1-{r.info.max_batch})",
              f"parity on {p['n']} held-out images: top-1 agreement {p['top1_agreement']:.4f}, "
              f"max |dlogit| {p['max_abs_diff']:.3g} -> {r.parity_path}"]

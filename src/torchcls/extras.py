@@ -18,7 +18,7 @@ from torchcls.errors import UserError
 # extra -> what it enables (README's table says the same)
 EXTRAS = {
     "serve": "torchcls serve (FastAPI, Hypercorn)",
-    "export": "--target onnx and .onnx artifacts (onnx, onnxscript, onnxruntime)",
+    "export": "--target onnx and .onnx artifacts (onnx, onnxscript, onnxruntime; openvino for --runtime openvino)",
     "edge": "--target executorch and .pte programs (executorch, torchao)",
     "precision": "--precision fp8, int8/fp8 inference quantization (torchao)",
     "tracking": "--tracking mlflow (mlflow-skinny, SQLAlchemy)",

@@ -114,9 +114,14 @@ class ExportOptions:
     class names and preprocessing, check it against eager on held-out images (parity.json beside it) and
     refuse to write it when top-1 agreement is below --min-agreement."""
     checkpoint: str = positional("a .safetensors checkpoint or a run dir")
-    target: str = opt("aoti", "aoti: .pt2 AOTInductor package (runs from Python with torch only, or C++); onnx: "
-                      "ONNX Runtime; executorch: .pte program for the ExecuTorch runtime on devices",
-                      choices=("aoti", "onnx", "executorch"))
+    target: str = opt("auto", "auto: every target this machine runs (aoti; onnx on ONNX Runtime and on OpenVINO, when "
+                      "installed) is exported and checked, and the fastest here is the result (parity.json's choice "
+                      "says why; a CUDA export builds aoti); aoti: .pt2 AOTInductor package (runs from Python with "
+                      "torch only, or C++); onnx: an ONNX model (--runtime); executorch: .pte program for the "
+                      "ExecuTorch runtime on devices", choices=("auto", "aoti", "onnx", "executorch"))
+    runtime: str | None = opt(None, "--target onnx: the runtime it is checked on and runs on: onnxruntime (default) or "
+                              "openvino (CPU; bf16 where the CPU computes it natively)",
+                              choices=("onnxruntime", "openvino"))
     precision: str = opt("auto", "weights and compute inside the artifact; inputs and logits stay float32. auto = "
                          "bf16 where the hardware computes it natively (CPU with AVX-512-bf16 or AMX, GPU of compute "
                          "capability >= 8.0) and the target builds it (aoti), else fp32; parity.json says which and "

@@ -25,10 +25,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from torchcls.artifacts.fastest import Candidate, export_fastest
 from torchcls.artifacts.out_folder import attempt_folder
 from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_images, measure_parity
 from torchcls.artifacts.placement import cpu_only, portable_device
-from torchcls.artifacts.targets import get_target
+from torchcls.artifacts.targets import BY_SUFFIX, get_target
 from torchcls.artifacts.targets.base import MAX_BATCH, ArtifactInfo, ExportRequest, LoadedArtifact, Plan
 from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
 from torchcls.console import console, phase
@@ -60,7 +61,7 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
            parity_images: int = _D.parity_images,
            data: str | None = None, root: str | None = None, quantize: str | None = None,
            backend: str | None = None, calibration_images: int | None = None, device: str = _D.device,
-           autotune: bool = _D.autotune) -> ExportResult:
+           autotune: bool = _D.autotune, runtime: str | None = _D.runtime) -> ExportResult:
     """Export `checkpoint` (a .safetensors file or a run dir) to an AOTInductor package (aoti), an ONNX
     model (onnx) or an ExecuTorch program (executorch); early-exit models export their torch.cond form.
 
@@ -72,16 +73,36 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     `calibration_images` (int8); see torchcls.artifacts.targets.executorch.
     `device` (cpu, cuda, cuda:N; auto = cuda when a GPU is visible): capture, compile and check parity there;
     a CUDA .pt2 runs only on GPUs of this one's compute capability, which its metadata records.
-    `autotune`: aoti with Inductor max-autotune.
+    `autotune`: aoti with Inductor max-autotune. `runtime` (onnx): onnxruntime (default) or openvino (CPU).
+    `target` auto (the default): every target this machine can run is exported and checked, the fastest here is
+    returned, its parity.json says why (torchcls.artifacts.fastest); an --out ending in a suffix names the target.
     """
+    if target == "auto" and out is not None and Path(out).suffix and not Path(out).is_dir():
+        target = _target_named_by(Path(out))  # --out model.onnx: the suffix names the target
+    if target == "auto":
+        _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend,
+                       calibration_images, autotune, runtime)
+        resolve_checkpoint(checkpoint)  # a wrong path is one error, not one per candidate
+
+        def one(c: Candidate) -> ExportResult:
+            return export(checkpoint, c.target, precision, max_batch, None if out is None else Path(out) / c.name,
+                          min_agreement, parity_images, data, root, device=device,
+                          autotune=autotune and c.target == "aoti", runtime=c.runtime)
+
+        winner, choice = export_fastest(one, portable_device(device), max_batch)
+        winner.parity["choice"] = choice
+        _write_parity(winner.parity_path, winner.parity)
+        return winner
     _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend, calibration_images,
-                   autotune)
+                   autotune, runtime)
     tgt = get_target(target)
     # A CUDA device that is not here fails now, before any work; ExecuTorch builds for CPUs (auto = cpu).
-    dev = cpu_only(device, "--target executorch programs") if target == "executorch" else portable_device(device)
+    dev = (cpu_only(device, "--target executorch programs (XNNPACK or portable kernels)") if target == "executorch"
+           else portable_device(device))
     choice = choose_precision(precision, dev, kind="inference")  # auto: bf16 where the hardware has it
     req, choice = _check_request(tgt, ExportRequest(choice.precision, max_batch, quantize, backend, calibration_images,
-                                                    data, root, device=dev.type, autotune=autotune), choice)
+                                                    data, root, device=dev.type, autotune=autotune,
+                                                    runtime=runtime), choice)
     ckpt = resolve_checkpoint(checkpoint)
     model, meta = load_model(ckpt)
     if isinstance(model, EarlyExitNet):
@@ -155,14 +176,17 @@ def _build_check_publish(job: _Job, req: ExportRequest, choice: PrecisionChoice,
     built = BuildDevice.of(dev)
     info = ArtifactInfo(run_dir.name if run_dir else ckpt.stem, target, list(meta.classes), meta.preprocess,
                         req.max_batch, precision, model.num_exits if early_exit else 0, built.type, built.capability,
-                        built.gpu, task=meta.task, thresholds=meta.thresholds)
+                        built.gpu, task=meta.task, thresholds=meta.thresholds,
+                        runtime=(req.runtime or "onnxruntime") if target == "onnx" else "")
     extra = {"source": str(ckpt), "model": meta.spec.name, "torch": torch.__version__}
     if early_exit:
         extra["threshold"] = str(model.threshold)
     # A .pt2 is compiled for the device its program holds; an ONNX file is device-neutral (captured on the
     # CPU, its parity checked on the requested device's execution provider).
     at = dev if target == "aoti" else torch.device("cpu")
-    ep = capture(copy.deepcopy(model).to(at), info, at)
+    # OpenVINO reads an fp32 graph and computes in the artifact's precision itself (its inference precision hint).
+    graph = replace(info, precision="fp32") if info.runtime == "openvino" else info
+    ep = capture(copy.deepcopy(model).to(at), graph, at)
     with _partial_file(path) as tmp:
         report, artifact, digest = _build_and_load(plan, tgt, ep, info, tmp, extra, dev)
         # The eager reference runs on the same device (early-exit models: on the CPU, where their exits are chosen).
@@ -173,6 +197,8 @@ def _build_check_publish(job: _Job, req: ExportRequest, choice: PrecisionChoice,
                       device=built.type, precision_requested=choice.requested, precision_reason=choice.reason)
         if built.type == "cuda":
             parity.update(compute_capability=built.capability, gpu=built.gpu)
+        if info.runtime:
+            parity["runtime"] = info.runtime
         parity.update(report)
         if plan.finish:
             plan.finish(parity)
@@ -182,8 +208,7 @@ def _build_check_publish(job: _Job, req: ExportRequest, choice: PrecisionChoice,
             parity["precision_fallback"] = fallback_from
         _refuse_failed(parity, target, plan, path, min_agreement)
         parity_path = path.parent / "parity.json"
-        atomic_write(parity_path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
-        _make_readable(parity_path)
+        _write_parity(parity_path, parity)
         _publish(tmp, path, digest)
     return _Published(parity_path, parity, info, digest)
 
@@ -349,6 +374,11 @@ def _publish(tmp: Path, path: Path, digest: str) -> None:
     record_export(path, digest)  # loading what this machine exported needs no flag (a .pt2 is native code)
 
 
+def _write_parity(path: Path, parity: dict[str, Any]) -> None:
+    atomic_write(path, lambda t: Path(t).write_text(json.dumps(parity, indent=2)))
+    _make_readable(path)
+
+
 def _make_readable(path: Path) -> None:
     # Temp files are created 0600; an artifact is meant to be shared like any file the user writes.
     umask = os.umask(0)
@@ -357,9 +387,13 @@ def _make_readable(path: Path) -> None:
 
 
 def _check_options(target: str, precision: str, max_batch: int, min_agreement: float | None, parity_images: int,
-                   quantize: str | None, backend: str | None, calibration: int | None, autotune: bool) -> None:
-    if autotune and target != "aoti":
+                   quantize: str | None, backend: str | None, calibration: int | None, autotune: bool,
+                   runtime: str | None) -> None:
+    if autotune and target not in ("aoti", "auto"):
         raise UserError(f"--autotune applies to --target aoti only (got --target {target})")
+    if runtime is not None and target != "onnx":
+        raise UserError(f"--runtime applies to --target onnx only (got --target {target}; auto tries every runtime "
+                        "installed)")
     if target != "executorch":
         given = [f for f, v in (("--quantize", quantize), ("--backend", backend),
                                 ("--calibration-images", calibration)) if v is not None and v != "none"]
@@ -373,6 +407,12 @@ def _check_options(target: str, precision: str, max_batch: int, min_agreement: f
         raise UserError(f"--min-agreement {min_agreement}: must be a fraction between 0 and 1")
     if parity_images < 1:
         raise UserError(f"--parity-images {parity_images}: parity needs at least one image")
+
+
+def _target_named_by(out: Path) -> str:
+    if out.suffix not in BY_SUFFIX:
+        raise UserError(f"--out {out}: an artifact ends in {', '.join(BY_SUFFIX)} (or --out names a folder)")
+    return BY_SUFFIX[out.suffix].name
 
 
 def _artifact_path(out: str | Path | None, base: Path, suffix: str, target: str, label: str) -> Path:

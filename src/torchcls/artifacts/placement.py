@@ -62,10 +62,10 @@ def portable_device(requested: str) -> torch.device:
 
 
 def cpu_only(requested: str, what: str) -> torch.device:
-    """ExecuTorch programs: the CPU (XNNPACK/portable kernels); asking for CUDA is refused."""
+    """ExecuTorch programs (XNNPACK/portable kernels), OpenVINO artifacts: the CPU; asking for CUDA is refused."""
     want = parse_device(requested)
     if want != "auto" and want.type == "cuda":
-        raise UserError(f"--device {want}: {what} run on the CPU (XNNPACK or portable kernels); use --device cpu, "
+        raise UserError(f"--device {want}: {what} run on the CPU; use --device cpu, "
                         "or export with --target aoti --device cuda for a GPU")
     return torch.device("cpu")
 

@@ -48,6 +48,7 @@ class ArtifactInfo:
     gpu: str = ""
     task: str = "multiclass"  # multilabel: one sigmoid per class (torchcls.tasks); else softmax
     thresholds: list[float] | None = None  # multilabel: per-label decision thresholds (None: 0.5 each)
+    runtime: str = ""  # onnx: "onnxruntime" or "openvino", the runtime parity was measured on ("": onnxruntime)
 
     def to_json(self, **extra: Any) -> str:
         """The metadata string embedded in artifacts; `extra` (source checkpoint, torch version...) is kept
@@ -69,7 +70,8 @@ class ArtifactInfo:
                        _short(raw["precision"]), _int(raw.get("exits", 0), 0, MAX_EXITS, where),
                        _short(raw.get("device", "cpu")), _short(raw.get("compute_capability", "")),
                        _short(raw.get("gpu", "")), task=_short(raw.get("task", "multiclass")),
-                       thresholds=check_thresholds(raw.get("thresholds") or None, len(classes), where))
+                       thresholds=check_thresholds(raw.get("thresholds") or None, len(classes), where),
+                       runtime=_short(raw.get("runtime", "")))
         except (KeyError, TypeError, AttributeError) as e:
             raise UserError(f"{where}: its torchcls metadata is unreadable ({e!r}); re-export it with "
                             "`torchcls export`") from None
@@ -169,6 +171,7 @@ class ExportRequest:
     early_exit: bool = False
     device: str = "cpu"  # "cpu" or "cuda": what the artifact is built for
     autotune: bool = False  # aoti: Inductor max-autotune
+    runtime: str | None = None  # onnx: "onnxruntime" (None: the same) or "openvino"
 
 
 # build(ep, info, path, extra metadata) writes the artifact and returns what it adds to parity.json.

@@ -1,0 +1,132 @@
+"""`torchcls export --target auto` (the default): the fastest artifact that passes parity on this machine.
+
+Which runtime is fastest depends on the model and the CPU (measured, docs/benchmarks.md: on one AVX-512-bf16
+CPU AOTInductor and OpenVINO tie on ResNet-18 in bf16, while ONNX Runtime runs MobileNetV3 twice as fast as
+AOTInductor), so no fixed default can be the fast one everywhere. On the CPU, auto exports every path this
+installation can build (AOTInductor; the ONNX model on ONNX Runtime; the same on OpenVINO), each exactly as
+`--target` would, with its own parity gate and its own parity.json; then times the ones that passed on this
+machine, interleaved in rounds (median), at batch 1 and at min(16, --max-batch); and returns the one with the
+best geometric mean of the two speeds relative to the best of each. Its parity.json records the choice:
+every candidate's figures or why it was not kept, the rounds and the thread count. The others stay on
+disk, each verified, for a user who wants another trade-off. A CUDA export builds AOTInductor only (the
+one path compiled for the GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from torchcls.artifacts.artifact import load_artifact
+from torchcls.artifacts.openvino_session import openvino_available
+from torchcls.artifacts.targets.base import LoadedArtifact
+from torchcls.console import console, phase
+from torchcls.errors import UserError
+
+ROUNDS = 5  # interleaved timing rounds; each candidate's time is the median over them
+REPEATS_B1 = 5  # batch-1 calls per round (one call is too short to time alone)
+TIMING_SEED = 3
+
+
+@dataclass(frozen=True)
+class Candidate:
+    target: str
+    runtime: str | None = None  # onnx: onnxruntime or openvino
+
+    @property
+    def name(self) -> str:
+        return f"{self.target}-{self.runtime}" if self.runtime == "openvino" else self.target
+
+
+def candidates(device: torch.device) -> tuple[list[Candidate], dict[str, str]]:
+    """The paths auto tries on `device`, and why any other is left out (a missing extra says how to add it)."""
+    if device.type != "cpu":
+        return [Candidate("aoti")], {"onnx": "auto builds AOTInductor only for a GPU (name --target onnx for "
+                                             "ONNX Runtime's CUDA provider)"}
+    have = {m: importlib.util.find_spec(m) is not None for m in ("onnx", "onnxscript", "onnxruntime")}
+    found: list[Candidate] = [Candidate("aoti")]
+    left: dict[str, str] = {}
+    if all(have.values()):
+        found.append(Candidate("onnx", "onnxruntime"))
+    else:
+        left["onnx"] = f"{', '.join(m for m, ok in have.items() if not ok)} not installed: pip install 'torchcls[export]'"
+    if have["onnx"] and have["onnxscript"] and openvino_available():
+        found.append(Candidate("onnx", "openvino"))
+    else:
+        left["onnx-openvino"] = "openvino (and onnx, onnxscript) not installed: pip install 'torchcls[export]'"
+    return found, left
+
+
+def export_fastest(export_one: Callable[[Candidate], Any], device: torch.device,
+                   max_batch: int) -> tuple[Any, dict[str, Any]]:
+    """Export every candidate with `export_one` (an ExportResult, or a UserError such as failed parity), time
+    those that were written; (the fastest one's ExportResult, the choice for its parity.json)."""
+    found, refused = candidates(device)
+    results: dict[str, Any] = {}
+    for i, c in enumerate(found, 1):
+        console.print(f"--target auto: exporting {c.name} ({i} of {len(found)})", highlight=False)
+        try:
+            results[c.name] = export_one(c)
+        except UserError as e:
+            refused[c.name] = str(e).splitlines()[0][:400]
+            console.print(f"--target auto: {c.name} not kept: {refused[c.name]}", highlight=False)
+    if not results:
+        tried = {refused[c.name] for c in found}
+        if len(tried) == 1:  # the same error for every target (the parity data is missing...): said once
+            raise UserError(tried.pop())
+        raise UserError("--target auto: no target produced an artifact that passed parity here: "
+                        + "; ".join(f"{k}: {v}" for k, v in refused.items()))
+    batches = sorted({1, min(16, max_batch)})
+    phase(f"timing {len(results)} artifact(s) at batch {' and '.join(map(str, batches))}")
+    seconds = time_artifacts({name: load_artifact(r.path) for name, r in results.items()}, batches)
+    choice = choose(seconds, batches)
+    for name, r in results.items():
+        choice["candidates"][name] |= {"path": str(r.path), "precision": r.info.precision,
+                                       "top1_agreement": r.parity["top1_agreement"]}
+    choice["candidates"] |= {name: {"not_kept": why} for name, why in refused.items()}
+    console.print(f"--target auto: {choice['why']}", highlight=False)
+    return results[choice["chosen"]], choice
+
+
+def time_artifacts(artifacts: dict[str, LoadedArtifact], batches: list[int]) -> dict[str, dict[int, float]]:
+    """Median seconds per call of each artifact at each batch size, rounds interleaved (A B C, A B C ...) so
+    that a change in the machine's load falls on every candidate alike."""
+    first = next(iter(artifacts.values())).info.preprocess
+    shape = (first.channels, first.img_size, first.img_size)
+    images = torch.randn(max(batches), *shape, generator=torch.Generator().manual_seed(TIMING_SEED))
+    times: dict[str, dict[int, list[float]]] = {name: {b: [] for b in batches} for name in artifacts}
+    for artifact in artifacts.values():  # warm-up: first calls allocate and pick kernels
+        for b in batches:
+            artifact(images[:b])
+    for _ in range(ROUNDS):
+        for name, artifact in artifacts.items():
+            for b in batches:
+                repeats = REPEATS_B1 if b == 1 else 1
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    artifact(images[:b])
+                times[name][b].append((time.perf_counter() - start) / repeats)
+    return {name: {b: statistics.median(ts) for b, ts in per.items()} for name, per in times.items()}
+
+
+def choose(seconds: dict[str, dict[int, float]], batches: list[int]) -> dict[str, Any]:
+    """The candidate with the best geometric mean over `batches` of (best time at that batch / its time); ties go
+    to the one named first (AOTInductor, which needs nothing but torch)."""
+    best = {b: min(per[b] for per in seconds.values()) for b in batches}
+    scores = {name: statistics.geometric_mean([best[b] / per[b] for b in batches]) for name, per in seconds.items()}
+    chosen = max(scores, key=lambda name: (scores[name], -list(scores).index(name)))
+    figures = {name: {"score": round(scores[name], 4), "ms_per_batch": {str(b): round(per[b] * 1e3, 3) for b in batches},
+                      "images_per_s": {str(b): round(b / per[b], 1) for b in batches}} for name, per in seconds.items()}
+    big = max(batches)
+    why = (f"{chosen} is the fastest here that passed parity: "
+           + ", ".join(f"{name} {per[1] * 1e3:.1f} ms at batch 1, {big / per[big]:.0f} images/s at batch {big}"
+                       for name, per in seconds.items()))
+    return {"chosen": chosen, "why": why, "rule": "best geometric mean of speed relative to the fastest, at "
+            f"batch {' and '.join(map(str, batches))}", "rounds": ROUNDS, "threads": torch.get_num_threads(),
+            "candidates": figures}
