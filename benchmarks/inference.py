@@ -92,32 +92,43 @@ def shared_onnx(model_name: str, model, shared: Path) -> Path:
 
 
 def default_runner(model_name: str, model, workdir: Path):
-    """What `torchcls export` builds by default here, with its auto fallback: the reduced precision is kept
-    only when it agrees with eager fp32 on the probe as the exporter requires, else fp32 is built."""
+    """What `torchcls export` builds by default here: --target auto's candidates (torchcls.artifacts.fastest),
+    each with the exporter's precision rule (auto falls back to fp32 when the reduced precision fails parity,
+    here on the probe), timed and chosen by the exporter's own rule; the winner runs."""
     import copy
 
+    import torch
+
     from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.fastest import candidates, choose, time_artifacts
     from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare
 
-    tgt, req, choice = default_export_request()
     probe = probe_inputs()
-    ref, reason = logits_of(model, probe), choice.reason
-    for attempt in dict.fromkeys((req.precision, "fp32")):
-        req = replace(req, precision=attempt)
-        plan = tgt.plan(req, None)
-        info = _info(model_name, tgt.name, req.max_batch, attempt)
-        path = workdir / f"default-{attempt}{tgt.suffix}"
-        plan.build(capture(copy.deepcopy(model), info), info, path, {})
-        run = tgt.load(path)
-        agreement = compare(ref, logits_of(run, probe))["top1_agreement"]
-        need = plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[attempt]
-        if agreement >= need or attempt == "fp32":
-            break
-        reason += f"; {attempt} failed parity here ({agreement:.1%} < {need:.1%}): fp32 instead, as export does"
-    why = (f"`torchcls export` defaults: --target {tgt.name}, --precision {choice.requested} -> {attempt} ({reason}), "
-           f"--max-batch {req.max_batch}" + (", --autotune" if req.autotune else ""))
-    run.bench_info = {"runtime": "torch", "precision": attempt, "path": f"{tgt.name}-{plan.label}", "reason": why,
-                      "how": f"{tgt.name}-{plan.label} as {why}"}
+    ref = logits_of(model, probe)
+    built, notes = {}, {}
+    for c in candidates(torch.device("cpu"))[0]:
+        tgt, req, choice = default_export_request(c.target, c.runtime)
+        reason = choice.reason
+        for attempt in dict.fromkeys((req.precision, "fp32")):
+            req = replace(req, precision=attempt)
+            plan = tgt.plan(req, None)
+            info = replace(_info(model_name, tgt.name, req.max_batch, attempt), runtime=c.runtime or "")
+            graph = replace(info, precision="fp32") if c.runtime == "openvino" else info  # as the exporter does
+            path = workdir / f"default-{c.name}-{attempt}{tgt.suffix}"
+            plan.build(capture(copy.deepcopy(model), graph), info, path, {})
+            run = tgt.load(path)
+            agreement = compare(ref, logits_of(run, probe))["top1_agreement"]
+            need = plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[attempt]
+            if agreement >= need or attempt == "fp32":
+                break
+            reason += f"; {attempt} failed parity here ({agreement:.1%} < {need:.1%}): fp32 instead, as export does"
+        built[c.name], notes[c.name] = run, f"{c.name}-{plan.label} ({reason})"
+    picked = choose(time_artifacts(built, list(BATCHES)), list(BATCHES))
+    run = built[picked["chosen"]]
+    run.bench_info = {"runtime": run.info.runtime or "torch", "precision": run.info.precision,
+                      "path": notes[picked["chosen"]].split(" (")[0], "reason": picked["why"],
+                      "how": f"`torchcls export` defaults (--target auto): {picked['why']}; candidates: "
+                             + "; ".join(notes.values())}
     return run
 
 

@@ -92,20 +92,20 @@ def skip_reason(config: str) -> str | None:
 
 
 # ---------------------------------------------------------------- the default path
-def default_export_request():
-    """(target, ExportRequest, PrecisionChoice) that `torchcls export CHECKPOINT` builds on this CPU with every
-    option left at its default: the exporter's own defaults and precision rule, read, not restated."""
+def default_export_request(target: str, runtime: str | None):
+    """(target, ExportRequest, PrecisionChoice) that `torchcls export CHECKPOINT` builds for one of --target auto's
+    candidates on this CPU, every other option at its default: the exporter's own defaults and precision
+    rule, read, not restated."""
     from torchcls.artifacts.exporter import _check_request  # the exporter's auto fallback, one truth
     from torchcls.artifacts.targets import get_target
     from torchcls.artifacts.targets.base import ExportRequest
     from torchcls.options import ExportOptions as D
     from torchcls.precision.hardware import choose_precision
 
-    tgt = get_target(D.target)
+    tgt = get_target(target)
     choice = choose_precision(D.precision, torch.device("cpu"), kind="inference")
-    req = ExportRequest(choice.precision, D.max_batch, autotune=D.autotune)
-    req, choice = _check_request(tgt, req, choice)
-    return tgt, req, choice
+    req = ExportRequest(choice.precision, D.max_batch, autotune=D.autotune, runtime=runtime)
+    return (tgt, *_check_request(tgt, req, choice))
 
 
 # ---------------------------------------------------------------- ONNX Runtime int8

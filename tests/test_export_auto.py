@@ -1,0 +1,117 @@
+"""`torchcls export` with its default `--target auto`: every target this machine runs is exported and checked,
+the fastest here is returned and parity.json records why; and ONNX artifacts run on OpenVINO
+(`--runtime openvino`), the runtime recorded in their metadata. Timings are recorded, never asserted."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from torchcls.artifacts import export, load_artifact
+from torchcls.artifacts.fastest import Candidate, candidates, choose
+from torchcls.checkpoint.files import load_model
+from torchcls.cli import main
+from torchcls.errors import UserError
+
+pytestmark = pytest.mark.slow
+MAX_BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def auto_export(trained_run, tmp_path_factory):
+    """The trained run exported with every option at its default but the batch bound, into a copy of the run
+    (other tests export into the original's export/ folder)."""
+    run = shutil.copytree(trained_run, tmp_path_factory.mktemp("auto") / "run", symlinks=True,
+                          ignore=shutil.ignore_patterns("export"))
+    return run, export(run, max_batch=MAX_BATCH)
+
+
+def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
+    run, result = auto_export
+    choice = json.loads(result.parity_path.read_text())["choice"]
+    built = {name: c for name, c in choice["candidates"].items() if "not_kept" not in c}
+    # this installation has the export extra: AOTInductor, ONNX Runtime and OpenVINO are all candidates
+    assert set(choice["candidates"]) == {"aoti", "onnx", "onnx-openvino"}
+    assert choice["chosen"] in built and Path(built[choice["chosen"]]["path"]) == result.path
+    assert choice["rounds"] >= 3 and choice["threads"] == torch.get_num_threads()
+    for name, c in built.items():  # each kept one is a verified artifact on disk with its own parity record
+        path = Path(c["path"])
+        assert path.is_file() and json.loads((path.parent / "parity.json").read_text())["passed"]
+        assert set(c["ms_per_batch"]) == {"1", str(MAX_BATCH)} and c["top1_agreement"] >= 0.99
+        assert 0 < c["score"] <= 1
+    assert max(c["score"] for c in built.values()) == built[choice["chosen"]]["score"] == 1.0
+    assert sorted(p.name for p in (run / "export").iterdir()) == sorted(
+        Path(c["path"]).parent.name for c in built.values())
+    # what was returned is what loads and agrees with eager
+    model, _ = load_model(run)
+    x = torch.randn(3, 3, 32, 32)
+    with torch.no_grad():
+        assert (load_artifact(result.path)(x).argmax(1) == model(x).argmax(1)).all()
+
+
+def test_openvino_artifact_records_its_runtime_and_runs_on_the_cpu_only(auto_export):
+    _, result = auto_export
+    choice = json.loads(result.parity_path.read_text())["choice"]
+    path = Path(choice["candidates"]["onnx-openvino"]["path"])
+    assert path.parent.name.startswith("onnx-openvino-")
+    parity = json.loads((path.parent / "parity.json").read_text())
+    assert parity["runtime"] == "openvino" and parity["passed"]
+    art = load_artifact(path)
+    assert art.info.runtime == "openvino" and art.runtime == "openvino"
+    assert art(torch.randn(MAX_BATCH, 3, 32, 32)).shape == (MAX_BATCH, 2)
+    with pytest.raises(UserError, match="run on the CPU"):
+        load_artifact(path, device="cuda")
+    onnx_rt = load_artifact(Path(choice["candidates"]["onnx"]["path"]))
+    assert onnx_rt.runtime == "onnxruntime" and onnx_rt.info.runtime == "onnxruntime"
+
+
+def test_an_unknown_runtime_in_the_metadata_is_refused(auto_export, tmp_path):
+    import onnx
+
+    _, result = auto_export
+    source = Path(json.loads(result.parity_path.read_text())["choice"]["candidates"]["onnx"]["path"])
+    model = onnx.load(str(source))
+    for prop in model.metadata_props:
+        if prop.key == "torchcls":
+            meta = json.loads(prop.value)
+            prop.value = json.dumps(meta | {"runtime": "/tmp/evil.so"})
+    forged = tmp_path / "forged.onnx"
+    onnx.save(model, str(forged))
+    with pytest.raises(UserError, match="names runtime '/tmp/evil.so'"):
+        load_artifact(forged)
+
+
+def test_out_with_a_suffix_names_the_target_and_options_are_checked(trained_run, tmp_path, capsys):
+    out = tmp_path / "one.onnx"
+    assert main(["export", str(trained_run), "--max-batch", "4", "--out", str(out)]) == 0
+    parity = json.loads((tmp_path / "parity.json").read_text())
+    assert parity["target"] == "onnx" and "choice" not in parity and out.is_file()
+    assert "--target auto" not in capsys.readouterr().out
+    with pytest.raises(UserError, match="--runtime applies to --target onnx only"):
+        export(trained_run, target="aoti", runtime="openvino")
+    with pytest.raises(UserError, match="auto tries every runtime"):
+        export(trained_run, runtime="openvino")
+    with pytest.raises(UserError, match=r"--out .*model.bin: an artifact ends in \.pt2, \.onnx, \.pte"):
+        export(trained_run, out=tmp_path / "model.bin")
+    with pytest.raises(UserError, match="does not exist"):
+        export(tmp_path / "missing-run")
+
+
+def test_choice_rule_is_the_best_geometric_mean_and_ties_go_to_the_first():
+    seconds = {"aoti": {1: 0.010, 16: 0.100}, "onnx": {1: 0.005, 16: 0.200}, "onnx-openvino": {1: 0.008, 16: 0.110}}
+    picked = choose(seconds, [1, 16])
+    # aoti: sqrt(0.5 * 1.0) = 0.707; onnx: sqrt(1.0 * 0.5) = 0.707; openvino: sqrt(0.625 * 0.909) = 0.754
+    assert picked["chosen"] == "onnx-openvino"
+    assert picked["candidates"]["aoti"]["score"] == picked["candidates"]["onnx"]["score"]
+    del seconds["onnx-openvino"]
+    assert choose(seconds, [1, 16])["chosen"] == "aoti"  # a tie: the first named
+
+
+def test_a_gpu_export_tries_aoti_only():
+    found, left = candidates(torch.device("cuda"))
+    assert found == [Candidate("aoti")] and "GPU" in left["onnx"]
+    assert [c.name for c in candidates(torch.device("cpu"))[0]] == ["aoti", "onnx", "onnx-openvino"]
