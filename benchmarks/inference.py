@@ -122,7 +122,7 @@ def default_runner(model_name: str, model, workdir: Path):
             if agreement >= need or attempt == "fp32":
                 break
             reason += f"; {attempt} failed parity here ({agreement:.1%} < {need:.1%}): fp32 instead, as export does"
-        built[c.name], notes[c.name] = run, f"{c.name}-{plan.label} ({reason})"
+        built[c.name], notes[c.name] = run, f"{c.target}-{plan.label} ({reason})"
     picked = choose(time_artifacts(built, list(BATCHES)), list(BATCHES))
     run = built[picked["chosen"]]
     run.bench_info = {"runtime": run.info.runtime or "torch", "precision": run.info.precision,

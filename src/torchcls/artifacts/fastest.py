@@ -1,12 +1,13 @@
 """`torchcls export --target auto` (the default): the fastest artifact that passes parity on this machine.
 
 Which runtime is fastest depends on the model and the CPU (measured, docs/benchmarks.md: on one AVX-512-bf16
-CPU AOTInductor and OpenVINO tie on ResNet-18 in bf16, while ONNX Runtime runs MobileNetV3 twice as fast as
-AOTInductor), so no fixed default can be the fast one everywhere. On the CPU, auto exports every path this
+CPU AOTInductor and OpenVINO are within 10% on ResNet-18 in bf16, while ONNX Runtime runs MobileNetV3 1.8x as
+fast as AOTInductor), so no fixed default can be the fast one everywhere. On the CPU, auto exports every path this
 installation can build (AOTInductor; the ONNX model on ONNX Runtime; the same on OpenVINO), each exactly as
 `--target` would, with its own parity gate and its own parity.json; then times the ones that passed on this
 machine, interleaved in rounds (median), at batch 1 and at min(16, --max-batch); and returns the one with the
-best geometric mean of the two speeds relative to the best of each. Its parity.json records the choice:
+best geometric mean of the two speeds relative to the best of each (the timing images are random: an
+early-exit model is timed on the exits they take). Its parity.json records the choice:
 every candidate's figures or why it was not kept, the rounds and the thread count. The others stay on
 disk, each verified, for a user who wants another trade-off. A CUDA export builds AOTInductor only (the
 one path compiled for the GPU).
