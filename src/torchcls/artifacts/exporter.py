@@ -97,7 +97,7 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
                    autotune, runtime)
     tgt = get_target(target)
     # A CUDA device that is not here fails now, before any work; ExecuTorch builds for CPUs (auto = cpu).
-    dev = (cpu_only(device, "--target executorch programs (XNNPACK or portable kernels)") if target == "executorch"
+    dev = (cpu_only(device, "--target executorch programs") if target == "executorch"
            else portable_device(device))
     choice = choose_precision(precision, dev, kind="inference")  # auto: bf16 where the hardware has it
     req, choice = _check_request(tgt, ExportRequest(choice.precision, max_batch, quantize, backend, calibration_images,

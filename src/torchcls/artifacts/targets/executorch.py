@@ -196,7 +196,7 @@ class ExecuTorchArtifact(LoadedArtifact):
 
     def __init__(self, path: str | Path, device: str = "auto"):
         path = Path(path)
-        self.device = cpu_only(device, "ExecuTorch programs (XNNPACK or portable kernels)")
+        self.device = cpu_only(device, "ExecuTorch programs")
         try:
             from executorch.runtime import Runtime
         except ImportError:
