@@ -29,6 +29,7 @@ from torchcls.artifacts.openvino_session import openvino_available
 from torchcls.artifacts.targets.base import LoadedArtifact
 from torchcls.console import console, phase
 from torchcls.errors import UserError
+from torchcls.extras import install_command
 
 ROUNDS = 5  # interleaved timing rounds; each candidate's time is the median over them
 REPEATS_B1 = 5  # batch-1 calls per round (one call is too short to time alone)
@@ -56,11 +57,11 @@ def candidates(device: torch.device) -> tuple[list[Candidate], dict[str, str]]:
     if all(have.values()):
         found.append(Candidate("onnx", "onnxruntime"))
     else:
-        left["onnx"] = f"{', '.join(m for m, ok in have.items() if not ok)} not installed: pip install 'torchcls[export]'"
+        left["onnx"] = f"{', '.join(m for m, ok in have.items() if not ok)} not installed: {install_command('export')}"
     if have["onnx"] and have["onnxscript"] and openvino_available():
         found.append(Candidate("onnx", "openvino"))
     else:
-        left["onnx-openvino"] = "openvino (and onnx, onnxscript) not installed: pip install 'torchcls[export]'"
+        left["onnx-openvino"] = f"openvino (and onnx, onnxscript) not installed: {install_command('export')}"
     return found, left
 
 
