@@ -3,7 +3,8 @@
 OpenVINO reads the very bytes the ONNX checks passed (onnx_bounds: allowed operators, no external data,
 bounded sizes), from a private temporary copy, since its reader takes a path: the artifact file itself
 could change between the check and the read. It compiles for a batch dimension in [1, max_batch], and once
-more for batch 1 alone (static shapes: 4-5% faster at batch 1 for ResNet-18, the latency case), with the
+more for batch 1 alone, the latency case (static shapes: OpenVINO's static-shape run of ResNet-18 bf16 took
+8.9 ms at batch 1 against 9.4 ms for the batch-range model, docs/benchmarks.md), with the
 LATENCY hint (one stream using every thread: what a synchronous call wants) and the precision
 the export measured parity in (bf16 only where torch's rule found it native: OpenVINO's own default).
 `Core.read_model` is OpenVINO's runtime reader; its model-conversion tool (`ov.convert_model`, which
