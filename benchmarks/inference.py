@@ -99,13 +99,13 @@ def default_runner(model_name: str, model, workdir: Path):
 
     import torch
 
-    from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.exporter import capture, graph_info
     from torchcls.artifacts.fastest import candidates, choose, time_artifacts
     from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare
 
     probe = probe_inputs()
     ref = logits_of(model, probe)
-    built, notes = {}, {}
+    built, labels, notes = {}, {}, {}
     for c in candidates(torch.device("cpu"))[0]:
         tgt, req, choice = default_export_request(c.target, c.runtime)
         reason = choice.reason
@@ -113,20 +113,20 @@ def default_runner(model_name: str, model, workdir: Path):
             req = replace(req, precision=attempt)
             plan = tgt.plan(req, None)
             info = replace(_info(model_name, tgt.name, req.max_batch, attempt), runtime=c.runtime or "")
-            graph = replace(info, precision="fp32") if c.runtime == "openvino" else info  # as the exporter does
             path = workdir / f"default-{c.name}-{attempt}{tgt.suffix}"
-            plan.build(capture(copy.deepcopy(model), graph), info, path, {})
+            plan.build(capture(copy.deepcopy(model), graph_info(info)), info, path, {})
             run = tgt.load(path)
             agreement = compare(ref, logits_of(run, probe))["top1_agreement"]
             need = plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[attempt]
             if agreement >= need or attempt == "fp32":
                 break
             reason += f"; {attempt} failed parity here ({agreement:.1%} < {need:.1%}): fp32 instead, as export does"
-        built[c.name], notes[c.name] = run, f"{c.target}-{plan.label} ({reason})"
+        built[c.name], labels[c.name] = run, f"{c.target}-{plan.label}"
+        notes[c.name] = f"{labels[c.name]} ({reason})"
     picked = choose(time_artifacts(built, list(BATCHES)), list(BATCHES))
     run = built[picked["chosen"]]
     run.bench_info = {"runtime": run.info.runtime or "torch", "precision": run.info.precision,
-                      "path": notes[picked["chosen"]].split(" (")[0], "reason": picked["why"],
+                      "path": labels[picked["chosen"]], "reason": picked["why"],
                       "how": f"`torchcls export` defaults (--target auto): {picked['why']}; candidates: "
                              + "; ".join(notes.values())}
     return run

@@ -184,9 +184,7 @@ def _build_check_publish(job: _Job, req: ExportRequest, choice: PrecisionChoice,
     # A .pt2 is compiled for the device its program holds; an ONNX file is device-neutral (captured on the
     # CPU, its parity checked on the requested device's execution provider).
     at = dev if target == "aoti" else torch.device("cpu")
-    # OpenVINO reads an fp32 graph and computes in the artifact's precision itself (its inference precision hint).
-    graph = replace(info, precision="fp32") if info.runtime == "openvino" else info
-    ep = capture(copy.deepcopy(model).to(at), graph, at)
+    ep = capture(copy.deepcopy(model).to(at), graph_info(info), at)
     with _partial_file(path) as tmp:
         report, artifact, digest = _build_and_load(plan, tgt, ep, info, tmp, extra, dev)
         # The eager reference runs on the same device (early-exit models: on the CPU, where their exits are chosen).
@@ -254,6 +252,12 @@ def _build_and_load(plan: Plan, tgt, ep: torch.export.ExportedProgram, info: Art
     digest = sha256_file(tmp)
     phase("load back")
     return report, tgt.load(tmp, device=str(dev)), digest
+
+
+def graph_info(info: ArtifactInfo) -> ArtifactInfo:
+    """What the captured graph computes in: the artifact's precision, except for OpenVINO, which reads an fp32
+    graph and computes in the artifact's precision itself (its inference precision hint)."""
+    return replace(info, precision="fp32") if info.runtime == "openvino" else info
 
 
 def capture(model: nn.Module, info: ArtifactInfo, device: torch.device | str = "cpu") -> torch.export.ExportedProgram:
