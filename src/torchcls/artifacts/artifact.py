@@ -51,7 +51,8 @@ class EagerArtifact(LoadedArtifact):
 
 def load_artifact(path: str | Path, expect_sha256: str | None = None, device: str = "auto",
                   trust: bool = False, precision: str = "auto") -> LoadedArtifact:
-    """Open an artifact by its suffix: .pt2 (AOTInductor), .onnx (ONNX Runtime), .pte (ExecuTorch),
+    """Open an artifact by its suffix: .pt2 (AOTInductor), .onnx (ONNX Runtime, or OpenVINO where its metadata
+    says it was exported for it), .pte (ExecuTorch),
     .safetensors or a run dir (eager PyTorch), on `device` (auto, cpu, cuda, cuda:N).
 
     auto: a .pt2 runs where it was built (a CUDA build needs a GPU of its compute capability); an .onnx
