@@ -26,7 +26,7 @@ VNNI_AVX2 = ("avx_vnni",)
 ONEDNN_NO_VNNI = ("SSE41", "AVX", "AVX2", "AVX512_CORE")  # oneDNN ISA caps without VNNI instructions
 CALIBRATION_SEED = 2  # calibration inputs: drawn apart from the agreement probe (seed 1)
 CALIBRATION_IMAGES = 32
-INSTALL = "pip install -e '.[bench]'"
+INSTALL = "pip install -e '.[export]'"  # OpenVINO, an export runtime too (--runtime openvino)
 
 
 def versions() -> dict[str, str | None]:
