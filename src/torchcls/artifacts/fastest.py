@@ -122,7 +122,7 @@ def choose(seconds: dict[str, dict[int, float]], batches: list[int]) -> dict[str
     to the one named first (AOTInductor, which needs nothing but torch)."""
     best = {b: min(per[b] for per in seconds.values()) for b in batches}
     scores = {name: statistics.geometric_mean([best[b] / per[b] for b in batches]) for name, per in seconds.items()}
-    chosen = max(scores, key=lambda name: (scores[name], -list(scores).index(name)))
+    chosen = max(scores, key=scores.__getitem__)  # max keeps the first of equal scores
     figures = {name: {"score": round(scores[name], 4), "ms_per_batch": {str(b): round(per[b] * 1e3, 3) for b in batches},
                       "images_per_s": {str(b): round(b / per[b], 1) for b in batches}} for name, per in seconds.items()}
     big = max(batches)
