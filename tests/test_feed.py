@@ -86,15 +86,19 @@ def test_feed_kind_follows_the_data(tmp_path: Path, sources: dict[str, Path]) ->
 
 
 @pytest.mark.slow
-def test_ddp_over_shards_with_two_ranks(tmp_path: Path, sources: dict[str, Path]) -> None:
+@pytest.mark.parametrize("feed", ["shards", "files"])
+def test_ddp_with_loader_workers_on_two_ranks(tmp_path: Path, sources: dict[str, Path], feed: str) -> None:
+    """Two torchrun ranks, each with a loader worker: streamed shards start new workers every epoch, the
+    map-style folder loader once. Under torch.distributed they start from a forkserver (data/worker_start.py),
+    which takes every dataset, transform and collate function through pickle."""
     import json
     import os
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "torchcls",
-           "train", "--data", str(sources["shards"]), "--out-dir", str(tmp_path), "--name", "ddp", "--parallel", "ddp",
+           "train", "--data", str(sources[feed]), "--out-dir", str(tmp_path), "--name", "ddp", "--parallel", "ddp",
            "--epochs", "2", "--batch-size", "8", "--workers", "1", "--img-size", "32", "--no-progress",
-           "--no-lineage", "--dist-timeout", "120"]
+           "--no-lineage", "--dist-timeout", "120", "--in-memory", "off"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]

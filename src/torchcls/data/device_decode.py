@@ -32,6 +32,7 @@ from torchvision.transforms import v2
 from torchcls.data.images import BadImage, decode_bytes, plan_decode, probe_bytes, read_image_file
 from torchcls.data.sampling import EpochSampler
 from torchcls.data.sources import ImageSet
+from torchcls.data.worker_start import worker_context
 from torchcls.errors import UserError
 
 GEOMETRY = (v2.RandomResizedCrop, v2.RandomHorizontalFlip, v2.Resize, v2.CenterCrop, v2.RandomCrop)
@@ -175,7 +176,8 @@ class DeviceDecodeLoader:
         self.geometric, self.tail = split_steps(ds.transform)
         self.loader = DataLoader(EncodedSamples(ds), batch_size=batch_size,
                                  sampler=EpochSampler(len(ds), seed, shuffle, rank, world), num_workers=workers,
-                                 persistent_workers=workers > 0, drop_last=False, collate_fn=_collate)
+                                 persistent_workers=workers > 0, drop_last=False, collate_fn=_collate,
+                                 multiprocessing_context=worker_context(workers))
         self.sampler, self.batch_size = self.loader.sampler, batch_size
 
     def __len__(self) -> int:

@@ -25,6 +25,7 @@ from torchcls.data.skips import BadSampleError, DropBad, read_skips, record_skip
 from torchcls.data.sources import ImageSet, apply_size_limits, open_source
 from torchcls.data.splits import available_splits, check_same_classes
 from torchcls.data.transforms import build_transform
+from torchcls.data.worker_start import worker_context
 from torchcls.errors import UserError
 from torchcls.run_files import write_text_atomic
 from torchcls.tasks import check_task
@@ -239,7 +240,8 @@ def make_loader(ds: Dataset, batch_size: int, workers: int, shuffle: bool, seed:
     makes the next pass serve `epoch` from this rank's position `start` on, with nothing replayed."""
     return DataLoader(ds, batch_size=batch_size, sampler=EpochSampler(len(ds), seed, shuffle, rank, world),
                       num_workers=workers, persistent_workers=workers > 0, drop_last=False,
-                      collate_fn=collate_for(ds), pin_memory=torch.cuda.is_available())
+                      collate_fn=collate_for(ds), pin_memory=torch.cuda.is_available(),
+                      multiprocessing_context=worker_context(workers))
 
 
 def reseed(loader: DataLoader, seed: int, epoch: int, start: int = 0) -> None:

@@ -32,6 +32,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchcls.data import images as image_files
 from torchcls.data.images import decode_bytes
 from torchcls.data.shards import IMAGE_EXTS, MAX_CLS_BYTES, ShardSet, iter_members, open_tar
+from torchcls.data.worker_start import worker_context
 from torchcls.errors import UserError
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
@@ -241,6 +242,7 @@ class ShardLoader:
             warnings.filterwarnings("ignore", message=".*set_vital.*")
             self.loader = StatefulDataLoader(
                 dataset, batch_size=dataset.batch_size, num_workers=workers, snapshot_every_n_steps=1,
+                multiprocessing_context=worker_context(workers),
                 pin_memory=torch.cuda.is_available() if pin_memory is None else pin_memory)
         self._skipped: list[list[str]] = []
 

@@ -1,0 +1,38 @@
+"""How DataLoader worker processes start: forked from the training process where that is safe, from a
+forkserver where it is not.
+
+fork copies the calling thread only, and with it every lock as it was at that instant. A lock that another
+thread of the training process held then stays held in the worker for ever, and the worker hangs on its first
+use of it (pytorch/pytorch#130610: a thread inside torch.set_num_threads held the atexit lock). A single
+process has no such threads of its own (PyTorch resets its OpenMP pool in a forked child), so fork, the
+cheapest start, stays its default. Under torch.distributed the process runs gloo's and the store's threads,
+which work between steps (gradient all-reduces, buffer broadcasts): a shard loader forks new workers every
+epoch there, and a test run of two ranks hung in a fork about one time in three full test suites (a rank
+waiting for a batch, the other timing out in DDP's broadcast). So there the workers start from a
+forkserver: a separate single-threaded process (it imports torch once, in parallel with the run) that forks
+each worker; the dataset reaches the worker pickled, as under spawn.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from multiprocessing.context import BaseContext
+
+import torch
+
+# Imported once by the forkserver, so each worker it forks starts with them (what a worker unpickles needs).
+PRELOAD = ["torch", "torchvision.transforms.v2", "torchcls.data.loaders", "torchcls.data.streaming"]
+
+
+def has_service_threads() -> bool:
+    """Does this process run threads of its own that fork would copy mid-work (torch.distributed's)?"""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def worker_context(workers: int) -> BaseContext | None:
+    """The `multiprocessing_context` of a DataLoader with `workers` processes (None: the platform's default)."""
+    if workers <= 0 or not has_service_threads() or "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)  # (replaces the default ['__main__']: the CLI is never re-imported)
+    return context
