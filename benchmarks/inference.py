@@ -1,7 +1,8 @@
 """Inference latency (batch 1) and throughput (batch 16) of every torchcls inference path and of its peers, at 224 px.
 
 torchcls paths: eager, eager channels_last, torchcls compile (fp32, bf16: `compile_for_inference`), AOTInductor
-package (fp32), and `default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its
+package (fp32), AOTInductor static int8 (`aoti_int8`: `torchcls export --precision int8`, calibrated on the same
+random inputs as ORT's int8, only where the CPU has VNNI), and `default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its
 default (target, precision auto with its fallback to fp32 when the reduced precision fails parity on the probe;
 `torchcls serve` serves that artifact as it was exported). Peers, each from the same ONNX file (torchcls' onnx
 target): ONNX Runtime fp32 (`ort`), ONNX Runtime int8 (`ort_int8`: static QDQ quantization, only where the CPU
@@ -42,12 +43,19 @@ from dataclasses import replace
 from pathlib import Path
 
 from inference_goals import goal_summary
-from inference_peers import OV_HINTS, OpenVinoRunner, default_export_request, ort_int8_runner, skip_reason
+from inference_peers import (
+    OV_HINTS,
+    OpenVinoRunner,
+    calibration_inputs,
+    default_export_request,
+    ort_int8_runner,
+    skip_reason,
+)
 from inference_report import add_ratios, machine_record, measure_peaks, model_gflop, report
 
 MODELS = {"resnet18": "resnet18", "resnet50": "resnet50", "mobilenetv3": "mobilenetv3_large_100",
           "convnext_tiny": "convnext_tiny", "vit_small": "vit_small_patch16_224"}
-CONFIGS = ("eager", "eager_cl", "compile_fp32", "compile_bf16", "aoti", "default", "ort", "ort_int8",
+CONFIGS = ("eager", "eager_cl", "compile_fp32", "compile_bf16", "aoti", "aoti_int8", "default", "ort", "ort_int8",
            "ov_throughput", "ov_latency")
 BATCHES = (1, 16)
 SIZE = 224
@@ -109,9 +117,10 @@ def default_runner(model_name: str, model, workdir: Path):
     for c in candidates(torch.device("cpu"))[0]:
         tgt, req, choice = default_export_request(c.target, c.runtime)
         reason = choice.reason
-        for attempt in dict.fromkeys((req.precision, "fp32")):
+        # int8 is a candidate of its own: one that fails parity is not kept (the others include fp32)
+        for attempt in (c.precision,) if c.precision else dict.fromkeys((req.precision, "fp32")):
             req = replace(req, precision=attempt)
-            plan = tgt.plan(req, None)
+            plan = int8_plan() if attempt == "int8" else tgt.plan(req, None)
             info = replace(_info(model_name, tgt.name, req.max_batch, attempt), runtime=c.runtime or "")
             path = workdir / f"default-{c.name}-{attempt}{tgt.suffix}"
             plan.build(capture(copy.deepcopy(model), graph_info(info)), info, path, {})
@@ -121,6 +130,9 @@ def default_runner(model_name: str, model, workdir: Path):
             if agreement >= need or attempt == "fp32":
                 break
             reason += f"; {attempt} failed parity here ({agreement:.1%} < {need:.1%}): fp32 instead, as export does"
+        if c.precision and agreement < need:
+            notes[c.name] = f"{c.name} not kept: parity {agreement:.1%} < {need:.1%} on the probe, as export does"
+            continue
         built[c.name], labels[c.name] = run, f"{c.target}-{plan.label}"
         notes[c.name] = f"{labels[c.name]} ({reason})"
     picked = choose(time_artifacts(built, list(BATCHES)), list(BATCHES))
@@ -130,6 +142,16 @@ def default_runner(model_name: str, model, workdir: Path):
                       "how": f"`torchcls export` defaults (--target auto): {picked['why']}; candidates: "
                              + "; ".join(notes.values())}
     return run
+
+
+def int8_plan():
+    """`torchcls export --precision int8`'s plan, calibrated on random inputs (no training images here)."""
+    from torchcls.artifacts.quantize import AOTI_INT8_MIN_AGREEMENT
+    from torchcls.artifacts.targets import aoti
+    from torchcls.artifacts.targets.base import Plan
+
+    aoti.check_int8_kernels()
+    return Plan("int8", aoti.int8_builder(calibration_inputs(SIZE)), AOTI_INT8_MIN_AGREEMENT)
 
 
 def build_runner(model_name: str, config: str, workdir: Path, shared: Path, threads: int):
@@ -162,9 +184,11 @@ def build_runner(model_name: str, config: str, workdir: Path, shared: Path, thre
     from torchcls.artifacts.exporter import capture
     from torchcls.artifacts.targets import aoti
 
-    info = _info(model_name, "aoti", 16, "fp32")
-    path = workdir / f"{model_name}.pt2"
-    aoti.build(capture(model, info), info, path, {})
+    precision = "int8" if config == "aoti_int8" else "fp32"
+    info = _info(model_name, "aoti", 16, precision)
+    path = workdir / f"{model_name}-{precision}.pt2"
+    build = int8_plan().build if precision == "int8" else aoti.build
+    build(capture(model, replace(info, precision="fp32")), info, path, {})
     return aoti.TARGET.load(path)
 
 
@@ -176,7 +200,10 @@ def describe_runner(config: str, run, threads: int) -> dict:
     runtime = "onnxruntime" if config == "ort" else "torch"
     how = {"ort": f"CPUExecutionProvider, intra_op_num_threads={threads}", "aoti": "AOTInductor, frozen",
            "eager_cl": "channels_last"}.get(config, "torch.compile, frozen" if config.startswith("compile") else "")
-    return {"runtime": runtime, "precision": "bf16" if config.endswith("bf16") else "fp32", "how": how}
+    if config == "aoti_int8":
+        how = "AOTInductor, frozen, PT2E static int8 (X86InductorQuantizer; 32 random calibration inputs)"
+    precision = "bf16" if config.endswith("bf16") else "int8" if config.endswith("int8") else "fp32"
+    return {"runtime": runtime, "precision": precision, "how": how}
 
 
 def time_calls(run, x, iters: int) -> list[float]:

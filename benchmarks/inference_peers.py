@@ -83,7 +83,7 @@ def skip_reason(config: str) -> str | None:
         missing = [n for n in ("onnx", "onnxscript", "onnxruntime") if v[n] is None]
         if missing:
             return f"{', '.join(missing)} not installed: pip install -e '.[export]'"
-    if config == "ort_int8":
+    if config in ("ort_int8", "aoti_int8"):
         ok, why = vnni_here()
         return None if ok else f"int8 runs only where the CPU has VNNI: {why}"
     if config in OV_HINTS and v["openvino"] is None:
@@ -108,6 +108,11 @@ def default_export_request(target: str, runtime: str | None):
     return (tgt, *_check_request(tgt, req, choice))
 
 
+def calibration_inputs(size: int) -> torch.Tensor:
+    """The int8 paths' calibration inputs (torchcls' aoti int8 and ORT's), drawn apart from the probe."""
+    return torch.randn(CALIBRATION_IMAGES, 3, size, size, generator=torch.Generator().manual_seed(CALIBRATION_SEED))
+
+
 # ---------------------------------------------------------------- ONNX Runtime int8
 def ort_int8_runner(onnx_path: Path, workdir: Path, threads: int, size: int):
     """Static int8 quantization of the fp32 ONNX (QDQ, per-channel s8 weights, s8 activations calibrated
@@ -117,8 +122,7 @@ def ort_int8_runner(onnx_path: Path, workdir: Path, threads: int, size: int):
 
     class Calibration(CalibrationDataReader):  # the public extension point quantize_static reads from
         def __init__(self):
-            g = torch.Generator().manual_seed(CALIBRATION_SEED)
-            data = torch.randn(CALIBRATION_IMAGES, 3, size, size, generator=g).numpy()
+            data = calibration_inputs(size).numpy()
             self.batches = iter([{"input": data[i:i + 16]} for i in range(0, len(data), 16)])
 
         def get_next(self):

@@ -16,6 +16,7 @@ from torchcls.artifacts.fastest import Candidate, candidates, choose
 from torchcls.checkpoint.files import load_model
 from torchcls.cli import main
 from torchcls.errors import UserError
+from torchcls.precision.hardware import cpu_int8_matmul_exact
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 64  # the default: the choice times batch 1 and batch 16, as users get it
@@ -34,14 +35,17 @@ def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
     run, result = auto_export
     choice = json.loads(result.parity_path.read_text())["choice"]
     built = {name: c for name, c in choice["candidates"].items() if "not_kept" not in c}
-    # this installation has the export extra: AOTInductor, ONNX Runtime and OpenVINO are all candidates
-    assert set(choice["candidates"]) == {"aoti", "onnx", "onnx-openvino"}
+    # this installation has the export extra: AOTInductor (auto precision, and int8 where the CPU's int8 kernels
+    # are exact), ONNX Runtime and OpenVINO are all candidates; one not built here says why
+    assert set(choice["candidates"]) == {"aoti", "aoti-int8", "onnx", "onnx-openvino"}
+    assert ("not_kept" in choice["candidates"]["aoti-int8"]) != cpu_int8_matmul_exact()
     assert choice["chosen"] in built and Path(built[choice["chosen"]]["path"]) == result.path
     assert choice["rounds"] >= 3 and choice["threads"] == torch.get_num_threads()
     for name, c in built.items():  # each kept one is a verified artifact on disk with its own parity record
         path = Path(c["path"])
         assert path.is_file() and json.loads((path.parent / "parity.json").read_text())["passed"]
         assert set(c["ms_per_batch"]) == {"1", "16"} and c["top1_agreement"] >= 0.99
+        assert c["precision"] == "int8" if name == "aoti-int8" else c["precision"] in ("fp32", "bf16")
         assert 0 < c["score"] <= 1
     assert max(c["score"] for c in built.values()) == built[choice["chosen"]]["score"]
     assert sorted(p.name for p in (run / "export").iterdir()) == sorted(
@@ -118,4 +122,31 @@ def test_choice_rule_is_the_best_geometric_mean_and_ties_go_to_the_first():
 def test_a_gpu_export_tries_aoti_only():
     found, left = candidates(torch.device("cuda"))
     assert found == [Candidate("aoti")] and "GPU" in left["onnx"]
-    assert [c.name for c in candidates(torch.device("cpu"))[0]] == ["aoti", "onnx", "onnx-openvino"]
+    int8 = ["aoti-int8"] if cpu_int8_matmul_exact() else []
+    assert [c.name for c in candidates(torch.device("cpu"))[0]] == ["aoti", *int8, "onnx", "onnx-openvino"]
+    assert [c.name for c in candidates(torch.device("cpu"), "fp32")[0]] == ["aoti", "onnx", "onnx-openvino"]
+
+
+def test_int8_pt2_is_calibrated_on_training_images_and_checked_against_fp32(trained_run, tmp_path):
+    """--precision int8: a static int8 AOTInductor package (PT2E, torchao's X86InductorQuantizer), held to 99%
+    top-1 agreement with eager fp32; refused where the CPU's int8 kernels saturate, and on other targets."""
+    if not cpu_int8_matmul_exact():
+        with pytest.raises(UserError, match="saturate"):
+            export(trained_run, target="aoti", precision="int8", out=tmp_path / "q.pt2")
+        return
+    result = export(trained_run, precision="int8", max_batch=8, calibration_images=32, out=tmp_path / "q.pt2")
+    parity = json.loads(result.parity_path.read_text())
+    assert parity["target"] == "aoti" and parity["precision"] == "int8" and parity["passed"]
+    assert parity["calibration_images"] == 32 and parity["quantizer"] == "x86_inductor"
+    assert parity["min_agreement"] == 0.99 and parity["top1_agreement"] >= 0.99
+    art = load_artifact(result.path)
+    assert art.info.precision == "int8" and art.info.target == "aoti"
+    x = torch.randn(8, 3, 32, 32)
+    with torch.no_grad():
+        assert art(x).shape == (8, 2) and art(x).dtype == torch.float32 and torch.isfinite(art(x)).all()
+    with pytest.raises(UserError, match="--precision int8 builds an AOTInductor package"):
+        export(trained_run, target="onnx", precision="int8")
+    with pytest.raises(UserError, match="--calibration-images"):
+        export(trained_run, target="aoti", precision="fp32", calibration_images=32)
+    with pytest.raises(UserError, match="at least 16"):
+        export(trained_run, target="aoti", precision="int8", calibration_images=4, out=tmp_path / "r.pt2")

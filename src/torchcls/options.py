@@ -124,13 +124,15 @@ class ExportOptions:
                               choices=("onnxruntime", "openvino"))
     precision: str = opt("auto", "weights and compute inside the artifact; inputs and logits stay float32. auto = "
                          "bf16 where the hardware computes it natively (CPU with AVX-512-bf16 or AMX, GPU of compute "
-                         "capability >= 8.0) and the target builds it (aoti), else fp32; parity.json says which and "
-                         "why", choices=("auto", "fp32", "bf16"))
+                         "capability >= 8.0) and the target builds it (aoti), else fp32; --target auto also tries "
+                         "int8 on a CPU with VNNI; parity.json says which and why. int8: static int8 .pt2 for the "
+                         "CPU (aoti), calibrated on training images", choices=("auto", "fp32", "bf16", "int8"))
     max_batch: int = opt(64, "largest batch the artifact accepts")
     out: str | None = opt(None, "artifact path (.pt2/.onnx/.pte) or folder (default: "
                           "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")
     min_agreement: float | None = opt(None, "least top-1 agreement with eager for the export to succeed "
-                                      "(default: 0.999 for fp32, 0.99 for bf16)")
+                                      "(default: 0.999 for fp32, 0.99 for bf16 and aoti int8, 0.95 for "
+                                      "executorch int8)")
     parity_images: int = opt(500, "held-out images for parity")
     data: str | None = opt(None, "take parity images from this data (same classes) instead of the checkpoint's "
                            "held-out split")
@@ -140,8 +142,9 @@ class ExportOptions:
                                choices=("none", "int8"))
     backend: str | None = opt(None, "executorch: delegate to XNNPACK, or portable kernels only (default: xnnpack)",
                               choices=("xnnpack", "portable"))
-    calibration_images: int | None = opt(None, "executorch int8: training images used to calibrate activation "
-                                         "ranges (default: up to 256, at least 16)")
+    calibration_images: int | None = opt(None, "int8 (executorch --quantize int8, aoti --precision int8): training "
+                                         "images used to calibrate activation ranges (default: up to 256, at "
+                                         "least 16)")
     device: str = opt("cpu", "where the artifact will run: cpu, cuda, cuda:N, or auto (cuda when a GPU is visible). "
                       "The model is captured, compiled and checked there; a CUDA .pt2 runs only on GPUs of the "
                       "build GPU's compute capability (recorded in its metadata)")

@@ -79,17 +79,20 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
     """
     if target == "auto" and out is not None and Path(out).suffix and not Path(out).is_dir():
         target = _target_named_by(Path(out))  # --out model.onnx: the suffix names the target
+    if target == "auto" and precision == "int8":
+        target = "aoti"  # the one target that builds it
     if target == "auto":
         _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend,
                        calibration_images, autotune, runtime)
         resolve_checkpoint(checkpoint)  # a wrong path is one error, not one per candidate
 
         def one(c: Candidate) -> ExportResult:
-            return export(checkpoint, c.target, precision, max_batch, None if out is None else Path(out) / c.name,
-                          min_agreement, parity_images, data, root, device=device,
+            return export(checkpoint, c.target, c.precision or precision, max_batch,
+                          None if out is None else Path(out) / c.name, min_agreement, parity_images, data, root,
+                          calibration_images=calibration_images if c.precision == "int8" else None, device=device,
                           autotune=autotune and c.target == "aoti", runtime=c.runtime)
 
-        winner, choice = export_fastest(one, portable_device(device), max_batch)
+        winner, choice = export_fastest(one, portable_device(device), max_batch, precision)
         winner.parity["choice"] = choice
         _write_parity(winner.parity_path, winner.parity)
         return winner
@@ -256,8 +259,9 @@ def _build_and_load(plan: Plan, tgt, ep: torch.export.ExportedProgram, info: Art
 
 def graph_info(info: ArtifactInfo) -> ArtifactInfo:
     """What the captured graph computes in: the artifact's precision, except for OpenVINO, which reads an fp32
-    graph and computes in the artifact's precision itself (its inference precision hint)."""
-    return replace(info, precision="fp32") if info.runtime == "openvino" else info
+    graph and computes in the artifact's precision itself (its inference precision hint), and for int8, which
+    the target quantizes from the fp32 graph."""
+    return replace(info, precision="fp32") if info.runtime == "openvino" or info.precision == "int8" else info
 
 
 def capture(model: nn.Module, info: ArtifactInfo, device: torch.device | str = "cpu") -> torch.export.ExportedProgram:
@@ -399,12 +403,17 @@ def _check_options(target: str, precision: str, max_batch: int, min_agreement: f
         raise UserError(f"--runtime applies to --target onnx only (got --target {target}; auto tries every runtime "
                         "installed)")
     if target != "executorch":
-        given = [f for f, v in (("--quantize", quantize), ("--backend", backend),
-                                ("--calibration-images", calibration)) if v is not None and v != "none"]
+        given = [f for f, v in (("--quantize", quantize), ("--backend", backend)) if v is not None and v != "none"]
+        if calibration is not None and not (target in ("aoti", "auto") and precision in ("int8", "auto")):
+            given.append("--calibration-images")
         if given:
-            raise UserError(f"{', '.join(given)} apply to --target executorch only (got --target {target})")
-    if precision not in ("auto", "fp32", "bf16"):
-        raise UserError(f"--precision {precision}: choose auto, fp32 or bf16")
+            raise UserError(f"{', '.join(given)} apply to --target executorch only (got --target {target}; "
+                            "--calibration-images also to --target aoti --precision int8)")
+    if precision not in ("auto", "fp32", "bf16", "int8"):
+        raise UserError(f"--precision {precision}: choose auto, fp32, bf16 or int8")
+    if precision == "int8" and target not in ("aoti", "auto"):
+        raise UserError(f"--precision int8 builds an AOTInductor package (--target aoti); --target {target} "
+                        + ("takes --quantize int8" if target == "executorch" else "builds fp32 or bf16"))
     if not 1 <= max_batch <= MAX_BATCH:
         raise UserError(f"--max-batch {max_batch}: must be between 1 and {MAX_BATCH}")
     if min_agreement is not None and not 0.0 <= min_agreement <= 1.0:

@@ -3,8 +3,9 @@
 Which runtime is fastest depends on the model and the CPU (measured, docs/benchmarks.md: on one AVX-512-bf16
 CPU AOTInductor and OpenVINO are within 10% on ResNet-18 in bf16, while ONNX Runtime runs MobileNetV3 1.8x as
 fast as AOTInductor), so no fixed default can be the fast one everywhere. On the CPU, auto exports every path this
-installation can build (AOTInductor; the ONNX model on ONNX Runtime; the same on OpenVINO), each exactly as
-`--target` would, with its own parity gate and its own parity.json; then times the ones that passed on this
+installation can build (AOTInductor; a static int8 AOTInductor package where the CPU's int8 kernels are exact;
+the ONNX model on ONNX Runtime; the same on OpenVINO), each exactly as `--target` would, with its own parity
+gate and its own parity.json; then times the ones that passed on this
 machine, interleaved in rounds (median), at batch 1 and at min(16, --max-batch); and returns the one with the
 best geometric mean of the two speeds relative to the best of each (the timing images are random: an
 early-exit model is timed on the exits they take). Its parity.json records the choice:
@@ -40,20 +41,34 @@ TIMING_SEED = 3
 class Candidate:
     target: str
     runtime: str | None = None  # onnx: onnxruntime or openvino
+    precision: str | None = None  # int8: a static int8 .pt2; None: the precision asked (auto: bf16 or fp32)
 
     @property
     def name(self) -> str:
+        if self.precision:
+            return f"{self.target}-{self.precision}"
         return f"{self.target}-{self.runtime}" if self.runtime == "openvino" else self.target
 
 
-def candidates(device: torch.device) -> tuple[list[Candidate], dict[str, str]]:
-    """The paths auto tries on `device`, and why any other is left out (a missing extra says how to add it)."""
+def candidates(device: torch.device, precision: str = "auto") -> tuple[list[Candidate], dict[str, str]]:
+    """The paths auto tries on `device`, and why any other is left out (a missing extra says how to add it).
+    With --precision auto on a CPU whose int8 kernels are exact (VNNI), a static int8 .pt2 is one of them: it
+    is kept only where it agrees with eager fp32 on 99% of the held-out images (quantize.AOTI_INT8_MIN_AGREEMENT)."""
     if device.type != "cpu":
         return [Candidate("aoti")], {"onnx": "auto builds AOTInductor only for a GPU (name --target onnx for "
                                              "ONNX Runtime's CUDA provider)"}
     have = {m: importlib.util.find_spec(m) is not None for m in ("onnx", "onnxscript", "onnxruntime")}
     found: list[Candidate] = [Candidate("aoti")]
     left: dict[str, str] = {}
+    if precision == "auto":
+        from torchcls.precision.hardware import cpu_int8_matmul_exact
+
+        if importlib.util.find_spec("torchao") is None:
+            left["aoti-int8"] = f"torchao not installed: {install_command('export')}"
+        elif not cpu_int8_matmul_exact():
+            left["aoti-int8"] = "this CPU's int8 kernels saturate (no VNNI): int8 is not built here"
+        else:
+            found.append(Candidate("aoti", precision="int8"))
     if all(have.values()):
         found.append(Candidate("onnx", "onnxruntime"))
     else:
@@ -65,11 +80,11 @@ def candidates(device: torch.device) -> tuple[list[Candidate], dict[str, str]]:
     return found, left
 
 
-def export_fastest(export_one: Callable[[Candidate], Any], device: torch.device,
-                   max_batch: int) -> tuple[Any, dict[str, Any]]:
+def export_fastest(export_one: Callable[[Candidate], Any], device: torch.device, max_batch: int,
+                   precision: str = "auto") -> tuple[Any, dict[str, Any]]:
     """Export every candidate with `export_one` (an ExportResult, or a UserError such as failed parity), time
     those that were written; (the fastest one's ExportResult, the choice for its parity.json)."""
-    found, refused = candidates(device)
+    found, refused = candidates(device, precision)
     results: dict[str, Any] = {}
     for i, c in enumerate(found, 1):
         console.print(f"--target auto: exporting {c.name} ({i} of {len(found)})", highlight=False)

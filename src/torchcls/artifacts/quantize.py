@@ -1,8 +1,10 @@
 """Quantization with its parity check, for the deployment paths.
 
-- Int8 for ExecuTorch/XNNPACK through the PT2E flow: the exported graph is annotated by XNNPACK's
-  quantizer (symmetric, per-channel weights, int8 activations), observed on real training images of
-  the checkpoint's own data, converted, and exported again (same dynamic batch dimension).
+- Int8 through the PT2E flow: the exported graph is annotated by a backend's quantizer, observed on real
+  training images of the checkpoint's own data, converted, and exported again (same dynamic batch
+  dimension). ExecuTorch/XNNPACK: XNNPACK's quantizer (symmetric, per-channel weights, int8 activations).
+  AOTInductor on x86: torchao's X86InductorQuantizer (per-channel int8 weights, uint8 activations), whose
+  quantize/dequantize pairs Inductor's freezing passes fuse into oneDNN's int8 convolutions and matmuls.
   Calibration uses real images on purpose: activation ranges from random or synthetic inputs are
   wrong for a trained network (and random-init BatchNorm statistics are degenerate).
 - `quantize_for_inference`: an eager model converted by torchcls.precision.inference (bf16, int8,
@@ -28,6 +30,9 @@ from torchcls.errors import UserError
 from torchcls.precision.inference import apply_inference_precision
 
 QUANTIZE = ("none", "int8")
+# An int8 .pt2 stands in for the fp32 model on a server (auto may choose it): held to bf16's bound, not to
+# the edge program's 0.95 (a phone's size and power budget buy more tolerance than a server's speed does)
+AOTI_INT8_MIN_AGREEMENT = 0.99
 MIN_CALIBRATION = 16  # fewer images give activation ranges that one outlier image decides
 DEFAULT_CALIBRATION = 256
 INT8_MIN_AGREEMENT = 0.95
@@ -68,9 +73,26 @@ def quantize_int8(ep: torch.export.ExportedProgram, calibration: torch.Tensor,
         XNNPACKQuantizer,
         get_symmetric_quantization_config,
     )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     quantizer = XNNPACKQuantizer().set_global(get_symmetric_quantization_config(is_per_channel=True))
+    return _pt2e(ep, quantizer, calibration, dynamic_shapes, batch)
+
+
+def quantize_int8_x86(ep: torch.export.ExportedProgram, calibration: torch.Tensor,
+                      dynamic_shapes: object = None, batch: int = 32) -> torch.export.ExportedProgram:
+    """PT2E static int8 for Inductor on x86 CPUs (torchao's X86InductorQuantizer, its default config) of an
+    exported fp32 program. Importing the quantizer registers torchao's Inductor passes that lower the
+    result to oneDNN int8 kernels; they run only when the program is compiled frozen, without grad."""
+    import torchao.quantization.pt2e.quantizer.x86_inductor_quantizer as x86
+
+    quantizer = x86.X86InductorQuantizer().set_global(x86.get_default_x86_inductor_quantization_config())
+    return _pt2e(ep, quantizer, calibration, dynamic_shapes, batch)
+
+
+def _pt2e(ep: torch.export.ExportedProgram, quantizer: Any, calibration: torch.Tensor, dynamic_shapes: object,
+          batch: int) -> torch.export.ExportedProgram:
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
     prepared = prepare_pt2e(ep.module(), quantizer)
     with torch.no_grad():
         for start in range(0, len(calibration), batch):

@@ -106,12 +106,51 @@ def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extr
 def check(req: ExportRequest) -> None:
     if req.early_exit and req.precision != "fp32":
         raise UserError(f"--precision {req.precision}: early-exit models export in fp32 only")
+    if req.precision == "int8" and req.device != "cpu":
+        raise UserError("--precision int8: the int8 .pt2 runs oneDNN's CPU kernels; export it with --device cpu "
+                        "(on a GPU, --precision bf16)")
 
 
 def plan(req: ExportRequest, meta: Any) -> Plan:
+    if req.precision == "int8":
+        return _int8_plan(req, meta)
     if req.autotune:
         return Plan(req.precision, lambda ep, info, path, extra: build(ep, info, path, extra, autotune=True))
     return Plan(req.precision, build)
+
+
+def _int8_plan(req: ExportRequest, meta: Any) -> Plan:
+    """Static int8, calibrated on the checkpoint's training images (or --data's)."""
+    from torchcls.artifacts.quantize import AOTI_INT8_MIN_AGREEMENT, calibration_images
+
+    check_int8_kernels()
+    calib = calibration_images(meta, req.calibration_images, req.data, req.root)
+    return Plan("int8", int8_builder(calib), AOTI_INT8_MIN_AGREEMENT)
+
+
+def check_int8_kernels() -> None:
+    from torchcls.precision.hardware import cpu_int8_matmul_exact
+
+    if not cpu_int8_matmul_exact():
+        raise UserError("--precision int8: this CPU's int8 kernels (oneDNN without VNNI) add products in 16 bits, "
+                        "which saturate; export fp32 here (--precision auto), or int8 on a CPU with AVX-512-VNNI "
+                        "or AVX-VNNI")
+
+
+def int8_builder(calibration: torch.Tensor):
+    """A builder of static int8 packages (artifacts/quantize.py: PT2E, X86InductorQuantizer) observed on
+    `calibration`: the program is captured in fp32 and quantized here, then compiled frozen as every .pt2 is
+    (freezing is what fuses the quantized convolutions into oneDNN's int8 kernels)."""
+    from torchcls.artifacts.quantize import quantize_int8_x86
+
+    def build_int8(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path,
+                   extra: dict[str, str]) -> dict[str, Any]:
+        dynamic = ({0: torch.export.Dim("batch", min=1, max=info.max_batch)},) if info.max_batch >= 2 else None
+        quantized = quantize_int8_x86(ep, calibration, dynamic, batch=min(32, info.max_batch))
+        return build(quantized, info, path, extra) | {"calibration_images": len(calibration),
+                                                      "quantizer": "x86_inductor"}
+
+    return build_int8
 
 
 TARGET = Target("aoti", ".pt2", AOTIArtifact, check, plan)
