@@ -355,8 +355,10 @@ def _refuse_failed(parity: dict[str, Any], target: str, plan: Plan, path: Path, 
         f"parity failed: the {target} {plan.label} artifact agrees with eager on top-1 for "
         f"{parity['top1_agreement']:.4%} of {parity['n']} held-out images (needed {min_agreement:.4%}; "
         f"max |Δlogit| {parity['max_abs_diff']:.3g}). No artifact was written to {path}. "
-        + ("For bf16, a lower --min-agreement may be acceptable." if precision == "bf16" else
-           "An fp32 artifact should match eager: this points to an export bug; please report it."),
+        + {"bf16": "For bf16, a lower --min-agreement may be acceptable.",
+           "int8": "int8 loses too much of this model's decisions: export fp32 or bf16 (--precision auto), or "
+                   "calibrate on more images (--calibration-images)."}.get(
+            precision, "An fp32 artifact should match eager: this points to an export bug; please report it."),
         parity, min_agreement)
 
 
