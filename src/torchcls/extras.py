@@ -20,7 +20,7 @@ EXTRAS = {
     "serve": "torchcls serve (FastAPI, Hypercorn)",
     "export": "--target onnx and .onnx artifacts (onnx, onnxscript, onnxruntime; openvino for --runtime openvino)",
     "edge": "--target executorch and .pte programs (executorch, torchao)",
-    "precision": "--precision fp8, int8/fp8 inference quantization (torchao)",
+    "precision": "--precision fp8, int8/fp8 inference quantization, int8 .pt2 export (torchao)",
     "tracking": "--tracking mlflow (mlflow-skinny, SQLAlchemy)",
     "tensorboard": "--tensorboard",
     "explain": "torchcls explain (captum)",

@@ -64,7 +64,7 @@ def candidates(device: torch.device, precision: str = "auto") -> tuple[list[Cand
         from torchcls.precision.hardware import cpu_int8_matmul_exact
 
         if importlib.util.find_spec("torchao") is None:
-            left["aoti-int8"] = f"torchao not installed: {install_command('export')}"
+            left["aoti-int8"] = f"torchao not installed: {install_command('precision')}"
         elif not cpu_int8_matmul_exact():
             left["aoti-int8"] = "this CPU's int8 kernels saturate (no VNNI): int8 is not built here"
         else:

@@ -121,8 +121,13 @@ def plan(req: ExportRequest, meta: Any) -> Plan:
 
 def _int8_plan(req: ExportRequest, meta: Any) -> Plan:
     """Static int8, calibrated on the checkpoint's training images (or --data's)."""
-    from torchcls.artifacts.quantize import AOTI_INT8_MIN_AGREEMENT, calibration_images
+    import importlib.util
 
+    from torchcls.artifacts.quantize import AOTI_INT8_MIN_AGREEMENT, calibration_images
+    from torchcls.extras import missing_extra
+
+    if importlib.util.find_spec("torchao") is None:
+        raise missing_extra("precision", "--precision int8 (PT2E quantization)", "torchao")
     check_int8_kernels()
     calib = calibration_images(meta, req.calibration_images, req.data, req.root)
     return Plan("int8", int8_builder(calib), AOTI_INT8_MIN_AGREEMENT)
