@@ -92,8 +92,10 @@ def quantize_int8_x86(ep: torch.export.ExportedProgram, calibration: torch.Tenso
 
 
 def single_channel_convolutions(ep: torch.export.ExportedProgram) -> list[str]:
-    """Module names of the convolutions that read one input channel (a grey-scale stem), left in fp32. Measured (torch 2.14.1, torchao 0.18): AOTInductor's frozen int8 lowering of such a convolution,
-    quantized by X86InductorQuantizer, computes something else than the quantized graph it was given: a
+    """Module names of the convolutions that read one input channel (a grey-scale stem), left in fp32.
+
+    Measured (torch 2.14.1, torchao 0.18): AOTInductor's frozen int8 lowering of such a convolution, quantized
+    by X86InductorQuantizer, computes something else than the quantized graph it was given: a
     ResNet-18 trained on Fashion-MNIST (1 channel, 28 px) agreed with its own int8 reference on 25% of images
     (with eager fp32 on 12%), and agreed exactly once its stem stayed fp32; the same net with 3 input channels
     was exact. Such a convolution does a small share of the work (one input channel)."""

@@ -6,10 +6,11 @@ thread of the training process held then stays held in the worker for ever, and 
 use of it (pytorch/pytorch#130610: a thread inside torch.set_num_threads held the atexit lock). A single
 process has no such threads of its own (PyTorch resets its OpenMP pool in a forked child), so fork, the
 cheapest start, stays its default. Under torch.distributed the process runs gloo's and the store's threads,
-which work between steps (gradient all-reduces, buffer broadcasts): a shard loader forks new workers every
-epoch there, and a test run of two ranks hung in a fork about one time in three full test suites (a rank
-waiting for a batch, the other timing out in DDP's broadcast). So there the workers start from a
-forkserver: a separate single-threaded process (it imports torch once, in parallel with the run) that forks
+which work between steps (gradient all-reduces, buffer broadcasts), and a shard loader forks new workers every
+epoch there. A test run of two ranks over shards hung in 2 of about 6 full test suites (one rank never reached
+its next step, the other timed out in DDP's buffer broadcast), never in 30 runs alone; the hang was not caught
+in the act, and a fork in a multi-threaded process is the suspect of that shape on this path. So there the
+workers start from a forkserver: a separate single-threaded process (it imports torch once, in parallel with the run) that forks
 each worker; the dataset reaches the worker pickled, as under spawn.
 """
 
