@@ -116,7 +116,7 @@ def default_runner(model_name: str, model, workdir: Path):
     built, labels, notes = {}, {}, {}
     for c in candidates(torch.device("cpu"))[0]:
         tgt, req, choice = default_export_request(c.target, c.runtime)
-        reason = choice.reason
+        reason = "static int8, X86InductorQuantizer" if c.precision == "int8" else choice.reason
         # int8 is a candidate of its own: one that fails parity is not kept (the others include fp32)
         for attempt in (c.precision,) if c.precision else dict.fromkeys((req.precision, "fp32")):
             req = replace(req, precision=attempt)
