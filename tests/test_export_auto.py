@@ -134,16 +134,18 @@ def test_int8_pt2_is_calibrated_on_training_images_and_checked_against_fp32(trai
         with pytest.raises(UserError, match="saturate"):
             export(trained_run, target="aoti", precision="int8", out=tmp_path / "q.pt2")
         return
-    result = export(trained_run, precision="int8", max_batch=8, calibration_images=32, out=tmp_path / "q.pt2")
+    result = export(trained_run, precision="int8", out=tmp_path / "q.pt2")  # every other option at its default
     parity = json.loads(result.parity_path.read_text())
     assert parity["target"] == "aoti" and parity["precision"] == "int8" and parity["passed"]
-    assert parity["calibration_images"] == 32 and parity["quantizer"] == "x86_inductor"
+    training_images = json.loads((trained_run / "data_splits.json").read_text())["train"]["images"]
+    assert parity["calibration_images"] == min(256, training_images) and parity["quantizer"] == "x86_inductor"
     assert parity["min_agreement"] == 0.99 and parity["top1_agreement"] >= 0.99
     art = load_artifact(result.path)
     assert art.info.precision == "int8" and art.info.target == "aoti"
-    x = torch.randn(8, 3, 32, 32)
+    assert art.info.max_batch == MAX_BATCH
+    x = torch.randn(MAX_BATCH, 3, 32, 32)
     with torch.no_grad():
-        assert art(x).shape == (8, 2) and art(x).dtype == torch.float32 and torch.isfinite(art(x)).all()
+        assert art(x).shape == (MAX_BATCH, 2) and art(x).dtype == torch.float32 and torch.isfinite(art(x)).all()
     with pytest.raises(UserError, match="--precision int8 builds an AOTInductor package"):
         export(trained_run, target="onnx", precision="int8")
     with pytest.raises(UserError, match="--calibration-images"):
