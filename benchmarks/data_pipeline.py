@@ -81,12 +81,13 @@ def jpeg_folder(cache: Path, count: int) -> Path:
     return root
 
 
-def fmnist_folder(cache: Path, count: int) -> Path:
-    """The first `count` Fashion-MNIST training images as an ImageFolder of grey PNGs (readable by timm too)."""
-    root = cache / f"fmnist-png-{count}"
+def fmnist_folder(cache: Path, count: int, split: str = "train") -> Path:
+    """The first `count` Fashion-MNIST images of `split` (train, test) as an ImageFolder of grey PNGs (readable
+    by timm too)."""
+    root = cache / (f"fmnist-png-{count}" if split == "train" else f"fmnist-{split}-png-{count}")
     if (root / ".complete").is_file():
         return root
-    images = open_source("fashion-mnist", None, "train", None, "error")
+    images = open_source("fashion-mnist", None, split, None, "error")
     for c in range(10):
         (root / str(c)).mkdir(parents=True, exist_ok=True)
     for i in range(count):

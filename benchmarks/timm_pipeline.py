@@ -36,8 +36,10 @@ def folder(cache: Path, images: int) -> Path:
     return fmnist_folder(cache, images)
 
 
-def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str, seed: int = 0) -> dict:
-    """`torchcls train` with the recipe and everything else at its defaults (layout and auto precision timed)."""
+def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str, seed: int = 0,
+                  warmup_epochs: float = RECIPE["warmup_epochs"]) -> dict:
+    """`torchcls train` with the recipe and everything else at its defaults (layout and auto precision timed).
+    `warmup_epochs`: timm's train.py takes whole epochs only (timm_train_script.py sets 1 on both sides)."""
     from torchcls.checkpoint.files import load_model
     from torchcls.config import Config
     from torchcls.training import train
@@ -48,6 +50,7 @@ def torchcls_side(data: Path, out: Path, name: str, epochs: int, precision: str,
     cfg.data.workers = RECIPE["workers"]
     cfg.model.name, cfg.train.epochs, cfg.train.progress = RECIPE["model"], epochs, False
     cfg.precision.precision, cfg.train.seed = precision, seed  # each round its seed, as timm's side
+    cfg.optim.warmup_epochs = warmup_epochs
     cfg.run.out_dir, cfg.run.name = str(out), name
     result = train(cfg)
     records = [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -58,6 +58,32 @@ def test_artifact_matches_eager_and_carries_metadata(target, request, trained_ru
     with torch.no_grad():
         for n in (1, 5, MAX_BATCH):  # any batch within the bound, with one compiled artifact
             torch.testing.assert_close(art(images[:n]), model(images[:n]), atol=1e-4, rtol=1e-4)
+    assert parity["batch1_images"] == 16  # parity ran these one at a time: through the .pt2's batch-1 model
+    if target == "aoti":
+        assert parity["models"] == ["model", "batch1"] and art.batch1 is not None
+        one = images[:1]
+        torch.testing.assert_close(art.batch1(one), model(one), atol=1e-4, rtol=1e-4)
+
+
+def test_aoti_single_images_run_on_the_batch1_model(aoti_export, trained_run):
+    art = load_artifact(aoti_export.path)
+    images, _ = _held_out(trained_run)
+    calls = []
+    runner = art.batch1
+    art.batch1 = lambda x: calls.append(x.shape[0]) or runner(x)
+    art(images[:1])
+    art(images[:3])
+    assert calls == [1]  # batches of several images run on the dynamic model
+
+
+def test_aoti_package_of_one_model_loads_and_runs_batch1_on_it(trained_run, tmp_path):
+    """A package bounded at batch 1 is static already (one model, as every package before the batch-1 model)."""
+    result = export(trained_run, target="aoti", max_batch=1, out=tmp_path / "one.pt2", precision="fp32")
+    art = load_artifact(result.path)
+    assert art.batch1 is None and "models" not in result.parity and result.parity["passed"]
+    images, model = _held_out(trained_run)
+    with torch.no_grad():
+        torch.testing.assert_close(art(images[:1]), model(images[:1]), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("target", ["aoti", "onnx"])
