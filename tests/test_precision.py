@@ -382,3 +382,28 @@ def test_deferred_nonfinite_check_skips_on_the_device_and_reports_at_the_next_re
     with pytest.raises(NonFiniteLoss, match=r"at step 3"):
         plan.check()
     assert not plan.defer_checks(torch.optim.SGD(model.parameters(), lr=0.1))  # unfused: checked each step
+
+
+@pytest.mark.parametrize("images", [5, 16, 40])
+def test_parity_runs_the_first_images_one_at_a_time_then_chunks(images):
+    """Every image is compared once: the first 16 alone (an artifact's batch-1 path), the rest in chunks of the
+    artifact's bound that end with a partial one."""
+    from types import SimpleNamespace
+
+    from torchcls.artifacts.parity import SINGLE_IMAGES, measure_parity
+
+    model = nn.Sequential(nn.Flatten(), nn.Linear(12, 3)).eval()
+    batches = []
+
+    def artifact(x):
+        batches.append(len(x))
+        return model(x)
+
+    artifact.info = SimpleNamespace(max_batch=8)  # type: ignore[attr-defined]
+    x = torch.randn(images, 3, 2, 2)
+    result = measure_parity(model, artifact, x, torch.zeros(images, dtype=torch.long), 0.999)
+    singles = min(SINGLE_IMAGES, images)
+    rest = images - singles
+    assert batches[:singles] == [1] * singles and sum(batches) == result["n"] == images
+    assert batches[singles:] == [8] * (rest // 8) + ([rest % 8] if rest % 8 else [])
+    assert result["batch1_images"] == singles and result["passed"] and result["max_abs_diff"] == 0

@@ -94,9 +94,9 @@ def measure_parity(eager: nn.Module, artifact: RunsBatches, images: torch.Tensor
     partial one (the dynamic batch dimension is exercised too)."""
     chunk = max(1, min(artifact.info.max_batch, 32))
     singles = min(SINGLE_IMAGES, len(images))
-    batches = list(images[:singles].split(1)) + list(images[singles:].split(chunk))
+    rest = images[singles:].split(chunk) if len(images) > singles else ()  # (an empty tensor splits into itself)
     ref, out = [], []
-    for x in batches:
+    for x in (*images[:singles].split(1), *rest):
         ref.append(eager(x).float())
         out.append(artifact(x))
     result = compare(torch.cat(ref), torch.cat(out), labels)
