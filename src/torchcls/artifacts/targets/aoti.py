@@ -32,7 +32,6 @@ from torchcls.artifacts.targets.base import (
 )
 from torchcls.errors import UserError
 
-
 BATCH1_MODEL = "batch1"  # the package's static batch-1 model
 BATCH1_KEY = "torchcls.batch1_model"  # metadata: its name, where the package has one
 
