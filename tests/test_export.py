@@ -62,7 +62,7 @@ def test_artifact_matches_eager_and_carries_metadata(target, request, trained_ru
     if target == "aoti":
         assert parity["models"] == ["model", "batch1"] and art.batch1 is not None
         one = images[:1]
-        torch.testing.assert_close(art.batch1(one), model(one), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(art.batch1(one)[0], model(one), atol=1e-4, rtol=1e-4)
 
 
 def test_aoti_single_images_run_on_the_batch1_model(aoti_export, trained_run):

@@ -241,7 +241,7 @@ def load(args, rec: Record) -> int:
         phase("load:AOTIModelPackageLoader")
         runner = load_runner(path, device.index if device.type == "cuda" else -1)
         phase("load:first-batch")
-        out = runner(torch.randn(*shape, device=device))
+        out = runner(torch.randn(*shape, device=device))[0]  # (logits,): the flat outputs
     else:
         from torchcls.artifacts import load_artifact
 

@@ -259,7 +259,7 @@ class ShardOptions:
 class ModelsOptions:
     """list model names and pretrained tags (timm, torchvision, built-in)
 
-    The names --model takes: torchcls's own (smallnet, fastnet), early-exit forms (ee/...), timm's
+    The names --model takes: torchcls's own (smallnet, fastnet, fastnet_slim), early-exit forms (ee/...), timm's
     registry and torchvision's classifiers (tv/...). With --pretrained: timm's names with a pretrained
     tag, the hub repository of each (--pretrained hf-hub:ORG/NAME, or --model NAME.TAG --pretrained)
     and whether its weights are in the local Hugging Face cache (usable offline)."""

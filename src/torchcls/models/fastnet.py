@@ -7,6 +7,11 @@ full-resolution layers, so downsampling right after the stem buys width and dept
 time: width 24 has 0.43M parameters and 46 MFLOP per 28x28 image, and none of its layers
 works on more than 24 channels at 28x28. `stages` and `stage_channels` are public like
 SmallNet's, so wrappers (early exits, FSDP per-block sharding) can address the blocks alike.
+
+`fastnet_slim` narrows only the two full- and half-resolution widths (16 and 32 channels at 28
+and 14 px, where 24 and 48 cost 45% of the FLOPs) and keeps the 7 and 4 px ones (96, 192), where
+the capacity that the accuracy needs is cheap: 0.39M parameters and 33 MFLOP; its training step took 1.48x
+less time than fastnet's on a 2-core AVX-512-bf16 CPU, for 0.15 points less top-1 at 6 epochs (docs/training.md).
 """
 
 from __future__ import annotations
@@ -30,19 +35,24 @@ class Residual(nn.Module):
         return x + self.body(x)
 
 
+# --model name -> channels of the stem and of the 14, 7 and 4 px stages
+WIDTHS: dict[str, tuple[int, int, int, int]] = {"fastnet": (24, 48, 96, 192), "fastnet_slim": (16, 32, 96, 192)}
+
+
 class FastNet(nn.Module):
-    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 24, drop_rate: float = 0.0):
+    def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 24, drop_rate: float = 0.0,
+                 widths: tuple[int, int, int, int] | None = None):
         super().__init__()
-        w = width
-        self.stage_channels = (2 * w, 4 * w, 8 * w)
-        self.stem = conv_bn(in_chans, w)
+        stem, c14, c7, c4 = widths or (width, 2 * width, 4 * width, 8 * width)
+        self.stage_channels = (c14, c7, c4)
+        self.stem = conv_bn(in_chans, stem)
         self.stages = nn.ModuleList([
-            nn.Sequential(conv_bn(w, 2 * w, stride=2), Residual(2 * w)),
-            nn.Sequential(conv_bn(2 * w, 4 * w, stride=2), Residual(4 * w)),
-            conv_bn(4 * w, 8 * w, stride=2),
+            nn.Sequential(conv_bn(stem, c14, stride=2), Residual(c14)),
+            nn.Sequential(conv_bn(c14, c7, stride=2), Residual(c7)),
+            conv_bn(c7, c4, stride=2),
         ])
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(drop_rate),
-                                  nn.Linear(8 * w, num_classes))
+                                  nn.Linear(c4, num_classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)

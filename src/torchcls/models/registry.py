@@ -1,4 +1,4 @@
-"""One name string → a model: 'smallnet', 'fastnet', any timm name, or 'tv/<torchvision name>'.
+"""One name string → a model: 'smallnet', 'fastnet' (and its slim form), any timm name, or 'tv/<torchvision name>'.
 
 Weights start from random init, nothing is downloaded: `num_classes` and input channels are adapted
 to the data. For pretrained weights, checkpoint/pretrained.py passes timm a pretrained config that
@@ -16,6 +16,7 @@ from torch import nn
 
 from torchcls.data.label_bounds import MAX_CLASSES  # the class count a data source may declare
 from torchcls.errors import UserError
+from torchcls.models.fastnet import WIDTHS as FASTNET_WIDTHS
 from torchcls.models.fastnet import FastNet
 from torchcls.models.smallnet import SmallNet
 
@@ -59,8 +60,8 @@ def create_model(spec: ModelSpec, pretrained_cfg_overlay: dict[str, Any] | None 
         _check_drop_path(spec)
     if spec.name == "smallnet":
         return SmallNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
-    if spec.name == "fastnet":
-        return FastNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
+    if spec.name in FASTNET_WIDTHS:
+        return FastNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate, widths=FASTNET_WIDTHS[spec.name])
     if spec.name.startswith(TORCHVISION_PREFIX):
         return _torchvision_model(spec)
     return _timm_model(spec)
@@ -132,7 +133,7 @@ def _early_exit_model(spec: ModelSpec) -> nn.Module:
 
 def is_timm_name(name: str) -> bool:
     """Whether `name` is one timm builds (not a built-in, torchvision or early-exit name)."""
-    return name not in ("smallnet", "fastnet") and not name.startswith((TORCHVISION_PREFIX, EARLY_EXIT_PREFIX))
+    return name not in ("smallnet", *FASTNET_WIDTHS) and not name.startswith((TORCHVISION_PREFIX, EARLY_EXIT_PREFIX))
 
 
 def _timm_model(spec: ModelSpec, pretrained_cfg_overlay: dict[str, Any] | None = None) -> nn.Module:
@@ -191,7 +192,7 @@ def _adapt_first_conv(model: nn.Module, in_chans: int) -> None:
 
 
 def _unknown(name: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(name, known + ["smallnet", "fastnet"], n=5, cutoff=0.6)
+    close = difflib.get_close_matches(name, known + ["smallnet", *FASTNET_WIDTHS], n=5, cutoff=0.6)
     hint = f" Did you mean: {', '.join(close)}?" if close else ""
     return (f"unknown model '{name}'.{hint} Use 'smallnet', a timm name (timm.list_models()), "
             f"or '{TORCHVISION_PREFIX}<name>' for torchvision (e.g. {TORCHVISION_PREFIX}resnet18).")

@@ -12,7 +12,7 @@ carries the weights twice (each model's frozen constants are compiled into its o
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -60,20 +60,22 @@ class AOTIArtifact(LoadedArtifact):
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         runner = self.batch1 if self.batch1 is not None and x.shape[0] == 1 else self.runner
-        out = runner(x)  # the model's output structure: one tensor, or (logits, exits)
-        return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+        return runner(x)
 
 
-def load_runner(path: Path, device_index: int, model: str = "model"):
-    """AOTInductor's package loader, called once. torch's aoti_load_package (2.11 to 2.14 at least) treats any
-    RuntimeError of the loader as an outdated package and loads the same package again through its legacy
-    path: for a CUDA package that second load runs after a half-initialised first one in the same process
+def load_runner(path: Path, device_index: int, model: str = "model") -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """One model of the package, as a function from the input batch to its outputs, flat (logits, or logits
+    and exits). AOTInductor's package loader is called once: torch's aoti_load_package (2.11 to 2.14 at least)
+    treats any RuntimeError of the loader as an outdated package and loads the same package again through its
+    legacy path: for a CUDA package that second load runs after a half-initialised first one in the same process
     (loading one package twice is a known segfault, pytorch#123280), and the error reported is the second's
     (pytorch#186943 made CUDA loads fail fast for this reason). Our packages keep their weights inside the
-    shared library (aoti_compile_and_package's default), which is all the modern path adds for them."""
-    from torch._inductor.package.package import AOTICompiledModel
-
-    return AOTICompiledModel(torch._C._aoti.AOTIModelPackageLoader(str(path), model, False, 1, device_index))
+    shared library (aoti_compile_and_package's default), which is all the modern path adds for them. The model
+    is run without the AOTICompiledModel wrapper that aoti_load_package returns: that one parses the call's
+    input and output structure from JSON on every call, a cost a batch-1 call notices, and ours is fixed
+    (one tensor in, a flat tuple out)."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), model, False, 1, device_index)
+    return lambda x: tuple(loader.boxed_run([x]))  # boxed: the loader takes the list and frees x's slot early
 
 
 def package_metadata(path: Path) -> dict[str, str]:
