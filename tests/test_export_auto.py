@@ -40,7 +40,7 @@ def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
     assert set(choice["candidates"]) == {"aoti", "aoti-int8", "onnx", "onnx-openvino"}
     assert ("not_kept" in choice["candidates"]["aoti-int8"]) != cpu_int8_matmul_exact()
     assert choice["chosen"] in built and Path(built[choice["chosen"]]["path"]) == result.path
-    assert choice["rounds"] >= 3 and choice["threads"] == torch.get_num_threads()
+    assert choice["rounds"] >= 3 and choice["block_s"] > 0 and choice["threads"] == torch.get_num_threads()
     for name, c in built.items():  # each kept one is a verified artifact on disk with its own parity record
         path = Path(c["path"])
         assert path.is_file() and json.loads((path.parent / "parity.json").read_text())["passed"]
@@ -117,6 +117,29 @@ def test_choice_rule_is_the_best_geometric_mean_and_ties_go_to_the_first():
     assert picked["candidates"]["aoti"]["score"] == picked["candidates"]["onnx"]["score"]
     del seconds["onnx-openvino"]
     assert choose(seconds, [1, 16])["chosen"] == "aoti"  # a tie: the first named
+
+
+def test_timing_leaves_out_the_calls_after_a_switch_of_runtime(monkeypatch):
+    """A runtime's first calls after another's pay for waking its threads: the timed calls are the later ones."""
+    from torchcls.artifacts import fastest
+
+    clock = [0.0]
+    monkeypatch.setattr(fastest.time, "perf_counter", lambda: clock[0])
+
+    class Waking:  # a stand-in runtime: 3 slow calls (10 ms) after a switch, then 1 ms each
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, x):
+            self.calls += 1
+            clock[0] += 0.010 if self.calls <= 3 else 0.001
+
+    art = Waking()
+    assert fastest.steady_seconds(art, torch.zeros(1)) == pytest.approx(0.001)
+    assert art.calls > 3 + fastest.BLOCK_S / 2 / 0.001  # the warm half, then as many timed calls as fit
+    slow = Waking()
+    monkeypatch.setattr(fastest, "BLOCK_S", 0.001)  # calls longer than the block: one untimed, one timed
+    assert fastest.steady_seconds(slow, torch.zeros(1)) == pytest.approx(0.010) and slow.calls == 2
 
 
 def test_a_gpu_export_tries_aoti_only():
