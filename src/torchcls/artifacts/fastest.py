@@ -130,9 +130,9 @@ def steady_seconds(artifact: LoadedArtifact, x: torch.Tensor) -> float:
     BLOCK_S / 2 untimed, then the calls of the next BLOCK_S / 2 (at least one) timed. The runtimes share one
     process and two cores: a runtime's thread pool sleeps while another is timed and spins a while after its
     own last call, so a few calls timed right after a switch measure the switch. Measured (a 28 px ResNet-18,
-    2 cores, 2026-12-06): five batch-1 calls per round put the int8 .pt2 at 0.87-10.9 ms and OpenVINO at
-    0.90-2.8 ms, against 0.68-0.73 and 0.35-0.44 ms each alone in its process; these blocks give 0.72-0.74
-    and 0.41-0.46 ms."""
+    2 cores of an AVX-512-bf16 EPYC, 2026-12-06): five batch-1 calls per round put the int8 .pt2 at 0.87-10.9 ms
+    and OpenVINO at 0.90-2.8 ms, against 0.68-0.73 and 0.35-0.44 ms each alone in its process; these blocks
+    give 0.70-0.74 and 0.35-0.46 ms."""
     end = time.perf_counter() + BLOCK_S / 2
     artifact(x)
     while time.perf_counter() < end:
