@@ -41,9 +41,11 @@ QUIET_LOAD = 0.5  # 1-minute load average above which a timing is not published
 # name: (what it adds, in flags, and the options it sets; "tta" is the per-epoch test's, not a training option)
 METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "baseline": ("the recipe as shipped", {}),
-    # The recipe has whitening and fastnet_slim since 2026-12-06: these two take each back out.
+    # The recipe has whitening and fastnet_lite since 2026-12-06: these take each back out.
     "no-whiten": ("--init '' --no-freeze-first-conv", {"model.init": "", "model.freeze_first_conv": False}),
-    "fastnet": ("--model fastnet (24/48 channels at 28/14 px, the recipe's 16/32)", {"model.name": "fastnet"}),
+    "slim": ("--model fastnet_slim (fastnet_lite with a residual block at 14 px)", {"model.name": "fastnet_slim"}),
+    "fastnet": ("--model fastnet (24/48 channels at 28/14 px, the recipe's 16/32; with the 14 px block)",
+                {"model.name": "fastnet"}),
     "whiten": ("--init whiten --freeze-first-conv", {"model.init": "whiten", "model.freeze_first_conv": True}),
     "dirac": ("--init dirac", {"model.init": "dirac"}),
     "bn-bias-lr": ("--bn-bias-lr-scale 64", {"optim.bn_bias_lr_scale": 64.0}),

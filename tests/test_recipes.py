@@ -25,7 +25,7 @@ def train_config(*argv):
 def test_fmnist_fast_recipe_loads():
     assert "fmnist-fast" in names()
     cfg = load_recipe("fmnist-fast")
-    assert (cfg.data.source, cfg.data.val_fraction, cfg.model.name) == ("fashion-mnist", 0.0, "fastnet_slim")
+    assert (cfg.data.source, cfg.data.val_fraction, cfg.model.name) == ("fashion-mnist", 0.0, "fastnet_lite")
     assert (cfg.optim.optimizer, cfg.precision.precision, cfg.train.channels_last) == ("sgd", "auto", None)
     assert cfg.data.batch_size == 256 and cfg.optim.lr > 0.01  # the recipe's values, not the defaults
     assert (cfg.model.init, cfg.model.freeze_first_conv) == ("whiten", True)
@@ -36,12 +36,12 @@ def test_fmnist_fast_recipe_loads():
 def test_recipe_is_the_base_config_and_flags_override_it(tmp_path):
     cfg = train_config("--recipe", "fmnist-fast", "--epochs", 3, "--lr", 0.05)
     assert (cfg.train.epochs, cfg.optim.lr) == (3, 0.05)
-    assert (cfg.model.name, cfg.optim.optimizer, cfg.data.val_fraction) == ("fastnet_slim", "sgd", 0.0)  # kept
+    assert (cfg.model.name, cfg.optim.optimizer, cfg.data.val_fraction) == ("fastnet_lite", "sgd", 0.0)  # kept
     # --config overrides the recipe, and flags override both.
     (tmp_path / "c.toml").write_text("[optim]\nlr = 0.01\n[train]\nepochs = 2\n[data]\nbatch_size = 64\n")
     cfg = train_config("--recipe", "fmnist-fast", "--config", tmp_path / "c.toml", "--epochs", 4)
     assert (cfg.optim.lr, cfg.train.epochs, cfg.data.batch_size) == (0.01, 4, 64)
-    assert (cfg.model.name, cfg.precision.precision) == ("fastnet_slim", "auto")
+    assert (cfg.model.name, cfg.precision.precision) == ("fastnet_lite", "auto")
     # Without --recipe nothing changes: the defaults.
     assert train_config().model.name == "smallnet"
 
@@ -91,7 +91,23 @@ def test_fastnet_slim_narrows_only_the_28_and_14_px_layers():
     assert slim(x).shape == (2, 10)
     size = [sum(p.numel() for p in m.parameters()) for m in (full, slim)]
     assert 0.3e6 < size[1] < size[0]
-    assert not is_timm_name("fastnet_slim") and [e.name for e in list_models("fastnet")] == ["fastnet", "fastnet_slim"]
+    assert not is_timm_name("fastnet_slim") and [e.name for e in list_models("fastnet")] == [
+        "fastnet", "fastnet_slim", "fastnet_lite"]
+
+
+def test_fastnet_lite_is_slim_without_the_14_px_residual_block():
+    from torchcls.models.fastnet import Residual
+    from torchcls.models.registry import ModelSpec, create_model
+
+    spec = ModelSpec("fastnet_slim", num_classes=10, in_chans=1, img_size=28)
+    slim, lite = create_model(spec), create_model(replace(spec, name="fastnet_lite"))
+    residuals = [[type(m) for m in stage].count(Residual) for stage in lite.stages[:2]]
+    assert residuals == [0, 1] and [[type(m) for m in stage].count(Residual) for stage in slim.stages[:2]] == [1, 1]
+    assert lite.stage_channels == slim.stage_channels == (32, 96, 192)
+    x = torch.randn(2, 1, 28, 28)
+    assert lite(x).shape == (2, 10)
+    block = sum(p.numel() for p in slim.stages[0][1].parameters())
+    assert sum(p.numel() for p in lite.parameters()) == sum(p.numel() for p in slim.parameters()) - block
 
 
 @pytest.mark.slow
@@ -103,7 +119,7 @@ def test_recipe_trains_end_to_end_with_overrides(tmp_path, shapes_dir):
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     saved = tomllib.loads((tmp_path / "r" / "config.toml").read_text())
-    assert saved["model"]["name"] == "fastnet_slim" and saved["optim"]["optimizer"] == "sgd"
+    assert saved["model"]["name"] == "fastnet_lite" and saved["optim"]["optimizer"] == "sgd"
     assert saved["data"]["batch_size"] == 8 and saved["precision"]["precision"] == "auto"  # as asked
     ran = json.loads((tmp_path / "r" / "precision.json").read_text())  # what auto chose on this machine
     assert ran["requested"] == "auto" and ran["precision"] == choose_precision("auto", torch.device("cpu")).precision

@@ -259,8 +259,8 @@ class ShardOptions:
 class ModelsOptions:
     """list model names and pretrained tags (timm, torchvision, built-in)
 
-    The names --model takes: torchcls's own (smallnet, fastnet, fastnet_slim), early-exit forms (ee/...), timm's
-    registry and torchvision's classifiers (tv/...). With --pretrained: timm's names with a pretrained
+    The names --model takes: torchcls's own (smallnet, fastnet, fastnet_slim, fastnet_lite), early-exit forms
+    (ee/...), timm's registry and torchvision's classifiers (tv/...). With --pretrained: timm's names with a pretrained
     tag, the hub repository of each (--pretrained hf-hub:ORG/NAME, or --model NAME.TAG --pretrained)
     and whether its weights are in the local Hugging Face cache (usable offline)."""
     pattern: str | None = positional("part of a name (convnext), or an fnmatch pattern (resnet1*)", nargs="?")

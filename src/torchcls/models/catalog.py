@@ -16,7 +16,7 @@ from torchcls.models.early_exit import PREFIX as EARLY_EXIT_PREFIX
 from torchcls.models.hub import HUB_PREFIX, in_cache
 from torchcls.models.registry import TORCHVISION_PREFIX
 
-OWN = ("smallnet", "fastnet", "fastnet_slim")
+OWN = ("smallnet", "fastnet", "fastnet_slim", "fastnet_lite")
 
 
 @dataclass(frozen=True)

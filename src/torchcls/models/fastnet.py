@@ -12,6 +12,11 @@ SmallNet's, so wrappers (early exits, FSDP per-block sharding) can address the b
 and 14 px, where 24 and 48 cost 45% of the FLOPs) and keeps the 7 and 4 px ones (96, 192), where
 the capacity that the accuracy needs is cheap: 0.39M parameters and 33 MFLOP; its training step took 1.48x
 less time than fastnet's on a 2-core AVX-512-bf16 CPU, for 0.15 points less top-1 at 6 epochs (docs/training.md).
+
+`fastnet_lite` is fastnet_slim without the residual block at 14 px (`blocks`: residual blocks at 14 and 7 px):
+that block has 5% of the parameters and 21% of the FLOPs, but 32-channel convolutions run far below the CPU's
+peak, so its training step takes 1.48x less time than fastnet_slim's (fp32, a 2-core AVX2-only CPU), for about
+the same top-1 after 7 epochs (median of 3 seeds, docs/training.md).
 """
 
 from __future__ import annotations
@@ -36,19 +41,22 @@ class Residual(nn.Module):
 
 
 # --model name -> channels of the stem and of the 14, 7 and 4 px stages
-WIDTHS: dict[str, tuple[int, int, int, int]] = {"fastnet": (24, 48, 96, 192), "fastnet_slim": (16, 32, 96, 192)}
+WIDTHS: dict[str, tuple[int, int, int, int]] = {
+    "fastnet": (24, 48, 96, 192), "fastnet_slim": (16, 32, 96, 192), "fastnet_lite": (16, 32, 96, 192)}
+# --model name -> residual blocks at 14 and 7 px, where not (1, 1)
+BLOCKS: dict[str, tuple[int, int]] = {"fastnet_lite": (0, 1)}
 
 
 class FastNet(nn.Module):
     def __init__(self, num_classes: int = 10, in_chans: int = 1, width: int = 24, drop_rate: float = 0.0,
-                 widths: tuple[int, int, int, int] | None = None):
+                 widths: tuple[int, int, int, int] | None = None, blocks: tuple[int, int] = (1, 1)):
         super().__init__()
         stem, c14, c7, c4 = widths or (width, 2 * width, 4 * width, 8 * width)
         self.stage_channels = (c14, c7, c4)
         self.stem = conv_bn(in_chans, stem)
         self.stages = nn.ModuleList([
-            nn.Sequential(conv_bn(stem, c14, stride=2), Residual(c14)),
-            nn.Sequential(conv_bn(c14, c7, stride=2), Residual(c7)),
+            nn.Sequential(conv_bn(stem, c14, stride=2), *(Residual(c14) for _ in range(blocks[0]))),
+            nn.Sequential(conv_bn(c14, c7, stride=2), *(Residual(c7) for _ in range(blocks[1]))),
             conv_bn(c7, c4, stride=2),
         ])
         self.head = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(drop_rate),

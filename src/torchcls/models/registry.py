@@ -16,6 +16,7 @@ from torch import nn
 
 from torchcls.data.label_bounds import MAX_CLASSES  # the class count a data source may declare
 from torchcls.errors import UserError
+from torchcls.models.fastnet import BLOCKS as FASTNET_BLOCKS
 from torchcls.models.fastnet import WIDTHS as FASTNET_WIDTHS
 from torchcls.models.fastnet import FastNet
 from torchcls.models.smallnet import SmallNet
@@ -61,7 +62,8 @@ def create_model(spec: ModelSpec, pretrained_cfg_overlay: dict[str, Any] | None 
     if spec.name == "smallnet":
         return SmallNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate)
     if spec.name in FASTNET_WIDTHS:
-        return FastNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate, widths=FASTNET_WIDTHS[spec.name])
+        return FastNet(spec.num_classes, spec.in_chans, drop_rate=spec.drop_rate, widths=FASTNET_WIDTHS[spec.name],
+                       blocks=FASTNET_BLOCKS.get(spec.name, (1, 1)))
     if spec.name.startswith(TORCHVISION_PREFIX):
         return _torchvision_model(spec)
     return _timm_model(spec)
