@@ -2,7 +2,7 @@
 
 torchcls paths: eager, eager channels_last, torchcls compile (fp32, bf16: `compile_for_inference`), AOTInductor
 package (fp32), AOTInductor static int8 (`aoti_int8`: `torchcls export --precision int8`, calibrated on the same
-random inputs as ORT's int8, only where the CPU has VNNI), and `default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its
+random inputs as ORT's int8, only where the CPU's int8 GEMM is exact, as export asks), and `default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its
 default (target, precision auto with its fallback to fp32 when the reduced precision fails parity on the probe;
 `torchcls serve` serves that artifact as it was exported). Peers, each from the same ONNX file (torchcls' onnx
 target): ONNX Runtime fp32 (`ort`), ONNX Runtime int8 (`ort_int8`: static QDQ quantization, only where the CPU
@@ -335,6 +335,9 @@ def parse_args() -> argparse.Namespace:
             sys.exit(f"unknown {name}(s): {', '.join(bad)}; choose from {', '.join(known)}")
     if args.threads < 1:
         sys.exit("--threads must be at least 1")
+    if "eager" not in args.configs:  # the reference of every path's top-1 agreement and of "× eager"
+        print("measuring eager too: it is the reference of every path's top-1 agreement", file=sys.stderr)
+        args.configs.insert(0, "eager")
     return args
 
 
