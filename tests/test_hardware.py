@@ -146,7 +146,10 @@ def test_an_avx2_machine_emulated_in_a_subprocess(tmp_path):
     assert out.stdout.count("warning: --precision bf16 on this CPU runs") == 1
     fp16 = next(line for line in out.stdout.splitlines() if line.startswith("FP16"))
     assert "use --precision fp32 or auto" in fp16
-    assert "INT8 exact False" in out.stdout and "INT8 int8 inference: this CPU's int8 matrix multiply" in out.stdout
+    # Held to AVX2, an AVX-512 Xeon's oneDNN int8 GEMM saturates; a real AVX2 CPU's (AMD Zen 3) was exact, and
+    # there int8 is allowed. Either way the refusal follows the kernel check, never the flags alone.
+    refused = "INT8 int8 inference: this CPU's int8 matrix multiply" in out.stdout
+    assert ("INT8 exact False" in out.stdout and refused) or ("INT8 exact True" in out.stdout and not refused)
 
 
 # ---------------------------------------------------------------- threads from affinity and quota
