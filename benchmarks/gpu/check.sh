@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu/check.sh --dry-run                          # steps, parts and budgets as one JSON object
 #   bash benchmarks/gpu/check.sh --part 1 --out gpu-check --collect "$OUT"   # on a GPU machine
 #   bash benchmarks/gpu/check.sh --only preflight,aoti_smoke        # a subset (and the steps it needs)
+#   PY=python3 bash benchmarks/gpu/check.sh --part 1                # a bare name is looked up on PATH
 #   PY=/work/t211venv/bin/python bash benchmarks/gpu/check.sh --part 1 --rehearse --out r   # CPU stand-ins
 #
 # It runs from the project's own .venv (PY=... overrides). Without one it builds it with `make` from local
@@ -14,6 +15,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
+# A bare name (PY=python3) is looked up on PATH, as the shell would run it.
+case "$PY" in */*) ;; *) PY=$(command -v "$PY" || echo "$PY") ;; esac
 dry_run=0
 for arg in "$@"; do [ "$arg" = "--dry-run" ] && dry_run=1; done
 if [ ! -x "$PY" ]; then
