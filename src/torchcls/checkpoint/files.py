@@ -82,16 +82,9 @@ def plain_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     weight that FSDP2 all-gathers in FP8) is unwrapped to it: it has no storage safetensors could read
     (torch 2.11 + torchao 0.17 handed it out from the full state dict). A DTensor is not unwrapped: its
     local tensor is a shard, not the weight."""
-    from torch.distributed.tensor import DTensor
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+    from torchcls.checkpoint.subclass import inner_tensor
 
-    def plain(t: torch.Tensor) -> torch.Tensor:
-        while (is_traceable_wrapper_subclass(t) and not isinstance(t, DTensor)
-               and len(inner := t.__tensor_flatten__()[0]) == 1):
-            t = getattr(t, inner[0])
-        return t.detach().to("cpu").contiguous().clone()
-
-    return {k: plain(v) for k, v in state.items()}
+    return {k: inner_tensor(v).detach().to("cpu").contiguous().clone() for k, v in state.items()}
 
 
 def write_weights(path: Path, state: dict[str, torch.Tensor], meta: CheckpointMeta,

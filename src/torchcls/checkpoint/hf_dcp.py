@@ -80,24 +80,19 @@ def storable(tree: dict[str, Any]) -> dict[str, Any]:
     into them is a load into the model."""
     from torch.distributed.tensor import DTensor
 
+    from torchcls.checkpoint.subclass import inner_tensor
+
     def plain(t: torch.Tensor) -> torch.Tensor:
         if isinstance(t, DTensor):
             local = t.detach().to_local()
-            inner = _unwrapped(local)
+            inner = inner_tensor(local)
             return t if inner is local else DTensor.from_local(inner, t.device_mesh, t.placements, run_check=False,
                                                                 shape=t.shape, stride=t.stride())
-        return _unwrapped(t)
+        return inner_tensor(t)
 
     return {k: storable(v) if isinstance(v, dict) else plain(v) if isinstance(v, torch.Tensor) else v
             for k, v in tree.items()}
 
-
-def _unwrapped(t: torch.Tensor) -> torch.Tensor:
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass  # as files.plain_state
-
-    while is_traceable_wrapper_subclass(t) and len(inner := t.__tensor_flatten__()[0]) == 1:
-        t = getattr(t, inner[0])
-    return t
 
 
 def shard_files(path: Path) -> list[Path]:

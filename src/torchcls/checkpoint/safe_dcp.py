@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
+# A class of torch's private module, because torch's old .metadata pickles name it: the unpickler must build it.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -259,7 +259,8 @@ def _shown(e: Exception) -> str:
 
 class SafeReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
+        rank = kwargs.get("rank")  # FileSystemReader's file names: .metadata, or __{rank}.metadata per rank
+        path = Path(str(self.path)) / (".metadata" if rank is None else f"__{rank}.metadata")
         # A regular file (no link, FIFO or device), its size bounded before a byte is read.
         data = read_bytes(path, max_bytes=bounds.MAX_METADATA_BYTES, what="DCP .metadata", follow_symlinks=False)
         try:
@@ -283,9 +284,27 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             raise UserError(f"a distributed checkpoint entry ({read_item.dest_index.fqn}) needs unpickling "
                             f"beyond plain data: refused ({str(e).splitlines()[0][:160]})") from None
         if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            _set_path(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:
             self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def _set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> None:
+    """Put `value` at `path` (keys and list indices) in the nested state dict, making the dicts and lists on the
+    way (what DCP's own flattening undoes: its helper for this is private)."""
+    node: Any = root
+    for key, nxt in zip(path, path[1:]):
+        empty: Any = {} if isinstance(nxt, str) else []
+        if isinstance(node, dict):
+            node = node.setdefault(key, empty)
+            continue
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None:
+            node[key] = empty
+        node = node[key]
+    if isinstance(path[-1], int):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
 
 
 def safe_load(state: dict[str, Any], path: str | Path) -> None:
