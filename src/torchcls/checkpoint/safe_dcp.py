@@ -302,7 +302,7 @@ def _set_path(root: dict[str, Any], path: tuple[str | int, ...], value: Any) -> 
         if node[key] is None:
             node[key] = empty
         node = node[key]
-    if isinstance(path[-1], int):
+    if isinstance(node, list):
         node.extend([None] * (path[-1] + 1 - len(node)))
     node[path[-1]] = value
 
