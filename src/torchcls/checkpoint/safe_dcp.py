@@ -25,7 +25,6 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-# A class of torch's private module, because torch's old .metadata pickles name it: the unpickler must build it.
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -50,7 +49,7 @@ _DCP_TYPES = ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "T
 # entry below is a data type or a pure lookup: calling it with any arguments runs no code of the file's.
 ALLOWED_GLOBALS: frozenset[tuple[str, str]] = frozenset(
     {("torch.distributed.checkpoint.metadata", name) for name in _DCP_TYPES}
-    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"),  # private, but the old pickles name it
        ("torch", "Size"),
        ("torch.serialization", "_get_layout"),  # turns a layout's name back into torch.strided etc.
        ("collections", "OrderedDict"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
