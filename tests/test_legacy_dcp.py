@@ -102,6 +102,19 @@ def test_an_old_checkpoint_consolidates_and_resumes_under_the_opt_in(tmp_path: P
     assert all(torch.equal(model.state_dict()[k], v) for k, v in weights.items())
 
 
+def test_plain_data_entries_land_in_their_nested_places(tmp_path: Path) -> None:
+    """Non-tensor entries are written as torch.save bytes and read back with weights_only; each is put back
+    where the flattened state dict's path says, through dicts and lists."""
+    saved = {"model": {"w": torch.arange(3.0)}, "n": 3,
+             "extra": {"names": ["a", "b"], "groups": [{"lr": 0.1, "tag": "x"}, {"lr": 0.2, "tag": "y"}]}}
+    dcp.save(saved, checkpoint_id=str(tmp_path / "ckpt"))
+    state = {"model": {"w": torch.zeros(3)}, "n": None,
+             "extra": {"names": None, "groups": [{"lr": None, "tag": None}, {"lr": None, "tag": None}]}}
+    safe_dcp.safe_load(state, tmp_path / "ckpt")
+    assert torch.equal(state["model"]["w"], saved["model"]["w"])
+    assert state["n"] == 3 and state["extra"] == saved["extra"]
+
+
 @pytest.mark.parametrize("dims", [[2**62] * 100_000, [2**62] * 40, [2**62] * 16, [2**47] * 16],
                          ids=["100k-dims", "40-dims", "16-huge-dims", "16-dims-huge-product"])
 def test_a_tensor_of_many_huge_dims_is_refused_before_any_product(tmp_path: Path, dims: list[int]) -> None:
