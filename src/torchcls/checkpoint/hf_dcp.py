@@ -94,7 +94,6 @@ def storable(tree: dict[str, Any]) -> dict[str, Any]:
             for k, v in tree.items()}
 
 
-
 def shard_files(path: Path) -> list[Path]:
     """The files HuggingFaceStorageReader would read from `path`, listed under a bound."""
     found = []
