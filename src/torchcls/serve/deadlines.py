@@ -30,13 +30,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from torchcls.serve.limits import TIMED_OUT, ClientGone, send_error
+from torchcls.serve.limits import GRACE_S, TIMED_OUT, ClientGone, send_error
 
 MAX_HEADER_LINES = 100  # Apache's LimitRequestFields: each line costs a tuple of two bytes objects
-# Before its first bytes can be judged, a body gets 2 s: several TCP retransmissions of a lost first
-# segment (Linux's minimum RTO is 0.2 s, doubling), and the time a client may take between writing its
-# headers and its body. After that each KiB it has sent buys it 1/--min-body-rate-kb more seconds.
-GRACE_S = 2.0
+# After GRACE_S (serve/limits.py) each KiB a body has sent buys it 1/--min-body-rate-kb more seconds.
 # At --max-connections a body is cut to make room once it is this far behind the minimum rate: a trickling
 # flood is, a moment after it opens; an honest body whose first bytes are on their way is not (it has
 # waited a few milliseconds for nothing yet, and each KiB it sends puts it a second ahead).

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import orjson
 
 TIMED_OUT = "torchcls.timed_out"  # scope key: why serve/deadlines.py cut this request (-> 408)
+# Before its first bytes can be judged, a body gets 2 s: several TCP retransmissions of a lost first
+# segment (Linux's minimum RTO is 0.2 s, doubling), and the time a client may take between writing its
+# headers and its body. Then it is held to its pace: the minimum rate (serve/deadlines.py), and the pace
+# that keeps a reservation (InflightBudget).
+GRACE_S = 2.0
 
 
 async def send_error(send, status: int, message: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
@@ -32,20 +40,78 @@ class _Refused(Exception):
         self.status, self.message, self.headers = status, message, headers
 
 
+@dataclass(eq=False)
+class Body:
+    """One request body in progress: its Content-Length (None when chunked), when its headers came, what arrived."""
+
+    declared: int | None
+    start: float
+    received: int = 0
+
+
 class InflightBudget:
-    """Request body bytes held at once by all connections (one event loop: no lock needed)."""
+    """Request body bytes that all connections hold at once (one event loop: no lock needed), and who gets
+    room when there is none.
 
-    def __init__(self, limit: int):
-        self.limit, self.used = limit, 0
+    Only bytes that arrived count, so holding N bytes of budget costs a client N bytes sent: a declared
+    Content-Length reserves nothing (a reservation would let header-only connections, a few every GRACE_S,
+    hold all of it for free). When a chunk does not fit, the bodies that came first and declared sizes that
+    fit the budget together ("entitled") wait up to GRACE_S for room while the others are refused at once
+    (503), which gives it back: of 8 clients sending 31 MiB into 64 MiB the first two finish. (Refusing
+    whichever body's chunk did not fit admitted all eight, cut every one of them mid-body, and nobody
+    finished.) A body that falls behind the pace ending it within `pace_s` (--body-timeout) after GRACE_S,
+    or that declared no size, is never entitled.
+    """
 
-    def take(self, n: int) -> bool:
+    def __init__(self, limit: int, pace_s: float, clock: Callable[[], float] = time.monotonic):
+        self.limit, self.pace_s, self.clock = limit, pace_s, clock
+        self.used = 0
+        self.bodies: dict[Body, None] = {}  # in progress, in the order their headers came
+        self._freed: asyncio.Event | None = None  # set (and replaced) whenever bytes are given back
+
+    def admit(self, declared: int | None) -> Body | None:
+        """A new body; None when its Content-Length does not fit in what is left now (refused unread)."""
+        if declared and self.used + declared > self.limit:
+            return None
+        body = Body(declared, self.clock())
+        self.bodies[body] = None
+        return body
+
+    async def take(self, body: Body, n: int) -> bool:
+        """Room for `n` more bytes of `body`; False when it is refused."""
         if self.used + n > self.limit:
-            return False
+            if not self.entitled(body):
+                return False
+            give_up = self.clock() + GRACE_S
+            while self.used + n > self.limit:
+                if self._freed is None:
+                    self._freed = asyncio.Event()
+                try:
+                    await asyncio.wait_for(self._freed.wait(), give_up - self.clock())
+                except asyncio.TimeoutError:
+                    return False
         self.used += n
+        body.received += n
         return True
 
-    def give(self, n: int) -> None:
-        self.used -= n
+    def release(self, body: Body) -> None:
+        """The request was answered (or ended): its bytes come back, and the bodies waiting for room look again."""
+        self.used -= body.received
+        del self.bodies[body]
+        if self._freed is not None and body.received:
+            self._freed.set()
+            self._freed = None
+
+    def entitled(self, body: Body) -> bool:
+        """`body` declared its size, keeps its pace, and fits with every such body that came before it."""
+        now, total = self.clock(), 0
+        for b in self.bodies:
+            if b.declared is None or b.received < b.declared * (now - b.start - GRACE_S) / self.pace_s:
+                continue
+            total += b.declared
+            if b is body:
+                return total <= self.limit
+        return False
 
 
 class BodyGuard:
@@ -53,8 +119,8 @@ class BodyGuard:
     shared by all connections, --max-inflight-mb (503 with Retry-After): the memory that bodies hold is
     bounded by the budget, not by connections x body size. A declared Content-Length that is above the
     limit, or that does not fit in what the budget has left now, is refused before any of the body is
-    read. Only bytes that arrived are held (a slow client that declares a large body holds no more than
-    it sent), and they are given back when the request has been answered.
+    read. Who gets room when it is full is InflightBudget's rule. The bytes are given back when the request
+    has been answered.
     """
 
     def __init__(self, app, max_bytes: int, budget: InflightBudget):
@@ -64,8 +130,8 @@ class BodyGuard:
         return _Refused(413, f"request body above the server's limit of {self.max_bytes:,} bytes (--max-body-mb)")
 
     def _no_room(self, n: int) -> _Refused:
-        return _Refused(503, f"the server holds {self.budget.used:,} of its {self.budget.limit:,} bytes of request "
-                             f"bodies (--max-inflight-mb); {n:,} more do not fit now, retry later",
+        return _Refused(503, f"the server holds {self.budget.used:,} of its {self.budget.limit:,} "
+                             f"bytes of request bodies (--max-inflight-mb); {n:,} more do not fit now, retry later",
                         [(b"retry-after", b"1")])
 
     async def __call__(self, scope, receive, send):
@@ -76,24 +142,24 @@ class BodyGuard:
         if declared is not None and declared > self.max_bytes:
             refusal = self._too_large()
             return await send_error(send, refusal.status, refusal.message)
-        if declared and self.budget.used + declared > self.budget.limit:
+        body = self.budget.admit(declared)
+        if body is None:
             refusal = self._no_room(declared)
             return await send_error(send, refusal.status, refusal.message, refusal.headers)
-        held, complete, started = 0, False, False
+        complete, started = False, False
 
         async def guarded_receive():
-            nonlocal held, complete
+            nonlocal complete
             msg = await receive()
             if msg["type"] == "http.request":
                 n = len(msg.get("body", b""))
-                if held + n > self.max_bytes:
+                if body.received + n > self.max_bytes:
                     raise self._too_large()
-                if not self.budget.take(n):
+                if not await self.budget.take(body, n):
                     raise self._no_room(n)
-                held += n
                 complete = not msg.get("more_body", False)
             elif msg["type"] == "http.disconnect" and not complete:
-                raise ClientGone(held, declared)
+                raise ClientGone(body.received, declared)
             return msg
 
         async def tracking_send(msg):
@@ -107,7 +173,7 @@ class BodyGuard:
             if not started:
                 await send_error(send, r.status, r.message, r.headers)
         finally:
-            self.budget.give(held)
+            self.budget.release(body)
 
 
 class AuthMiddleware:
