@@ -71,7 +71,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
     pre = info.preprocess
     shape = (pre.channels, pre.img_size, pre.img_size)
     max_body = int(cfg.max_body_mb * 2**20)
-    budget = InflightBudget(int(cfg.max_inflight_mb * 2**20), pace_s=cfg.body_timeout)
+    budget = InflightBudget(int(cfg.max_inflight_mb * 2**20), max_body, pace_s=cfg.body_timeout)
     metrics.inflight_bytes.set_function(lambda: budget.used)
 
     @contextlib.asynccontextmanager

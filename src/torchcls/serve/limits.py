@@ -55,16 +55,16 @@ class InflightBudget:
 
     Only bytes that arrived count, so holding N bytes of budget costs a client N bytes sent: a declared
     Content-Length reserves nothing (a reservation would let header-only connections, a few every GRACE_S,
-    hold all of it for free). When a chunk does not fit, the bodies that came first and declared sizes that
-    fit the budget together ("entitled") wait up to GRACE_S for room while the others are refused at once
-    (503), which gives it back: of 8 clients sending 31 MiB into 64 MiB the first two finish. (Refusing
-    whichever body's chunk did not fit admitted all eight, cut every one of them mid-body, and nobody
-    finished.) A body that falls behind the pace ending it within `pace_s` (--body-timeout) after GRACE_S,
-    or that declared no size, is never entitled.
+    hold all of it for free). When a chunk does not fit, the bodies that came first and whose sizes fit the
+    budget together ("entitled") wait up to GRACE_S for room while the others are refused at once (503),
+    which gives it back: of 8 clients sending 31 MiB into 64 MiB the first two finish. (Refusing whichever
+    body's chunk did not fit admitted all eight, cut every one of them mid-body, and nobody finished.) A
+    body's size is its Content-Length, or `max_body` (--max-body-mb) when it is chunked; a body that falls
+    behind the pace that would send that size within `pace_s` (--body-timeout) after GRACE_S is not entitled.
     """
 
-    def __init__(self, limit: int, pace_s: float, clock: Callable[[], float] = time.monotonic):
-        self.limit, self.pace_s, self.clock = limit, pace_s, clock
+    def __init__(self, limit: int, max_body: int, pace_s: float, clock: Callable[[], float] = time.monotonic):
+        self.limit, self.max_body, self.pace_s, self.clock = limit, max_body, pace_s, clock
         self.used = 0
         self.bodies: dict[Body, None] = {}  # in progress, in the order their headers came
         self._freed: asyncio.Event | None = None  # set (and replaced) whenever bytes are given back
@@ -103,12 +103,13 @@ class InflightBudget:
             self._freed = None
 
     def entitled(self, body: Body) -> bool:
-        """`body` declared its size, keeps its pace, and fits with every such body that came before it."""
+        """`body` keeps its pace and fits with every body on pace that came before it."""
         now, total = self.clock(), 0
         for b in self.bodies:
-            if b.declared is None or b.received < b.declared * (now - b.start - GRACE_S) / self.pace_s:
+            size = self.max_body if b.declared is None else b.declared
+            if b.received < size * (now - b.start - GRACE_S) / self.pace_s:
                 continue
-            total += b.declared
+            total += size
             if b is body:
                 return total <= self.limit
         return False
