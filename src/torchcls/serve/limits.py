@@ -13,7 +13,7 @@ TIMED_OUT = "torchcls.timed_out"  # scope key: why serve/deadlines.py cut this r
 # Before its first bytes can be judged, a body gets 2 s: several TCP retransmissions of a lost first
 # segment (Linux's minimum RTO is 0.2 s, doubling), and the time a client may take between writing its
 # headers and its body. Then it is held to its pace: the minimum rate (serve/deadlines.py), and the pace
-# that keeps a reservation (InflightBudget).
+# that keeps its place among the bodies entitled to wait for room (InflightBudget).
 GRACE_S = 2.0
 
 
@@ -131,8 +131,8 @@ class BodyGuard:
         return _Refused(413, f"request body above the server's limit of {self.max_bytes:,} bytes (--max-body-mb)")
 
     def _no_room(self, n: int) -> _Refused:
-        return _Refused(503, f"the server holds {self.budget.used:,} of its {self.budget.limit:,} "
-                             f"bytes of request bodies (--max-inflight-mb); {n:,} more do not fit now, retry later",
+        return _Refused(503, f"the server holds {self.budget.used:,} of its {self.budget.limit:,} bytes of request "
+                             f"bodies (--max-inflight-mb); {n:,} more do not fit now, retry later",
                         [(b"retry-after", b"1")])
 
     async def __call__(self, scope, receive, send):
