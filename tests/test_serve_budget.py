@@ -1,5 +1,5 @@
 """serve/limits.py's InflightBudget on its own (no server, no sockets): bodies that arrive at once share the
-budget, never more than it is held, and when it is full some of them finish.
+budget, which never holds more than its limit, and when it is full some of them finish.
 
 Each client is a task sending its body in chunks as fast as the budget lets it (the server's read loop, without
 the bytes); a refused body gives its bytes back at once, a complete one when it has been "answered".
