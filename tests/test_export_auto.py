@@ -35,10 +35,25 @@ def pinned_run(tmp_path_factory) -> Path:
     return train(cfg).run_dir
 
 
+READS = {"load_model": 0, "held_out_images": 0}  # by auto_export
+
+
 @pytest.fixture(scope="module")
 def auto_export(pinned_run):
-    """The pinned run exported with every option at its default."""
-    return pinned_run, export(pinned_run)
+    """The pinned run exported with every option at its default; how often the checkpoint and the held-out
+    images were read on the way is in READS."""
+    from torchcls.artifacts import exporter
+
+    def counted(name, read):
+        def wrapper(*args, **kwargs):
+            READS[name] += 1
+            return read(*args, **kwargs)
+        return wrapper
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in READS:
+            mp.setattr(exporter, name, counted(name, getattr(exporter, name)))
+        return pinned_run, export(pinned_run)
 
 
 def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
@@ -48,6 +63,7 @@ def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
     # this installation has the export extra: AOTInductor (auto precision, and int8 where the CPU's int8 kernels
     # are exact), ONNX Runtime and OpenVINO are all candidates; one not built here says why
     assert set(choice["candidates"]) == {"aoti", "aoti-int8", "onnx", "onnx-openvino"}
+    assert READS == {"load_model": 1, "held_out_images": 1}  # once for the four candidates
     assert ("not_kept" in choice["candidates"]["aoti-int8"]) != cpu_int8_matmul_exact()
     assert choice["chosen"] in built and Path(built[choice["chosen"]]["path"]) == result.path
     assert choice["rounds"] >= 3 and choice["block_s"] > 0 and choice["threads"] == torch.get_num_threads()

@@ -19,6 +19,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -81,41 +82,74 @@ def export(checkpoint: str | Path, target: str = _D.target, precision: str = _D.
         target = _target_named_by(Path(out))  # --out model.onnx: the suffix names the target
     if target == "auto" and precision == "int8":
         target = "aoti"  # the one target that builds it
-    if target == "auto":
+    source = _Source(checkpoint, parity_images, data, root)
+
+    def checked(target: str, precision: str, quantize: str | None, backend: str | None,
+                calibration_images: int | None, autotune: bool, runtime: str | None) -> ExportRequest:
         _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend,
                        calibration_images, autotune, runtime)
-        resolve_checkpoint(checkpoint)  # a wrong path is one error, not one per candidate
+        return ExportRequest(precision, max_batch, quantize, backend, calibration_images, data, root,
+                             autotune=autotune, runtime=runtime)
 
-        def one(c: Candidate) -> ExportResult:
-            return export(checkpoint, c.target, c.precision or precision, max_batch,
-                          None if out is None else Path(out) / c.name, min_agreement, parity_images, data, root,
-                          calibration_images=calibration_images if c.precision == "int8" else None, device=device,
-                          autotune=autotune and c.target == "aoti", runtime=c.runtime)
+    if target != "auto":
+        req = checked(target, precision, quantize, backend, calibration_images, autotune, runtime)
+        return _export_target(source, target, req, out, min_agreement, device)
+    checked(target, precision, quantize, backend, calibration_images, autotune, runtime)
+    source.ckpt  # a wrong path is one error, not one per candidate
 
-        winner, choice = export_fastest(one, portable_device(device), max_batch, precision)
-        winner.parity["choice"] = choice
-        _write_parity(winner.parity_path, winner.parity)
-        return winner
-    _check_options(target, precision, max_batch, min_agreement, parity_images, quantize, backend, calibration_images,
-                   autotune, runtime)
+    def one(c: Candidate) -> ExportResult:
+        req = checked(c.target, c.precision or precision, None, None,
+                      calibration_images if c.precision == "int8" else None, autotune and c.target == "aoti",
+                      c.runtime)
+        return _export_target(source, c.target, req, None if out is None else Path(out) / c.name, min_agreement,
+                              device)
+
+    winner, choice = export_fastest(one, portable_device(device), max_batch, precision)
+    winner.parity["choice"] = choice
+    _write_parity(winner.parity_path, winner.parity)
+    return winner
+
+
+class _Source:
+    """The checkpoint, its model and its held-out parity images: each read when first needed (after the options
+    were checked) and once, however many targets are built from them (--target auto builds every candidate)."""
+
+    def __init__(self, checkpoint: str | Path, parity_images: int, data: str | None, root: str | None):
+        self.checkpoint, self.parity_images, self.data, self.root = checkpoint, parity_images, data, root
+
+    @cached_property
+    def ckpt(self) -> Path:
+        return resolve_checkpoint(self.checkpoint)
+
+    @cached_property
+    def loaded(self) -> tuple[nn.Module, CheckpointMeta]:
+        return load_model(self.ckpt)
+
+    @cached_property
+    def parity_set(self) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The parity images, their labels, and for an early-exit model how they were picked per exit."""
+        model, meta = self.loaded
+        if isinstance(model, EarlyExitNet):
+            return _early_exit_images(model, meta, self.parity_images, self.data, self.root)
+        return (*held_out_images(meta, self.parity_images, self.data, self.root), {})
+
+
+def _export_target(source: _Source, target: str, asked: ExportRequest, out: str | Path | None,
+                   min_agreement: float | None, device: str) -> ExportResult:
+    """One target, its options checked: `asked.precision` is the one asked for (auto, ...)."""
     tgt = get_target(target)
     # A CUDA device that is not here fails now, before any work; ExecuTorch builds for CPUs (auto = cpu).
     dev = (cpu_only(device, "--target executorch programs") if target == "executorch"
            else portable_device(device))
-    choice = choose_precision(precision, dev, kind="inference")  # auto: bf16 where the hardware has it
-    req, choice = _check_request(tgt, ExportRequest(choice.precision, max_batch, quantize, backend, calibration_images,
-                                                    data, root, device=dev.type, autotune=autotune,
-                                                    runtime=runtime), choice)
-    ckpt = resolve_checkpoint(checkpoint)
-    model, meta = load_model(ckpt)
+    choice = choose_precision(asked.precision, dev, kind="inference")  # auto: bf16 where the hardware has it
+    req, choice = _check_request(tgt, replace(asked, precision=choice.precision, device=dev.type), choice)
+    model, meta = source.loaded
     if isinstance(model, EarlyExitNet):
         req, choice = _check_request(tgt, replace(req, early_exit=True), choice)
+    ckpt = source.ckpt
     _artifact_path(out, ckpt.parent, tgt.suffix, target, req.precision)  # a bad --out is refused before any work
     # Parity images before compiling (fail fast), read once for every attempt (auto: bf16, then fp32).
-    if isinstance(model, EarlyExitNet):
-        images, labels, selection = _early_exit_images(model, meta, parity_images, data, root)
-    else:
-        (images, labels), selection = held_out_images(meta, parity_images, data, root), {}
+    images, labels, selection = source.parity_set
     job = _Job(tgt, target, model, meta, ckpt, dev, out, min_agreement, images, labels, selection)
     try:
         return _export_as(job, req, choice)
