@@ -85,6 +85,36 @@ def test_feed_kind_follows_the_data(tmp_path: Path, sources: dict[str, Path]) ->
         assert records[-1]["kind"] == "epoch" and "val_top1" in records[-1]
 
 
+@pytest.mark.parametrize("feed", ["files", "shards"])
+def test_loader_workers_end_with_the_run(tmp_path: Path, sources: dict[str, Path], feed: str) -> None:
+    """A process that calls train() keeps no loader worker once it returns or raises, with the garbage
+    collector off: the workers do not wait for a collection to find the trainer (which then stalled up to 5 s
+    per worker), whatever still holds the trainer (here, the traceback of the failed run)."""
+    import gc
+    import multiprocessing
+
+    from torchcls.training import train
+
+    def stop(step: int) -> None:
+        if step == 2:
+            raise RuntimeError("stopped by the test")
+
+    assert multiprocessing.active_children() == []
+    gc.disable()
+    try:
+        for name, callbacks in (("returns", []), ("raises", [stop])):
+            cfg = _config(sources[feed], tmp_path, f"{name}-{feed}", feed)
+            cfg.data.workers = 2
+            if callbacks:
+                with pytest.raises(RuntimeError, match="stopped by the test"):
+                    train(cfg, callbacks=callbacks)
+            else:
+                assert train(cfg).steps > 0
+            assert multiprocessing.active_children() == [], name
+    finally:
+        gc.enable()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("feed", ["shards", "files"])
 def test_ddp_with_loader_workers_on_two_ranks(tmp_path: Path, sources: dict[str, Path], feed: str) -> None:

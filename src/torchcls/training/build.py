@@ -90,6 +90,9 @@ def train(cfg: Config, callbacks: Sequence[StepCallback] = ()) -> TrainResult:
         if (failure := run.write_failure(e)) is not None:  # the run dir cannot be written: which file, what is intact
             raise failure from None
         raise
+    finally:
+        if t is not None:  # the loader workers end with the run, whatever holds the trainer (a traceback, a caller)
+            t.feed.release()
 
 
 def _already_finished(done: Finished, run: RunDir, session: Session) -> TrainResult:
@@ -176,6 +179,8 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     if cfg.data.task == "multilabel":  # BCE (torchcls.tasks)
         criterion = multilabel_criterion(cfg, data, mixing)
     at_epoch_start = [FirstBiasFreeze(model, n)] if (n := cfg.optim.freeze_first_bias_after_epochs) else []
+    if tuner:  # given the global step before each epoch's first batch: a resumed run's too
+        at_epoch_start.append(lambda _epoch, step: tuner.begin(step))
     tracker = open_tracker(cfg, run.path) if session.is_main else None  # last: a refused store leaves nothing
     t = Trainer(cfg, session, run, gov, device, memory_format, data, spec, model, forward, precision,
                 optimizer, scheduler, criterion, feed, checkpointer,
@@ -183,8 +188,6 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
                 [*([tuner] if tuner else []), *callbacks, *([memory] if memory else [])], mixing, memory,
                 open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes, ema=ema,
                 tracker=tracker, at_epoch_start=at_epoch_start)
-    if tuner:  # given the global step before each epoch's first batch: a resumed run's too
-        t.at_epoch_start.append(lambda _epoch: tuner.begin(t.progress.step))
     return t
 
 

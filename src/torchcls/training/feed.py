@@ -95,6 +95,12 @@ class Feed:
             self.train.load_state_dict(saved["loader"])
             self._restored = True
 
+    def release(self) -> None:
+        """Let go of the loaders when the run ends, so their worker processes (persistent across epochs) stop
+        now: a loader is held only here, and dropping it shuts its workers down. Otherwise they would live
+        until a garbage collection found the trainer, and each would then hold that collection for up to 5 s."""
+        self.train = self.val = None
+
 
 def _state_file(checkpoints: Path, rank: int) -> Path:
     return checkpoints / f"loader.rank{rank}.json"

@@ -191,7 +191,7 @@ class FirstBiasFreeze:
         self.name, self.bias = first_bias(model)
         self.after_epochs = after_epochs
 
-    def __call__(self, epoch: int) -> None:
+    def __call__(self, epoch: int, _step: int = 0) -> None:
         if epoch >= self.after_epochs and self.bias.requires_grad:
             self.bias.requires_grad_(False)
             self.bias.grad = None

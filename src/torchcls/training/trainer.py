@@ -84,8 +84,10 @@ class Trainer:
     window: int = 1  # micro-batches in the current window
     thresholds: list[float] | None = None  # multilabel: per-label thresholds chosen on the validation set
     tracker: Any = None  # --tracking mlflow (training/tracking.py), rank 0 only
-    # Called with the 0-based epoch before its first batch, a resumed epoch's too (--freeze-first-bias-after-epochs)
-    at_epoch_start: list[Callable[[int], None]] = field(default_factory=list)
+    # Called with the 0-based epoch and the global step before the epoch's first batch, a resumed epoch's too
+    # (--freeze-first-bias-after-epochs, the thread tuner). Given values, not the trainer: a hook that held it
+    # would make a reference cycle, and the run's loader workers would live on until a garbage collection.
+    at_epoch_start: list[Callable[[int, int], None]] = field(default_factory=list)
     # The epoch's running sums on the device (loss x images, correct, images), and (perf_counter at the
     # epoch's (re)start, seconds it ran before): see epoch_sums(), which checkpoints save.
     sums: torch.Tensor | None = None
@@ -190,7 +192,7 @@ class Trainer:
         window = torch.zeros(3, dtype=torch.float64, device=self.device)
         size = size_at(parse_schedule(cfg.data.resize_schedule), p.epoch)  # --resize-schedule; None: full size
         for hook in self.at_epoch_start:
-            hook(p.epoch)
+            hook(p.epoch, p.step)
         for x, y in self._batches():
             # Every image of this batch failed to decode (--on-bad-file skip). Known limit: under torchrun
             # only this rank skips the batch, and the others wait for it in the gradient all-reduce.
