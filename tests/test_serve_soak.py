@@ -60,7 +60,7 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     # its pace), but Hypercorn's closing write has no deadline: the connection stays open until the reader leaves
     assert set(attacks["slow reader"]["outcomes"]) <= {"open at the end", "closed"}, attacks["slow reader"]
     # 408: a bomb's 31 MiB not read within --body-timeout 2 s while the loop was behind (seen held to AVX2, and
-    # for all 12 bombs of one run on an AVX2 EPYC while four 31 MiB bodies were parsed beside them). Whether any
+    # for all 12 bombs of one run on an AVX2 EPYC while four other clients sent 31 MiB bodies). Whether any
     # bomb is parsed here (400) depends on that pace; tests/test_serve_limits.py asserts the 400 and its cost alone.
     assert set(attacks["parse bombs"]["outcomes"]) <= {"400", "408", "503", "closed"}, attacks["parse bombs"]
     assert counts.get("status 499", 0) >= 1 and not any(k.startswith("status 5") and k != "status 503" for k in counts)
