@@ -16,7 +16,8 @@ ASGI middleware that sees only `scope`, `receive` and `send`:
   seconds plus one second per `min_rate` bytes received. Only the seconds in which the app waited in
   `receive()` count: while the app is busy (or has not asked yet) the server holds the bytes, and a client
   is never judged on the server's own delays;
-- send deadline (--send-timeout): an answer the client does not read for that long ends the request.
+- send deadline (--send-timeout): an answer the client does not read for that long ends the request;
+- an answer that starts before the request's body is all in says `Connection: close` (RFC 9112 9.6).
 
 A cut request is answered 408 (when nothing was sent yet) with `Connection: close`, counted in
 torchcls_connections_closed_total{reason}, and reaches MetricsMiddleware as ClientGone (one log line).
@@ -114,6 +115,17 @@ class BodyClock:
         return max(left, 0.0), reason
 
 
+def declares_body(scope) -> bool:
+    """HTTP/1.1: a request has a body when it says Content-Length (other than 0) or Transfer-Encoding."""
+    return any(k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0") for k, v in scope["headers"])
+
+
+def closing(message: dict) -> dict:
+    """`message` (an http.response.start) with `Connection: close` in place of any Connection header."""
+    headers = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"connection"]
+    return {**message, "headers": [*headers, (b"connection", b"close")]}
+
+
 def request_line_bytes(scope) -> int:
     """Bytes of the request line and headers as the client sent them (give or take separators)."""
     line = len(scope.get("raw_path") or scope["path"].encode()) + len(scope.get("query_string", b"")) + 16
@@ -167,7 +179,7 @@ class ClientDeadlines:
 
     async def _run(self, scope, receive, send) -> None:
         clock, started, answered = BodyClock(self.limits, time.monotonic()), False, False
-        body_done = scope["method"] in ("GET", "HEAD")
+        body_done = not declares_body(scope)
 
         async def cut(reason: str, message: str):
             nonlocal answered
@@ -209,7 +221,14 @@ class ClientDeadlines:
             nonlocal started
             if answered:  # a 408 went out already: later answers of the app have nobody to go to
                 return
-            started = started or message["type"] == "http.response.start"
+            if message["type"] == "http.response.start":
+                started = True
+                if not body_done:
+                    # Answered before its body was read (401, 404, 503 and the like): Hypercorn closes the
+                    # connection after the answer unless h11 happens to hold the whole body by then (it cannot
+                    # start the next request mid-body). Say so: a pooled client that is not told sends its next
+                    # request into the closing socket ("Server disconnected without sending a response").
+                    message = closing(message)
             try:
                 await within(send(message), self.limits.send_timeout)
             except asyncio.TimeoutError:  # TimeoutError itself from 3.11 on
