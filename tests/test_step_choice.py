@@ -13,7 +13,7 @@ from conftest import make_image_folder, tiny_config
 from torchcls.models import ModelSpec, create_model
 from torchcls.precision.hardware import PrecisionChoice
 from torchcls.training import train
-from torchcls.training.step_choice import candidates, choose_step
+from torchcls.training.step_choice import MARGIN, candidates, choose_step
 
 SPEC = ModelSpec("smallnet", 2, 1, 28)
 
@@ -41,7 +41,9 @@ def test_measured_once_then_cached_and_the_rng_is_untouched(tmp_path: Path, monk
     first = _choose(tmp_path)
     after_measuring = torch.rand(3)
     assert first.how == "measured" and set(first.times_ms) == {"fp32+cl", "fp32+nchw"}
-    assert first.channels_last == (first.times_ms["fp32+cl"] < first.times_ms["fp32+nchw"])
+    # channels-last replaces the rule's contiguous layout only when it is MARGIN faster (CI: 13.9 against 14.5 ms
+    # kept the rule's)
+    assert first.channels_last == (first.times_ms["fp32+nchw"] > first.times_ms["fp32+cl"] * MARGIN), first.times_ms
     torch.manual_seed(0)
     again = _choose(tmp_path)
     assert again.how == "cached" and again.channels_last == first.channels_last
