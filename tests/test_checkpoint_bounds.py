@@ -13,7 +13,6 @@ import resource
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from hypothesis import strategies as st
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
+from bounds_check import Stopwatch
 from torchcls.checkpoint.files import META_KEY, CheckpointMeta, load_model, model_state, read_meta, write_weights
 from torchcls.checkpoint.fit import MAX_PARAMETERS, check_sizes, fitted_model, meta_shapes
 from torchcls.data.preprocess import Preprocess
@@ -225,14 +225,14 @@ def test_meta_json_property_user_error_or_meta(field, value) -> None:
         text = json.dumps(raw)
     except RecursionError:  # (the encoder's own limit: no file can hold it this way)
         return
-    before, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.monotonic()
+    before, watch = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, Stopwatch()
     try:
         meta = CheckpointMeta.from_json(text, "meta.json")
     except UserError as e:
         assert "meta.json" in str(e)
     else:
         assert 1 <= meta.spec.num_classes <= MAX_CLASSES and len(meta.classes) == meta.spec.num_classes
-    assert time.monotonic() - t0 < 5
+    assert watch.seconds() < 5
     assert (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024 < RSS_BOUND_MB
 
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import make_image_folder, tiny_config
 from torchcls.artifacts import export, load_artifact
 from torchcls.artifacts.fastest import Candidate, candidates, choose
+from torchcls.artifacts.parity import held_out_images
 from torchcls.checkpoint.files import load_model
 from torchcls.cli import main
 from torchcls.errors import UserError
@@ -23,16 +23,14 @@ MAX_BATCH = 64  # the default: the choice times batch 1 and batch 16, as users g
 
 
 @pytest.fixture(scope="module")
-def pinned_run(tmp_path_factory) -> Path:
-    """trained_run's data and length, trained with fixed choices (fp32, NCHW, 2 threads: tiny_config): whether
-    int8 keeps 99% of a model's decisions is the model's property, and the session's trained_run is trained with
-    what the machine's load picks (with 1 thread and channels-last it came out 95% on its 20 held-out images)."""
-    from torchcls.training import train
+def pinned_run(trained_run, tmp_path_factory) -> Path:
+    """The session's trained_run (fixed choices: fp32, NCHW, 2 threads, so whether int8 keeps 99% of its
+    decisions does not move with the machine's load), copied without its export/ folder: what is exported
+    here and listed there is this module's alone."""
+    import shutil
 
-    base = tmp_path_factory.mktemp("pinned")
-    cfg = tiny_config(make_image_folder(base / "shapes", per_class=40), base / "runs", "shapes", epochs=8)
-    cfg.data.batch_size, cfg.data.val_fraction = 16, 0.25
-    return train(cfg).run_dir
+    return Path(shutil.copytree(trained_run, tmp_path_factory.mktemp("pinned") / "shapes", symlinks=True,
+                                ignore=shutil.ignore_patterns("export")))
 
 
 READS = {"load_model": 0, "held_out_images": 0}  # by auto_export
@@ -76,11 +74,13 @@ def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
     assert max(c["score"] for c in built.values()) == built[choice["chosen"]]["score"]
     assert sorted(p.name for p in (run / "export").iterdir()) == sorted(
         Path(c["path"]).parent.name for c in built.values())
-    # what was returned is what loads and agrees with eager
-    model, _ = load_model(run)
-    x = torch.randn(3, 3, 32, 32)
+    # what was returned is what loads and agrees with eager, on the held-out images its parity was measured on
+    # (not random inputs: near-tied on those, an int8 or bf16 choice may flip one, as its bound allows)
+    model, meta = load_model(run)
+    images, _ = held_out_images(meta, 500)
     with torch.no_grad():
-        assert (load_artifact(result.path)(x).argmax(1) == model(x).argmax(1)).all()
+        same = load_artifact(result.path)(images).argmax(1) == model(images).argmax(1)
+    assert same.float().mean().item() >= 0.99
 
 
 def test_openvino_artifact_records_its_runtime_and_runs_on_the_cpu_only(auto_export):

@@ -259,11 +259,13 @@ def test_a_busy_cpu_gets_no_thread_and_a_resume_keeps_the_count(tmp_path):
         spin.kill()
         spin.wait()
     machine = json.loads((run / "machine.json").read_text())
-    assert machine["torch_threads"] == len(os.sched_getaffinity(0)) - 1 and "other work kept" in machine["threads_reason"]
+    # the spinning process's CPU is left out (on more CPUs, other busy ones may be too)
+    threads = machine["torch_threads"]
+    assert 1 <= threads <= len(os.sched_getaffinity(0)) - 1 and "other work kept" in machine["threads_reason"]
     cfg.train.epochs, cfg.run.resume = 2, True
     train(cfg)  # quiet now, but the run keeps the count it started with
     machine = json.loads((run / "machine.json").read_text())
-    assert machine["torch_threads"] == len(os.sched_getaffinity(0)) - 1 and "(resume)" in machine["threads_reason"]
+    assert machine["torch_threads"] == threads and "(resume)" in machine["threads_reason"]
 
 
 def test_demo_takes_threads():
@@ -276,20 +278,36 @@ def test_demo_takes_threads():
 
 # ---------------------------------------------------------------- what a run records
 
-def test_a_run_records_what_was_asked_what_ran_and_why(trained_run):
-    expected = choose_precision("auto", CPU)
-    recorded = json.loads((trained_run / "precision.json").read_text())
+@pytest.fixture(scope="module")
+def auto_run(tmp_path_factory) -> Path:
+    """A run with the defaults (--precision auto, layout and threads left to the machine), briefly trained."""
+    from conftest import make_image_folder, tiny_config
+    from torchcls.training import train
+
+    base = tmp_path_factory.mktemp("auto")
+    cfg = tiny_config(make_image_folder(base / "shapes", per_class=8), base / "runs", "auto", epochs=1)
+    cfg.precision.precision, cfg.train.channels_last, cfg.train.threads = "auto", None, 0
+    return train(cfg).run_dir
+
+
+def test_a_run_records_what_was_asked_what_ran_and_why(auto_run):
+    rule = choose_precision("auto", CPU)
+    # What ran is the rule's precision, or fp32 where bf16 is native but the timed step chose fp32 (step_choice)
+    step = json.loads((auto_run / "step_choice.json").read_text())["precision"]
+    assert step["precision"] == rule.precision or (step["precision"] == "fp32" and step["reason"].startswith(
+        f"{rule.reason}, but fp32 trains this model faster here"))
+    recorded = json.loads((auto_run / "precision.json").read_text())
     assert (recorded["requested"], recorded["precision"], recorded["reason"]) == \
-        ("auto", expected.precision, expected.reason)
-    assert tomllib.loads((trained_run / "config.toml").read_text())["precision"]["precision"] == "auto"
-    machine = json.loads((trained_run / "machine.json").read_text())
-    assert machine["precision"] == expected.precision and machine["simd"] and machine["cpu"]
+        ("auto", step["precision"], step["reason"])
+    assert tomllib.loads((auto_run / "config.toml").read_text())["precision"]["precision"] == "auto"
+    machine = json.loads((auto_run / "machine.json").read_text())
+    assert machine["precision"] == step["precision"] and machine["simd"] and machine["cpu"]
     assert machine["cores"]["usable"] >= 1 and machine["torch_threads"] >= 1
-    assert "usable CPU(s)" in machine["threads_reason"]  # the conftest run sets no --threads
+    assert "usable CPU(s)" in machine["threads_reason"]  # the run sets no --threads
     from torchcls.report import write_report
 
-    html = write_report(trained_run).read_text()
-    assert f"precision {expected.precision} (auto: " in html and machine_line(machine) in html
+    html = write_report(auto_run).read_text()
+    assert f"precision {step['precision']} (auto: " in html and machine_line(machine) in html
 
 
 def test_precision_json_says_why_auto_chose_fp32(tmp_path, monkeypatch, fresh_warnings):

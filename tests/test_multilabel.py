@@ -56,6 +56,8 @@ def ml_config(csv: Path, out: Path, name: str, epochs: int = 3, **data):
     for key, value in data.items():
         setattr(cfg.data, key, value)
     cfg.train.epochs, cfg.train.progress = epochs, False
+    # fixed choices (as conftest's tiny_config): the mAP bounds below must not move with the machine's load
+    cfg.precision.precision, cfg.train.channels_last, cfg.train.threads = "fp32", False, 2
     cfg.run.out_dir, cfg.run.name = str(out), name
     return cfg
 

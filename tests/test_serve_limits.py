@@ -98,9 +98,10 @@ def test_a_body_that_stops_gets_408_at_the_body_timeout(bounded):
 def test_bodies_share_one_budget_and_a_declared_body_that_does_not_fit_is_refused_unread(bounded):
     """Two clients hold 30 MiB each of a 64 MiB budget; a third declaring 31 MiB gets 503 at once."""
     gone_before = bounded.metric("torchcls_requests_total", status="499")
-    holders = [connect(bounded) for _ in range(2)]
-    for h in holders:
-        h.sendall(post_head(31 * MiB) + b" " * (30 * MiB))
+    holders = []
+    for _ in range(2):  # each connected just before its send: an idle one waiting past --header-timeout is closed
+        holders.append(connect(bounded))
+        holders[-1].sendall(post_head(31 * MiB) + b" " * (30 * MiB))
     assert bounded.wait_metric("torchcls_inflight_body_bytes", 60 * MiB) >= 60 * MiB
     third = connect(bounded)
     third.sendall(post_head(31 * MiB))  # no body byte sent: the answer comes before any is read

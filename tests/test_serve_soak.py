@@ -19,14 +19,14 @@ def test_soak_answers_every_request_without_5xx(tmp_path):
     out = tmp_path / "soak.json"
     # The 16-bit 8000x8000 PNG (seconds of decoding each) stays out of the small version: --heavy-every 0.
     r = subprocess.run([sys.executable, str(SOAK), "--model", "smallnet", "--img-size", "28", "--requests", "300",
-                        "--concurrency", "8", "--heavy-every", "0", "--timeout", "120", "--json-out", str(out),
+                        "--concurrency", "8", "--heavy-every", "0", "--timeout", "240", "--json-out", str(out),
                         "--slow-connections", "40", "--slow-bodies", "4", "--flood-bodies", "40", "--trickle-s", "0.5",
                         "--huge-header-clients", "2", "--huge-header-mb", "8", "--large-body-clients", "4",
                         "--bomb-clients", "2", "--disconnect-clients", "2", "--early-clients", "16",
                         "--slow-readers", "8", "--reader-requests", "300", "--pipeline-clients", "1",
                         "--pipeline-requests", "2000", "--probe-port", "0",
                         "--serve-args", "--max-connections 32 --header-timeout 1 --body-timeout 2 --send-timeout 2"],
-                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["sent"] == result["answered"] == 300 and result["unsent"] == 0
