@@ -13,6 +13,10 @@ Where the line is printed by a library whatever we do, exactly that line is drop
   "ERROR: gpuGetDeviceCount failed with code 35" and its profiler_start/stop stages.
 The last two come from C++ straight to file descriptor 2, so they are filtered there, around the calls
 that print them only (stderr_without).
+- Building an int8 .pt2 (artifacts/targets/aoti.py) warns twice per package from library code: torchao's
+  X86InductorQuantizer that a max pool after a grey-scale stem (kept in fp32 on purpose:
+  quantize.single_channel_convolutions) is left unquantized, and Inductor's oneDNN int8 lowering that it
+  copy-constructs a tensor. Both are ignored around those calls only (warnings_without), by module and text.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import os
 import re
 import sys
 import tempfile
+import warnings
 from collections.abc import Iterator
 
 # (logger, text of the one message dropped from it)
@@ -30,6 +35,10 @@ LOGGED = (("torch.utils.cpp_extension", "No CUDA runtime is found"),
           ("torch.utils._pytree", "is an Enum subclass and is now natively supported"))
 EXECUTORCH_CPUINFO = re.compile(r"\[cpuinfo_utils\.cpp:\d+\]")
 KINETO_CPU_ONLY = re.compile(r"gpuGetDeviceCount failed with code|SyncActivityProfilerHandler\.cpp:\d+\] profiler_")
+# (module that warns, start of the one warning ignored)
+INT8_QUANTIZER = (("torchao.quantization.pt2e.quantizer.x86_inductor_quantizer",
+                   "The input of maxpool2d is not quantized"),)
+INT8_LOWERING = (("torch._inductor.mkldnn_lowerings", "To copy construct from a tensor"),)
 
 
 class _DropMessage(logging.Filter):
@@ -47,6 +56,17 @@ def silence_known_noise() -> None:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropMessage) and f.text == text for f in logger.filters):
             logger.addFilter(_DropMessage(text))
+
+
+@contextlib.contextmanager
+def warnings_without(known: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """Run the body ignoring the UserWarnings in `known` (module, start of the message); every other warning,
+    and these outside the body, behave as the process's filters say."""
+    with warnings.catch_warnings():
+        for module, text in known:
+            warnings.filterwarnings("ignore", message=re.escape(text), category=UserWarning,
+                                    module=re.escape(module) + "$")
+        yield
 
 
 @contextlib.contextmanager

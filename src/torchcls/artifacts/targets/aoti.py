@@ -31,6 +31,7 @@ from torchcls.artifacts.targets.base import (
     has_cond,
 )
 from torchcls.errors import UserError
+from torchcls.noise import INT8_LOWERING, warnings_without
 
 BATCH1_MODEL = "batch1"  # the package's static batch-1 model
 BATCH1_KEY = "torchcls.batch1_model"  # metadata: its name, where the package has one
@@ -115,7 +116,7 @@ def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extr
     configs: dict[str, Any] = {"freezing": freezing, "aot_inductor.metadata": metadata}
     if autotune:
         configs["max_autotune"] = True
-    with cond_safe_inductor(ep), torch.no_grad():
+    with cond_safe_inductor(ep), torch.no_grad(), warnings_without(INT8_LOWERING):  # torchcls.noise
         if batch1:
             _package_with_batch1(ep, path, configs)
         else:
