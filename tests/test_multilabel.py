@@ -16,6 +16,7 @@ import pytest
 import torch
 from PIL import Image
 
+from conftest import tiny_config
 from torchcls.cli import main
 from torchcls.errors import UserError
 
@@ -48,17 +49,11 @@ def truth(i: int) -> set[str]:
 
 
 def ml_config(csv: Path, out: Path, name: str, epochs: int = 3, **data):
-    from torchcls.config import Config
-
-    cfg = Config()
-    cfg.data.source, cfg.data.task, cfg.data.workers, cfg.data.batch_size, cfg.data.img_size = \
-        str(csv), "multilabel", 0, 16, 32
+    # tiny_config's fixed choices (fp32, NCHW, 2 threads): the mAP bounds below must not move with the machine's load
+    cfg = tiny_config(csv, out, name, epochs)
+    cfg.data.task, cfg.data.batch_size = "multilabel", 16
     for key, value in data.items():
         setattr(cfg.data, key, value)
-    cfg.train.epochs, cfg.train.progress = epochs, False
-    # fixed choices (as conftest's tiny_config): the mAP bounds below must not move with the machine's load
-    cfg.precision.precision, cfg.train.channels_last, cfg.train.threads = "fp32", False, 2
-    cfg.run.out_dir, cfg.run.name = str(out), name
     return cfg
 
 
