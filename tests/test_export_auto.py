@@ -196,6 +196,23 @@ def test_int8_pt2_is_calibrated_on_training_images_and_checked_against_fp32(pinn
     x = torch.randn(MAX_BATCH, 3, 32, 32)
     with torch.no_grad():
         assert art(x).shape == (MAX_BATCH, 2) and art(x).dtype == torch.float32 and torch.isfinite(art(x)).all()
+    # Batches of 16 and more run in chunks of 16 on a static batch-16 model (oneDNN's int8 convolutions are slow
+    # with a dynamic batch), the rest as a smaller batch would; the logits are the dynamic model's.
+    assert parity["models"] == ["model", "batch1", "batch16"] and art.batch16 is not None
+    calls = []
+    for name in ("runner", "batch1", "batch16"):
+        run = getattr(art, name)
+        setattr(art, name, lambda b, run=run, name=name: calls.append((name, b.shape[0])) or run(b))
+    x = torch.randn(37, 3, 32, 32)
+    with torch.no_grad():
+        chunked = art(x)
+        assert calls == [("batch16", 16), ("batch16", 16), ("runner", 5)]
+        calls.clear()
+        art(x[:17])
+        assert calls == [("batch16", 16), ("batch1", 1)]
+        calls.clear()
+        dynamic = art.runner(x)[0]
+    torch.testing.assert_close(chunked, dynamic, atol=1e-3, rtol=1e-3)
     with pytest.raises(UserError, match="--precision int8 builds an AOTInductor package"):
         export(pinned_run, target="onnx", precision="int8")
     with pytest.raises(UserError, match="--calibration-images"):

@@ -7,6 +7,11 @@ A CPU package with a batch bound above 1 holds two compiled models: `model`, who
 runs for single images. Inductor's code for a dynamic batch is slow at batch 1 (ResNet-50 at 224 px: 57.6 ms
 against 43.0 ms static; a 28 px ResNet-18: 6.8 ms against 1.0 ms), the batch serving sees most. The package then
 carries the weights twice (each model's frozen constants are compiled into its own library).
+
+An int8 package (bound 16 or more) holds a third, `batch16`, and runs batches of 16 or more through it in chunks of
+16 (the rest of a batch as any smaller one): oneDNN's int8 convolutions are slow with a dynamic batch (a trained
+ResNet-50 at 224 px: 58.8 images/s at batch 16 against 87.2 static; its bf16 package 49.3 against 52.5, not worth
+a third copy of the weights).
 """
 
 from __future__ import annotations
@@ -35,6 +40,9 @@ from torchcls.noise import INT8_LOWERING, warnings_without
 
 BATCH1_MODEL = "batch1"  # the package's static batch-1 model
 BATCH1_KEY = "torchcls.batch1_model"  # metadata: its name, where the package has one
+BATCH16_MODEL = "batch16"  # an int8 package's static batch-16 model
+BATCH16_KEY = "torchcls.batch16_model"
+STATIC_CHUNK = 16
 
 
 class AOTIArtifact(LoadedArtifact):
@@ -55,12 +63,20 @@ class AOTIArtifact(LoadedArtifact):
             self.runner = load_runner(path, index)
             # Packages from before the batch-1 model, and CUDA ones, have none: they run batch 1 on `model`.
             self.batch1 = load_runner(path, index, BATCH1_MODEL) if meta.get(BATCH1_KEY) == BATCH1_MODEL else None
+            self.batch16 = load_runner(path, index, BATCH16_MODEL) if meta.get(BATCH16_KEY) == BATCH16_MODEL else None
         except Exception as e:  # the loader raises RuntimeError or zipfile errors on foreign or broken files
             raise UserError(f"{path} is not a loadable AOTInductor package ({first_line(e)}); export one with "
                             "`torchcls export CHECKPOINT --target aoti`") from None
 
     def _run(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        runner = self.batch1 if self.batch1 is not None and x.shape[0] == 1 else self.runner
+        n = x.shape[0]
+        if self.batch16 is not None and n >= STATIC_CHUNK:
+            whole = n - n % STATIC_CHUNK
+            parts = [self.batch16(chunk) for chunk in x[:whole].split(STATIC_CHUNK)]
+            if whole < n:
+                parts.append(self._run(x[whole:]))
+            return parts[0] if len(parts) == 1 else tuple(torch.cat(outputs) for outputs in zip(*parts))
+        runner = self.batch1 if self.batch1 is not None and n == 1 else self.runner
         return runner(x)
 
 
@@ -104,36 +120,44 @@ def cond_safe_inductor(ep: torch.export.ExportedProgram) -> Iterator[None]:
 
 
 def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extra: dict[str, str],
-          autotune: bool = False, freezing: bool = True) -> dict[str, Any]:
+          autotune: bool = False, freezing: bool = True, batch16: bool = False) -> dict[str, Any]:
     """AOTInductor package with frozen weights (constants folded, conv weights prepacked), compiled for the
     device the program was captured on (CPU: C++/OpenMP; CUDA: Triton kernels and cubins for this GPU's
     compute capability). `autotune`: Inductor's max-autotune (benchmarks GEMM/conv kernel choices).
-    `freezing=False` only for diagnosis (benchmarks/gpu/aoti_diag.py): every export freezes."""
+    `freezing=False` only for diagnosis (benchmarks/gpu/aoti_diag.py): every export freezes. `batch16`: a
+    static batch-16 model too (int8; the module's docstring says why)."""
     metadata = {META_KEY: info.to_json(**extra), **info.flat_metadata()}
-    batch1 = info.device == "cpu" and info.max_batch >= 2
-    if batch1:
-        metadata[BATCH1_KEY] = BATCH1_MODEL
+    static = {}
+    if info.device == "cpu" and info.max_batch >= 2:
+        static[BATCH1_MODEL], metadata[BATCH1_KEY] = 1, BATCH1_MODEL
+    if info.device == "cpu" and batch16 and info.max_batch >= STATIC_CHUNK:
+        static[BATCH16_MODEL], metadata[BATCH16_KEY] = STATIC_CHUNK, BATCH16_MODEL
     configs: dict[str, Any] = {"freezing": freezing, "aot_inductor.metadata": metadata}
     if autotune:
         configs["max_autotune"] = True
     with cond_safe_inductor(ep), torch.no_grad(), warnings_without(INT8_LOWERING):  # torchcls.noise
-        if batch1:
-            _package_with_batch1(ep, path, configs)
+        if static:
+            _package_with_static(ep, path, configs, static)
         else:
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=configs)
-    return ({"autotune": autotune} if autotune else {}) | ({"models": ["model", BATCH1_MODEL]} if batch1 else {})
+    return ({"autotune": autotune} if autotune else {}) | ({"models": ["model", *static]} if static else {})
 
 
-def _package_with_batch1(ep: torch.export.ExportedProgram, path: Path, configs: dict[str, Any]) -> None:
-    """`ep` as `model` and, captured again from it with the batch fixed at 1, as `batch1`, in one package: how
-    aoti_compile_and_package's documentation packages several models (aot_compile with aot_inductor.package,
-    then package_aoti), and what aoti_compile_and_package does for one."""
+def _package_with_static(ep: torch.export.ExportedProgram, path: Path, configs: dict[str, Any],
+                         static: dict[str, int]) -> None:
+    """`ep` as `model` and, captured again from it with the batch fixed, as each of `static` (name: batch), in
+    one package: how aoti_compile_and_package's documentation packages several models (aot_compile with
+    aot_inductor.package, then package_aoti), and what aoti_compile_and_package does for one."""
     from torch._inductor.package import package_aoti
 
     args, kwargs = ep.example_inputs
-    static = torch.export.export(ep.module(check_guards=False), (args[0][:1],), kwargs)
+    one = args[0][:1]
+    programs = {"model": ep}
+    for name, batch in static.items():
+        example = one.expand(batch, *one.shape[1:]).contiguous()
+        programs[name] = torch.export.export(ep.module(check_guards=False), (example,), kwargs)
     files = {}
-    for name, program in (("model", ep), (BATCH1_MODEL, static)):
+    for name, program in programs.items():
         args, kwargs = program.example_inputs
         files[name] = torch._inductor.aot_compile(program.module(check_guards=False), args, kwargs,
                                                   options=configs | {"aot_inductor.package": True})
@@ -189,7 +213,7 @@ def int8_builder(calibration: torch.Tensor):
                    extra: dict[str, str]) -> dict[str, Any]:
         dynamic = ({0: torch.export.Dim("batch", min=1, max=info.max_batch)},) if info.max_batch >= 2 else None
         quantized = quantize_int8_x86(ep, calibration, dynamic, batch=min(32, info.max_batch))
-        return build(quantized, info, path, extra) | {"calibration_images": len(calibration),
+        return build(quantized, info, path, extra, batch16=True) | {"calibration_images": len(calibration),
                                                       "quantizer": "x86_inductor"}
 
     return build_int8
