@@ -2,16 +2,18 @@
 
 torchcls paths: eager, eager channels_last, torchcls compile (fp32, bf16: `compile_for_inference`), AOTInductor
 package (fp32), AOTInductor static int8 (`aoti_int8`: `torchcls export --precision int8`, calibrated on the same
-random inputs as ORT's int8, only where the CPU's int8 GEMM is exact, as export asks), and `default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its
-default (target, precision auto with its fallback to fp32 when the reduced precision fails parity on the probe;
-`torchcls serve` serves that artifact as it was exported). Peers, each from the same ONNX file (torchcls' onnx
+inputs as ORT's int8, only where the CPU's int8 GEMM is exact, as export asks), and `default`: what `torchcls
+export CHECKPOINT` builds on this machine with every option at its default (target, precision auto with its
+fallback to fp32 when the reduced precision fails parity on the probe; `torchcls serve` serves that artifact as
+it was exported). Peers, each from the same ONNX file (torchcls' onnx
 target): ONNX Runtime fp32 (`ort`), ONNX Runtime int8 (`ort_int8`: static QDQ quantization, only where the CPU
 has VNNI), OpenVINO with PERFORMANCE_HINT THROUGHPUT (`ov_throughput`: b16 through an AsyncInferQueue of its
 optimal request count) and LATENCY (`ov_latency`), OpenVINO in its default inference precision. Every path runs
 with the same thread count (--threads: torch.set_num_threads, ORT intra_op_num_threads, OpenVINO
 INFERENCE_NUM_THREADS). A peer that cannot run here (openvino not installed, no VNNI) is skipped with a line
 saying why. Models: resnet18, resnet50, mobilenetv3, convnext_tiny, vit_small, randomly initialised (nothing
-is downloaded).
+is downloaded), or a trained checkpoint (`--checkpoint RUN`: its own model, input size and held-out images;
+benchmarks/inference_source.py).
 
 One process per configuration (compiled variants interfere inside one process); all of a model's
 processes are prepared first, then measured in interleaved rounds (A B C ... A B C ...), and the
@@ -19,7 +21,8 @@ figures are medians over rounds. Ratios compare against eager and ONNX Runtime m
 same run; "peak" is the best fp32 / bf16 GEMM GFLOP/s over a few shapes, measured in the same run too.
 Top-1 agreement and max |Δlogit| (torchcls.artifacts.parity.compare) are against eager fp32 on 32
 fixed random inputs (random-init nets have near-tied logits, so this is a strict test); int8 calibrates on
-other random inputs. Per model, `goals` holds the default path against the fastest peer (issue 31: b16
+other random inputs. With `--checkpoint`: on up to 256 of its held-out images, int8 calibrated on its training
+images. Per model, `goals` holds the default path against the fastest peer (issue 31: b16
 throughput >= 1.2x, b1 latency <= 0.9x, agreement >= 99%; benchmarks/inference_goals.py). The machine
 record names the CPU, SIMD level, cores, threads, precisions, runtime versions and the load average before
 and after. Prints JSON, then Markdown tables.
@@ -27,6 +30,7 @@ and after. Prints JSON, then Markdown tables.
     python benchmarks/inference.py --models resnet18 --quick
     python benchmarks/inference.py --models resnet18,resnet50,mobilenetv3   # issue 31's three models
     python benchmarks/inference.py            # all five models: long on a CPU (compiles ~1 min each)
+    python benchmarks/inference.py --checkpoint runs/mine --configs default,ort,ort_int8,ov_throughput,ov_latency
 """
 
 from __future__ import annotations
@@ -46,37 +50,19 @@ from inference_goals import goal_summary
 from inference_peers import (
     OV_HINTS,
     OpenVinoRunner,
-    calibration_inputs,
     default_export_request,
     ort_int8_runner,
     skip_reason,
 )
-from inference_report import add_ratios, machine_record, measure_peaks, model_gflop, report
+from inference_report import add_ratios, machine_record, measure_peaks, report
+from inference_source import MODELS, SIZE, Source
 
-MODELS = {"resnet18": "resnet18", "resnet50": "resnet50", "mobilenetv3": "mobilenetv3_large_100",
-          "convnext_tiny": "convnext_tiny", "vit_small": "vit_small_patch16_224"}
 CONFIGS = ("eager", "eager_cl", "compile_fp32", "compile_bf16", "aoti", "aoti_int8", "default", "ort", "ort_int8",
            "ov_throughput", "ov_latency")
 BATCHES = (1, 16)
-SIZE = 224
-PROBE = 32  # agreement inputs, seed 1
 
 
 # ---------------------------------------------------------------- worker: one configuration
-def _info(model_name: str, target: str, max_batch: int, precision: str):
-    from torchcls.artifacts.targets.base import ArtifactInfo
-    from torchcls.data import Preprocess
-
-    return ArtifactInfo(model_name, target, [str(i) for i in range(1000)],
-                        Preprocess(SIZE, 3, (0.5,) * 3, (0.5,) * 3), max_batch, precision)
-
-
-def probe_inputs():
-    import torch
-
-    return torch.randn(PROBE, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
-
-
 def logits_of(run, x):
     import torch
 
@@ -84,25 +70,27 @@ def logits_of(run, x):
         return torch.cat([run(x[i:i + 16]).float() for i in range(0, len(x), 16)])
 
 
-def shared_onnx(model_name: str, model, shared: Path) -> Path:
+def shared_onnx(source: Source, model, shared: Path) -> Path:
     """The fp32 ONNX file (torchcls' onnx target, batch 1-16) every ONNX peer reads: built by the first worker
     that needs it (workers are prepared one at a time), under a temporary name, then renamed."""
     from torchcls.artifacts.exporter import capture
     from torchcls.artifacts.targets import onnx
 
-    path = shared / f"{model_name}.onnx"
+    stem = Path(source.name).name
+    path = shared / f"{stem}.onnx"
     if not path.exists():
-        info = _info(model_name, "onnx", 16, "fp32")
-        tmp = shared / f"{model_name}.partial.onnx"
+        info = source.info("onnx", 16, "fp32")
+        tmp = shared / f"{stem}.partial.onnx"
         onnx.build(capture(model, info), info, tmp, {})
         os.replace(tmp, path)
     return path
 
 
-def default_runner(model_name: str, model, workdir: Path):
+def default_runner(source: Source, model, workdir: Path):
     """What `torchcls export` builds by default here: --target auto's candidates (torchcls.artifacts.fastest),
     each with the exporter's precision rule (auto falls back to fp32 when the reduced precision fails parity,
-    here on the probe), timed and chosen by the exporter's own rule; the winner runs."""
+    here on the probe), timed and chosen by the exporter's own rule; the winner runs. For a checkpoint, `torchcls
+    export` itself (parity on its held-out images)."""
     import copy
 
     import torch
@@ -111,7 +99,9 @@ def default_runner(model_name: str, model, workdir: Path):
     from torchcls.artifacts.fastest import candidates, choose, time_artifacts
     from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare
 
-    probe = probe_inputs()
+    if source.checkpoint is not None:
+        return exported_default(source, workdir)
+    probe = source.probe()
     ref = logits_of(model, probe)
     built, labels, notes = {}, {}, {}
     for c in candidates(torch.device("cpu"))[0]:
@@ -120,8 +110,8 @@ def default_runner(model_name: str, model, workdir: Path):
         # int8 is a candidate of its own: one that fails parity is not kept (the others include fp32)
         for attempt in (c.precision,) if c.precision else dict.fromkeys((req.precision, "fp32")):
             req = replace(req, precision=attempt)
-            plan = int8_plan() if attempt == "int8" else tgt.plan(req, None)
-            info = replace(_info(model_name, tgt.name, req.max_batch, attempt), runtime=c.runtime or "")
+            plan = int8_plan(source) if attempt == "int8" else tgt.plan(req, None)
+            info = replace(source.info(tgt.name, req.max_batch, attempt), runtime=c.runtime or "")
             path = workdir / f"default-{c.name}-{attempt}{tgt.suffix}"
             plan.build(capture(copy.deepcopy(model), graph_info(info)), info, path, {})
             run = tgt.load(path)
@@ -144,31 +134,43 @@ def default_runner(model_name: str, model, workdir: Path):
     return run
 
 
-def int8_plan():
-    """`torchcls export --precision int8`'s plan, calibrated on random inputs (no training images here)."""
+def exported_default(source: Source, workdir: Path):
+    """`torchcls export CHECKPOINT` with every option at its default (into `workdir`), loaded: the artifact it
+    chose, with its choice record."""
+    from torchcls.artifacts import export, load_artifact
+
+    result = export(source.checkpoint, out=workdir / "default")
+    run = load_artifact(result.path)
+    choice = result.parity["choice"]
+    run.bench_info = {"runtime": run.info.runtime or "torch", "precision": run.info.precision,
+                      "path": f"{run.info.target}-{run.info.precision}", "reason": choice["why"],
+                      "how": f"`torchcls export CHECKPOINT` (defaults): {choice['why']}; parity "
+                             f"{result.parity['top1_agreement']:.1%} on {result.parity['n']} held-out images"}
+    return run
+
+
+def int8_plan(source: Source):
+    """`torchcls export --precision int8`'s plan, calibrated on the source's calibration inputs."""
     from torchcls.artifacts.quantize import AOTI_INT8_MIN_AGREEMENT
     from torchcls.artifacts.targets import aoti
     from torchcls.artifacts.targets.base import Plan
 
     aoti.check_int8_kernels()
-    return Plan("int8", aoti.int8_builder(calibration_inputs(SIZE)), AOTI_INT8_MIN_AGREEMENT)
+    return Plan("int8", aoti.int8_builder(source.calibration()), AOTI_INT8_MIN_AGREEMENT)
 
 
-def build_runner(model_name: str, config: str, workdir: Path, shared: Path, threads: int):
+def build_runner(source: Source, config: str, workdir: Path, shared: Path, threads: int):
     import torch
 
-    from torchcls.models import ModelSpec, create_model
-
-    torch.manual_seed(0)
-    model = create_model(ModelSpec(MODELS[model_name], 1000, 3, SIZE)).eval()
+    model = source.model()
     if config == "default":
-        return default_runner(model_name, model, workdir)
+        return default_runner(source, model, workdir)
     if config in ("ort", "ort_int8") or config in OV_HINTS:
-        onnx_path = shared_onnx(model_name, model, shared)
+        onnx_path = shared_onnx(source, model, shared)
         if config == "ort_int8":
-            return ort_int8_runner(onnx_path, workdir, threads, SIZE)
+            return ort_int8_runner(onnx_path, workdir, threads, source.calibration(), source.calibration_note())
         if config in OV_HINTS:
-            return OpenVinoRunner(onnx_path, OV_HINTS[config], threads, BATCHES, SIZE)
+            return OpenVinoRunner(onnx_path, OV_HINTS[config], threads, BATCHES, source.shape(1)[1:])
         from torchcls.artifacts.targets import onnx
 
         return onnx.TARGET.load(onnx_path)  # intra_op_num_threads = torch's thread count, set by the worker
@@ -179,20 +181,20 @@ def build_runner(model_name: str, config: str, workdir: Path, shared: Path, thre
     if config.startswith("compile"):
         from torchcls.artifacts import compile_for_inference
 
-        return compile_for_inference(model, torch.randn(1, 3, SIZE, SIZE), "cpu", config.split("_")[1],
+        return compile_for_inference(model, torch.randn(*source.shape(1)), "cpu", config.split("_")[1],
                                      max_batch=16, buckets=BATCHES)
     from torchcls.artifacts.exporter import capture
     from torchcls.artifacts.targets import aoti
 
     precision = "int8" if config == "aoti_int8" else "fp32"
-    info = _info(model_name, "aoti", 16, precision)
-    path = workdir / f"{model_name}-{precision}.pt2"
-    build = int8_plan().build if precision == "int8" else aoti.build
+    info = source.info("aoti", 16, precision)
+    path = workdir / f"model-{precision}.pt2"
+    build = int8_plan(source).build if precision == "int8" else aoti.build
     build(capture(model, replace(info, precision="fp32")), info, path, {})
     return aoti.TARGET.load(path)
 
 
-def describe_runner(config: str, run, threads: int) -> dict:
+def describe_runner(source: Source, config: str, run, threads: int) -> dict:
     """How a path is configured: the runner's own account (peers, default), else from its name."""
     own = getattr(run, "bench_info", None)
     if own is not None:
@@ -201,7 +203,7 @@ def describe_runner(config: str, run, threads: int) -> dict:
     how = {"ort": f"CPUExecutionProvider, intra_op_num_threads={threads}", "aoti": "AOTInductor, frozen",
            "eager_cl": "channels_last"}.get(config, "torch.compile, frozen" if config.startswith("compile") else "")
     if config == "aoti_int8":
-        how = "AOTInductor, frozen, PT2E static int8 (X86InductorQuantizer; 32 random calibration inputs)"
+        how = f"AOTInductor, frozen, PT2E static int8 (X86InductorQuantizer; {source.calibration_note()})"
     precision = "bf16" if config.endswith("bf16") else "int8" if config.endswith("int8") else "fp32"
     return {"runtime": runtime, "precision": precision, "how": how}
 
@@ -225,25 +227,35 @@ def worker(model_name: str, config: str, threads: int, shared: str) -> None:
     """Prepare, say "ready", then answer measurement requests on stdin (one JSON line each)."""
     import torch
 
+    global _REPLIES
+    # Replies go to the parent on the original stdout; anything else printed to stdout (`torchcls export`'s
+    # progress, a compiler's output) goes to stderr and cannot break a reply line.
+    _REPLIES = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
     torch.set_num_threads(threads)
+    source = Source(model_name)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
-        run = build_runner(model_name, config, Path(tmp), Path(shared), threads)
+        run = build_runner(source, config, Path(tmp), Path(shared), threads)
         with torch.no_grad():
             for b in BATCHES:  # warm-up: compile each batch bucket, fault in memory
-                run(torch.randn(b, 3, SIZE, SIZE))
-                run(torch.randn(b, 3, SIZE, SIZE))
-        logits = logits_of(run, probe_inputs())
+                run(torch.randn(*source.shape(b)))
+                run(torch.randn(*source.shape(b)))
+        logits = logits_of(run, source.probe())
         _reply({"ready": True, "prepare_s": time.perf_counter() - t0, "logits": logits.tolist(),
-                "info": describe_runner(config, run, threads)})
+                "info": describe_runner(source, config, run, threads)})
         for line in sys.stdin:
             req = json.loads(line)
-            _reply({"times": time_calls(run, torch.randn(req["batch"], 3, SIZE, SIZE), req["iters"])})
+            _reply({"times": time_calls(run, torch.randn(*source.shape(req["batch"])), req["iters"])})
+
+
+_REPLIES = sys.stdout
 
 
 def _reply(obj: dict) -> None:
-    sys.stdout.write(json.dumps(obj) + "\n")
-    sys.stdout.flush()
+    _REPLIES.write(json.dumps(obj) + "\n")
+    _REPLIES.flush()
 
 
 # ---------------------------------------------------------------- parent: orchestration
@@ -295,12 +307,13 @@ def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[in
     rows = []
     for w in workers:
         logits = torch.tensor(w.ready["logits"])
-        row = {"model": model_name, "config": w.config, "prepare_s": round(w.ready["prepare_s"], 1),
+        row = {"model": Source(model_name).label, "config": w.config, "prepare_s": round(w.ready["prepare_s"], 1),
                "b1_ms": statistics.median(samples[(w.config, 1)]) * 1e3,
                "b16_ms": statistics.median(samples[(w.config, 16)]) * 1e3} | w.ready["info"]
         if ref is not None:
             parity = compare(ref, logits)
             row["top1_agreement"], row["max_abs_diff"] = parity["top1_agreement"], parity["max_abs_diff"]
+            row["probe_images"] = len(logits)
         rows.append(row)
     return rows
 
@@ -317,6 +330,10 @@ def parse_args() -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma list of {', '.join(MODELS)}")
+    p.add_argument("--checkpoint", metavar="RUN",
+                   help="a trained run dir or .safetensors instead of --models' random weights: its input size, "
+                        "held-out images as the agreement probe, training images as int8 calibration, and "
+                        "`torchcls export RUN` as the default path")
     p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma list of {', '.join(CONFIGS)}")
     p.add_argument("--rounds", type=int, default=5, help="interleaved measurement rounds (default: 5)")
     p.add_argument("--quick", action="store_true", help="3 rounds, fewer iterations per round")
@@ -329,7 +346,12 @@ def parse_args() -> argparse.Namespace:
         return args
     args.models = [m for m in args.models.split(",") if m]
     args.configs = [c for c in args.configs.split(",") if c]
-    for name, given, known in (("model", args.models, MODELS), ("config", args.configs, CONFIGS)):
+    if args.checkpoint:
+        if not Path(args.checkpoint).exists():
+            sys.exit(f"--checkpoint {args.checkpoint}: no such run dir or file")
+        args.models = [str(Path(args.checkpoint).resolve())]
+    for name, given, known in (("config", args.configs, CONFIGS),) + (
+            () if args.checkpoint else (("model", args.models, MODELS),)):
         bad = [v for v in given if v not in known]
         if bad:
             sys.exit(f"unknown {name}(s): {', '.join(bad)}; choose from {', '.join(known)}")
@@ -362,12 +384,14 @@ def main() -> None:
         rows = []
         for m in args.models:
             model_rows = bench_model(m, configs, rounds, iters, args.threads, shared)
-            add_ratios(model_rows, model_gflop(MODELS[m], SIZE), peaks)
+            add_ratios(model_rows, Source(m).gflop(), peaks)
             rows += model_rows
     machine = machine_record({r["precision"] for r in rows}, args.threads, load_before, os.getloadavg())
     goals = goal_summary(rows)
-    result = {"size": SIZE, "batches": list(BATCHES), "rounds": rounds, "iters": iters, "peaks_gflops": peaks,
-              "threads": args.threads, "machine": machine, "skipped": skipped, "rows": rows, "goals": goals}
+    size = Source(args.models[0]).shape(1)[-1] if args.checkpoint else SIZE
+    result = {"size": size, "checkpoint": args.checkpoint, "batches": list(BATCHES), "rounds": rounds,
+              "iters": iters, "peaks_gflops": peaks, "threads": args.threads, "machine": machine, "skipped": skipped,
+              "rows": rows, "goals": goals}
     print(json.dumps(result, indent=2))
     table = report(result)
     print(table)

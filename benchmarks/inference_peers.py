@@ -24,8 +24,6 @@ OV_HINTS = {"ov_throughput": "THROUGHPUT", "ov_latency": "LATENCY"}
 VNNI_AVX512 = ("avx512_vnni", "amx_int8")
 VNNI_AVX2 = ("avx_vnni",)
 ONEDNN_NO_VNNI = ("SSE41", "AVX", "AVX2", "AVX512_CORE")  # oneDNN ISA caps without VNNI instructions
-CALIBRATION_SEED = 2  # calibration inputs: drawn apart from the agreement probe (seed 1)
-CALIBRATION_IMAGES = 32
 INSTALL = "pip install -e '.[export]'"  # OpenVINO, an export runtime too (--runtime openvino)
 
 
@@ -116,21 +114,17 @@ def default_export_request(target: str, runtime: str | None):
     return (tgt, *_check_request(tgt, req, choice))
 
 
-def calibration_inputs(size: int) -> torch.Tensor:
-    """The int8 paths' calibration inputs (torchcls' aoti int8 and ORT's), drawn apart from the probe."""
-    return torch.randn(CALIBRATION_IMAGES, 3, size, size, generator=torch.Generator().manual_seed(CALIBRATION_SEED))
-
-
 # ---------------------------------------------------------------- ONNX Runtime int8
-def ort_int8_runner(onnx_path: Path, workdir: Path, threads: int, size: int):
+def ort_int8_runner(onnx_path: Path, workdir: Path, threads: int, calibration: torch.Tensor, note: str):
     """Static int8 quantization of the fp32 ONNX (QDQ, per-channel s8 weights, s8 activations calibrated
-    MinMax on CALIBRATION_IMAGES inputs apart from the probe), run on ORT's CPU provider with `threads`."""
+    MinMax on `calibration`, inputs apart from the probe; `note` says which), run on ORT's CPU provider with
+    `threads`."""
     import onnxruntime as ort
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quant_pre_process, quantize_static
 
     class Calibration(CalibrationDataReader):  # the public extension point quantize_static reads from
         def __init__(self):
-            data = calibration_inputs(size).numpy()
+            data = calibration.numpy()
             self.batches = iter([{"input": data[i:i + 16]} for i in range(0, len(data), 16)])
 
         def get_next(self):
@@ -147,8 +141,8 @@ def ort_int8_runner(onnx_path: Path, workdir: Path, threads: int, size: int):
         return torch.from_numpy(session.run(None, {"input": x.numpy()})[0])
 
     run.bench_info = {"runtime": "onnxruntime", "precision": "int8",
-                "how": f"quantize_static QDQ, per-channel s8 weights, s8 activations (MinMax, {CALIBRATION_IMAGES} "
-                       f"calibration inputs), intra_op_num_threads={threads}", "vnni": vnni_here()[1]}
+                "how": f"quantize_static QDQ, per-channel s8 weights, s8 activations (MinMax, {note}), "
+                       f"intra_op_num_threads={threads}", "vnni": vnni_here()[1]}
     return run
 
 
@@ -160,14 +154,15 @@ class OpenVinoRunner:
     real default would be f32. THROUGHPUT: batches > 1 go through an AsyncInferQueue of the device's
     OPTIMAL_NUMBER_OF_INFER_REQUESTS, and a batch's time is the queue's time over the batches it ran."""
 
-    def __init__(self, onnx_path: Path, hint: str, threads: int, batches: tuple[int, ...], size: int):
+    def __init__(self, onnx_path: Path, hint: str, threads: int, batches: tuple[int, ...],
+                 image_shape: tuple[int, int, int]):
         import openvino as ov
         import openvino.properties as props
         import openvino.properties.hint as hints
 
         from torchcls.precision.hardware import cpu_bf16_here
 
-        self.core, self.hint, self.size = ov.Core(), hint, size
+        self.core, self.hint, self.image_shape = ov.Core(), hint, image_shape
         self.config = {hints.performance_mode: getattr(hints.PerformanceMode, hint),
                        props.inference_num_threads: threads}
         native, why = cpu_bf16_here()
@@ -189,7 +184,7 @@ class OpenVinoRunner:
     def _compiled(self, batch: int):
         if batch not in self.compiled:
             model = self.core.read_model(str(self.onnx_path))
-            model.reshape([batch, 3, self.size, self.size])
+            model.reshape([batch, *self.image_shape])
             self.compiled[batch] = c = self.core.compile_model(model, "CPU", self.config)
             self.requests[batch] = c.create_infer_request()
         return self.compiled[batch]

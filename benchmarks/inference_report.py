@@ -38,18 +38,6 @@ def measure_peaks(rounds: int = 5) -> dict[str, float]:
     return best
 
 
-def model_gflop(timm_name: str, size: int) -> float:
-    import torch
-    from torch.utils.flop_counter import FlopCounterMode
-
-    from torchcls.models import ModelSpec, create_model
-
-    model = create_model(ModelSpec(timm_name, 1000, 3, size)).eval()
-    with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        model(torch.randn(1, 3, size, size))
-    return counter.get_total_flops() / 1e9
-
-
 def add_ratios(rows: list[dict], gflop: float, peaks: dict[str, float]) -> None:
     by = {r["config"]: r for r in rows}
     for r in rows:
