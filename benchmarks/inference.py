@@ -89,8 +89,8 @@ def shared_onnx(source: Source, model, shared: Path) -> Path:
 def default_runner(source: Source, model, workdir: Path):
     """What `torchcls export` builds by default here: --target auto's candidates (torchcls.artifacts.fastest),
     each with the exporter's precision rule (auto falls back to fp32 when the reduced precision fails parity,
-    here on the probe), timed and chosen by the exporter's own rule; the winner runs. For a checkpoint, `torchcls
-    export` itself (parity on its held-out images)."""
+    here on the probe), timed and chosen by the exporter's own rule; the winner runs. For a checkpoint:
+    exported_default."""
     import copy
 
     import torch
@@ -99,8 +99,6 @@ def default_runner(source: Source, model, workdir: Path):
     from torchcls.artifacts.fastest import candidates, choose, time_artifacts
     from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare
 
-    if source.checkpoint is not None:
-        return exported_default(source, workdir)
     probe = source.probe()
     ref = logits_of(model, probe)
     built, labels, notes = {}, {}, {}
@@ -162,6 +160,8 @@ def int8_plan(source: Source):
 def build_runner(source: Source, config: str, workdir: Path, shared: Path, threads: int):
     import torch
 
+    if config == "default" and source.checkpoint is not None:
+        return exported_default(source, workdir)
     model = source.model()
     if config == "default":
         return default_runner(source, model, workdir)

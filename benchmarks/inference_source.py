@@ -11,6 +11,7 @@ its `default` path is `torchcls export RUN` itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -34,19 +35,20 @@ class Source:
     def checkpoint(self) -> Path | None:
         return None if self.name in MODELS else Path(self.name)
 
-    def meta(self):
+    @cached_property
+    def meta(self):  # read once per Source: every shape and label asks for it
         from torchcls.checkpoint.files import read_meta, resolve_checkpoint
 
         return read_meta(resolve_checkpoint(self.checkpoint))
 
     @property
     def label(self) -> str:
-        return self.name if self.checkpoint is None else f"{self.meta().spec.name} ({self.name})"
+        return self.name if self.checkpoint is None else f"{self.meta.spec.name} ({self.name})"
 
     def shape(self, batch: int) -> tuple[int, int, int, int]:
         if self.checkpoint is None:
             return batch, 3, SIZE, SIZE
-        p = self.meta().preprocess
+        p = self.meta.preprocess
         return batch, p.channels, p.img_size, p.img_size
 
     def model(self) -> torch.nn.Module:
@@ -66,7 +68,7 @@ class Source:
         if self.checkpoint is None:
             return ArtifactInfo(self.name, target, [str(i) for i in range(1000)],
                                 Preprocess(SIZE, 3, (0.5,) * 3, (0.5,) * 3), max_batch, precision)
-        meta = self.meta()
+        meta = self.meta
         return ArtifactInfo(meta.spec.name, target, list(meta.classes), meta.preprocess, max_batch, precision)
 
     def probe(self) -> torch.Tensor:
@@ -75,7 +77,7 @@ class Source:
             return torch.randn(PROBE, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(1))
         from torchcls.artifacts.parity import held_out_images
 
-        return held_out_images(self.meta(), PROBE_HELD_OUT)[0]
+        return held_out_images(self.meta, PROBE_HELD_OUT)[0]
 
     def calibration(self) -> torch.Tensor:
         """The int8 paths' calibration inputs (torchcls' aoti int8 and ONNX Runtime's)."""
@@ -84,7 +86,7 @@ class Source:
                                generator=torch.Generator().manual_seed(CALIBRATION_SEED))
         from torchcls.artifacts.quantize import calibration_images
 
-        return calibration_images(self.meta(), None)
+        return calibration_images(self.meta, None)
 
     def calibration_note(self) -> str:
         return (f"{CALIBRATION_IMAGES} random calibration inputs" if self.checkpoint is None
