@@ -135,33 +135,52 @@ def build(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path, extr
     configs: dict[str, Any] = {"freezing": freezing, "aot_inductor.metadata": metadata}
     if autotune:
         configs["max_autotune"] = True
+    report: dict[str, Any] = {"autotune": autotune} if autotune else {}
     with cond_safe_inductor(ep), torch.no_grad(), warnings_without(INT8_LOWERING):  # torchcls.noise
         if static:
-            _package_with_static(ep, path, configs, static)
+            report |= {"models": ["model", *static]} | _package_with_static(ep, path, configs, static)
         else:
+            if info.device == "cpu" and info.max_batch == 1:  # the one model is a batch-1 model
+                ep, sums = _static_program(ep, 1)
+                report |= {"batch1_point_convs_as_sums": sums} if sums else {}
             torch._inductor.aoti_compile_and_package(ep, package_path=str(path), inductor_configs=configs)
-    return ({"autotune": autotune} if autotune else {}) | ({"models": ["model", *static]} if static else {})
+    return report
 
 
 def _package_with_static(ep: torch.export.ExportedProgram, path: Path, configs: dict[str, Any],
-                         static: dict[str, int]) -> None:
+                         static: dict[str, int]) -> dict[str, int]:
     """`ep` as `model` and, captured again from it with the batch fixed, as each of `static` (name: batch), in
     one package: how aoti_compile_and_package's documentation packages several models (aot_compile with
-    aot_inductor.package, then package_aoti), and what aoti_compile_and_package does for one."""
+    aot_inductor.package, then package_aoti), and what aoti_compile_and_package does for one. Returns how many
+    point convolutions the batch-1 model runs as sums (`_static_program`), where it has any."""
     from torch._inductor.package import package_aoti
 
-    args, kwargs = ep.example_inputs
-    one = args[0][:1]
-    programs = {"model": ep}
+    programs, sums = {"model": ep}, 0
     for name, batch in static.items():
-        example = one.expand(batch, *one.shape[1:]).contiguous()
-        programs[name] = torch.export.export(ep.module(check_guards=False), (example,), kwargs)
+        programs[name], rewritten = _static_program(ep, batch)
+        sums += rewritten
     files = {}
     for name, program in programs.items():
         args, kwargs = program.example_inputs
         files[name] = torch._inductor.aot_compile(program.module(check_guards=False), args, kwargs,
                                                   options=configs | {"aot_inductor.package": True})
     package_aoti(str(path), files)
+    return {"batch1_point_convs_as_sums": sums} if sums else {}
+
+
+def _static_program(ep: torch.export.ExportedProgram, batch: int) -> tuple[torch.export.ExportedProgram, int]:
+    """`ep` captured again with its batch fixed at `batch`. At batch 1 its point convolutions over a 1x1 map
+    become sums (artifacts/point_convs.py): the program, and how many were rewritten (`ep` itself if it is
+    static at batch 1 and has none)."""
+    from torchcls.artifacts.point_convs import point_convs_as_reductions
+
+    module = ep.module(check_guards=False)
+    rewritten = point_convs_as_reductions(module) if batch == 1 else 0
+    args, kwargs = ep.example_inputs
+    if args[0].shape[0] == batch and not rewritten:
+        return ep, 0
+    one = args[0][:1]
+    return torch.export.export(module, (one.expand(batch, *one.shape[1:]).contiguous(),), kwargs), rewritten
 
 
 def check(req: ExportRequest) -> None:
