@@ -4,8 +4,8 @@ Squeeze-and-excitation blocks (MobileNetV3, EfficientNet, RegNetY) and MobileNet
 to a pooled, 1x1 feature map: a matrix-vector product. Frozen Inductor code runs each one as a oneDNN convolution,
 whose fixed cost per call is what such a product costs: MobileNetV3-Large's 17 of them took ~1 ms of a 4.3 ms
 bf16 batch-1 forward. Written as an elementwise product and a sum, Inductor generates the loop itself (and fuses it
-with its neighbours): its bf16 batch-1 model ran 8-18% faster (benchmarks.md, "Point
-convolutions"). Only the batch-1 model is rewritten, where it was measured (at batch N the sums do N times the work,
+with its neighbours): its bf16 batch-1 model ran 8-18% faster (docs/benchmarks.md, "Point convolutions as
+sums"). Only the batch-1 model is rewritten, where it was measured (at batch N the sums do N times the work,
 and oneDNN's fixed cost is shared by N images), and only convolutions with a float weight: a quantized one (its
 weight the output of a dequantize) runs as oneDNN's int8 kernel, and the int8 batch-1 model was no faster with its
 point convolutions as sums.
