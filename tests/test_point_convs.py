@@ -1,5 +1,7 @@
 """Point convolutions over a 1x1 map become sums in a .pt2's batch-1 model, and compute what they did."""
 
+import pytest
+import timm
 import torch
 import torch.nn as nn
 
@@ -28,23 +30,26 @@ def _convs(gm):
     return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.conv2d.default)
 
 
-def test_only_point_convolutions_over_a_1x1_map_are_rewritten_and_the_output_is_the_same():
-    import timm
+def _se_and_head(model):
+    """timm's MobileNetV3: every squeeze-and-excitation convolution, and the head."""
+    return 1 + sum(1 for name, _ in model.named_modules() if name.endswith((".conv_reduce", ".conv_expand")))
 
+
+@pytest.mark.parametrize("make, size, rewritten", [
+    (TinySE, 8, lambda model: 3),
+    (lambda: timm.create_model("mobilenetv3_small_050", num_classes=3, in_chans=1), 64, _se_and_head),  # last map 2x2
+])
+def test_only_point_convolutions_over_a_1x1_map_are_rewritten_and_the_output_is_the_same(make, size, rewritten):
     torch.manual_seed(0)
-    for model, expected in ((TinySE(), 3), (timm.create_model("mobilenetv3_small_050", num_classes=3, in_chans=1), None)):
-        model.eval()
-        x = torch.randn(1, 1, 8, 8) if expected else torch.randn(1, 1, 64, 64)  # its last map 2x2
-        gm = torch.export.export(model, (x,)).module()
-        if expected is None:  # every squeeze-and-excitation convolution and the head
-            expected = sum(1 for name, _ in model.named_modules() if name.endswith((".conv_reduce", ".conv_expand")))
-            expected += 1
-        before = _convs(gm)
-        assert point_convs_as_reductions(gm) == expected
-        assert _convs(gm) == before - expected
-        with torch.no_grad():
-            assert torch.allclose(gm(x), model(x), atol=1e-5)
-        assert point_convs_as_reductions(gm) == 0  # nothing left to rewrite
+    model = make().eval()
+    x = torch.randn(1, 1, size, size)
+    gm = torch.export.export(model, (x,)).module()
+    before, expected = _convs(gm), rewritten(model)
+    assert point_convs_as_reductions(gm) == expected
+    assert _convs(gm) == before - expected
+    with torch.no_grad():
+        assert torch.allclose(gm(x), model(x), atol=1e-5)
+    assert point_convs_as_reductions(gm) == 0  # nothing left to rewrite
 
 
 def test_quantized_point_convolutions_stay_convolutions():

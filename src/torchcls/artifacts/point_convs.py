@@ -20,8 +20,9 @@ _aten = torch.ops.aten
 
 def point_convs_as_reductions(gm: torch.fx.GraphModule) -> int:
     """Rewrite, in place, each `aten.conv2d` of `gm` whose input map is 1x1 and whose kernel is a 1x1 float weight
-    of the module (no padding, one group) as `sum(x[:, None, :] * w, -1) + b`, shaped back to (N, O, 1, 1). Stride and dilation do not change
-    such a convolution. Reads the shapes export recorded (`meta["val"]`); returns how many were rewritten."""
+    of the module (no padding, one group) as `sum(x[:, None, :] * w, -1) + b`, shaped back to (N, O, 1, 1)
+    (stride and dilation do not change such a convolution). Reads the shapes export recorded (`meta["val"]`);
+    returns how many were rewritten."""
     graph, count = gm.graph, 0
     for node in list(graph.nodes):
         if not _is_point_conv(node):
@@ -30,13 +31,15 @@ def point_convs_as_reductions(gm: torch.fx.GraphModule) -> int:
         bias = node.args[2] if len(node.args) > 2 else None
         out_ch, in_ch = node.args[1].meta["val"].shape[:2]
         with graph.inserting_before(node):
-            rows = graph.call_function(_aten.unsqueeze.default, (graph.call_function(_aten.flatten.using_ints, (x, 1)), 1))
+            rows = graph.call_function(_aten.flatten.using_ints, (x, 1))
+            rows = graph.call_function(_aten.unsqueeze.default, (rows, 1))
             weights = graph.call_function(_aten.view.default, (w, [out_ch, in_ch]))
             y = graph.call_function(_aten.sum.dim_IntList,
                                     (graph.call_function(_aten.mul.Tensor, (rows, weights)), [-1]))
             if bias is not None:
                 y = graph.call_function(_aten.add.Tensor, (y, bias))
-            y = graph.call_function(_aten.unsqueeze.default, (graph.call_function(_aten.unsqueeze.default, (y, -1)), -1))
+            for _ in range(2):  # (N, O) -> (N, O, 1, 1)
+                y = graph.call_function(_aten.unsqueeze.default, (y, -1))
         node.replace_all_uses_with(y)
         graph.erase_node(node)
         count += 1
