@@ -38,7 +38,7 @@ def _se_and_head(model):
 @pytest.mark.parametrize("make, size, rewritten", [
     (TinySE, 8, lambda model: 3),
     (lambda: timm.create_model("mobilenetv3_small_050", num_classes=3, in_chans=1), 64, _se_and_head),  # last map 2x2
-])
+], ids=["tiny-se", "mobilenetv3"])
 def test_only_point_convolutions_over_a_1x1_map_are_rewritten_and_the_output_is_the_same(make, size, rewritten):
     torch.manual_seed(0)
     model = make().eval()
@@ -64,18 +64,23 @@ def test_quantized_point_convolutions_stay_convolutions():
     assert before == 5 and point_convs_as_reductions(gm) == 0 and _convs(gm) == before
 
 
-def test_a_batch1_pt2_runs_its_point_convolutions_as_sums_and_agrees_with_eager(tmp_path):
-    """A package bound to batch 1 is one batch-1 model (one compile); one with a larger bound rewrites its `batch1`
-    model alike (_static_program, the same function)."""
+@pytest.mark.parametrize("bound", [64, 1])
+def test_a_pt2s_batch1_model_runs_its_point_convolutions_as_sums_and_agrees_with_eager(tmp_path, bound):
+    """At the default bound the package's `batch1` model is rewritten and its dynamic `model` is not; a package bound
+    to batch 1 is one batch-1 model, rewritten alike."""
     from torchcls.artifacts.targets import aoti
     from torchcls.artifacts.targets.base import ArtifactInfo
     from torchcls.data import Preprocess
 
     torch.manual_seed(0)
     model = TinySE().eval()
-    x = torch.randn(1, 1, 8, 8)
-    info = ArtifactInfo("tiny-se", "aoti", ["a", "b", "c"], Preprocess(8, 1, (0.5,), (0.5,)), 1, "fp32")
-    report = aoti.build(torch.export.export(model, (x,)), info, tmp_path / "se.pt2", {})
-    assert report == {"batch1_point_convs_as_sums": 3}
+    x = torch.randn(3, 1, 8, 8)
+    dynamic = ({0: torch.export.Dim("batch", min=1, max=bound)},) if bound > 1 else None
+    ep = torch.export.export(model, (x[:2] if dynamic else x[:1],), dynamic_shapes=dynamic)
+    info = ArtifactInfo("tiny-se", "aoti", ["a", "b", "c"], Preprocess(8, 1, (0.5,), (0.5,)), bound, "fp32")
+    report = aoti.build(ep, info, tmp_path / "se.pt2", {})
+    assert report == ({"models": ["model", "batch1"]} if dynamic else {}) | {"batch1_point_convs_as_sums": 3}
+    artifact = aoti.TARGET.load(tmp_path / "se.pt2")
     with torch.no_grad():
-        assert torch.allclose(aoti.TARGET.load(tmp_path / "se.pt2")(x), model(x), atol=1e-5)
+        for batch in (x[:1], x) if dynamic else (x[:1],):  # the batch-1 model (rewritten), the dynamic one (as exported)
+            assert torch.allclose(artifact(batch), model(batch), atol=1e-5)
