@@ -304,10 +304,10 @@ def bench_model(model_name: str, configs: list[str], rounds: int, iters: dict[in
         for w in workers:
             w.close()
     ref = torch.tensor(workers[0].ready["logits"]) if configs[0] == "eager" else None
-    rows = []
+    rows, label = [], Source(model_name).label  # a checkpoint's label reads its metadata: once
     for w in workers:
         logits = torch.tensor(w.ready["logits"])
-        row = {"model": Source(model_name).label, "config": w.config, "prepare_s": round(w.ready["prepare_s"], 1),
+        row = {"model": label, "config": w.config, "prepare_s": round(w.ready["prepare_s"], 1),
                "b1_ms": statistics.median(samples[(w.config, 1)]) * 1e3,
                "b16_ms": statistics.median(samples[(w.config, 16)]) * 1e3} | w.ready["info"]
         if ref is not None:
