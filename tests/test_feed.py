@@ -3,8 +3,10 @@ with SIGKILL mid-epoch and resumed ends with exactly the weights of an uninterru
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -124,12 +126,17 @@ def test_ddp_with_loader_workers_on_two_ranks(tmp_path: Path, sources: dict[str,
     import json
     import os
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
+    # the forkserver binds a socket in TMPDIR, and a socket's path is limited to 107 bytes: a short folder
+    tmp = tempfile.mkdtemp(prefix="ddp-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=tmp)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "torchcls",
            "train", "--data", str(sources[feed]), "--out-dir", str(tmp_path), "--name", "ddp", "--parallel", "ddp",
            "--epochs", "2", "--batch-size", "8", "--workers", "1", "--img-size", "32", "--no-progress",
            "--no-lineage", "--dist-timeout", "120", "--in-memory", "off"]
-    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     records = [json.loads(line) for line in (tmp_path / "ddp" / "metrics.jsonl").read_text().splitlines()]
     epochs = [rec for rec in records if rec["kind"] == "epoch"]

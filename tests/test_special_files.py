@@ -51,7 +51,14 @@ def _special(tmp_path: Path, kind: str, name: str) -> Path:
         path.symlink_to(folder / "pipe")
     elif kind == "socket":
         s = socket.socket(socket.AF_UNIX)
-        s.bind(str(path))  # (kept bound: the test's process outlives the call)
+        # bound by its name inside the folder: a socket's path is limited to 107 bytes, which a deep
+        # pytest temp folder (a parallel worker's, a long TMPDIR) exceeds
+        cwd = os.getcwd()
+        os.chdir(folder)
+        try:
+            s.bind(name)  # (kept bound: the test's process outlives the call)
+        finally:
+            os.chdir(cwd)
         _SOCKETS.append(s)
     elif kind == "dev-zero":
         path.symlink_to("/dev/zero")
