@@ -24,9 +24,12 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/torchcls demo
 
 # ruff first: a lint error (unused/undefined name, import order, an over-long function) fails fast.
+# The suite runs in one pytest worker per CPU (at most 4), each taking whole test files (module fixtures
+# built once): much of a test's time is a subprocess importing torch or a server waiting on a client, one
+# core's work, so two workers on 2 cores took 16 min where one took 22-27.
 test: $(VENV)/.installed-test fashion-mnist chromium
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest
+	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
 	$(MAKE) --no-print-directory test-lowest
 
 # The lowest torch torchcls supports (pyproject: torch>=2.11), in a second venv set up the way a user who
