@@ -24,12 +24,14 @@ demo: $(VENV)/.installed-demo
 	$(VENV)/bin/torchcls demo
 
 # ruff first: a lint error (unused/undefined name, import order, an over-long function) fails fast.
-# The suite runs in one pytest worker per CPU (at most 4), each taking whole test files (module fixtures
-# built once): much of a test's time is a subprocess importing torch or a server waiting on a client, one
-# core's work, so two workers on 2 cores took 16 min where one took 22-27.
+# The suite runs in one pytest worker per CPU this process may use (at most 4; `make test TEST_WORKERS=1`
+# for one), each taking whole test files (module fixtures built once): much of a test's time is a
+# subprocess importing torch or a server waiting on a client, one core's work, so two workers on 2 cores
+# took 16 min where one took 22-27.
+TEST_WORKERS ?= $(shell $(PY) -c 'import os; n = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(); print(min(4, n or 1))')
 test: $(VENV)/.installed-test fashion-mnist chromium
 	$(VENV)/bin/ruff check src tests benchmarks
-	$(PY) -m pytest -n auto --maxprocesses 4 --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 	$(MAKE) --no-print-directory test-lowest
 
 # The lowest torch torchcls supports (pyproject: torch>=2.11), in a second venv set up the way a user who
