@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -10,6 +14,7 @@ import pytest
 import torch
 
 from conftest import make_image_folder, tiny_config
+from torchcls.machine import CpuActivity
 from torchcls.models import ModelSpec, create_model
 from torchcls.precision.hardware import PrecisionChoice
 from torchcls.training import train
@@ -35,7 +40,13 @@ def test_candidates_follow_what_the_user_left_open() -> None:
     assert candidates(PrecisionChoice("bf16", "bf16", "as asked"), True, None, vit) == [("bf16", False)]
 
 
-def test_measured_once_then_cached_and_the_rng_is_untouched(tmp_path: Path, monkeypatch) -> None:
+@pytest.fixture
+def quiet(monkeypatch) -> None:
+    """The machine counts as the trial's alone (make test runs another test file beside this one)."""
+    monkeypatch.setattr(CpuActivity, "other", lambda self: 0.0)
+
+
+def test_measured_once_then_cached_and_the_rng_is_untouched(tmp_path: Path, monkeypatch, quiet) -> None:
     monkeypatch.setenv("TORCHCLS_CACHE_DIR", str(tmp_path / "cache"))
     torch.manual_seed(0)
     first = _choose(tmp_path)
@@ -66,8 +77,27 @@ def test_given_flags_distributed_runs_and_resumes_are_not_timed(tmp_path: Path) 
     assert _choose(tmp_path, requested="auto", channels_last=False, state=state).channels_last is False
 
 
+def test_times_taken_beside_other_work_are_neither_used_nor_cached(tmp_path: Path, monkeypatch) -> None:
+    """A busy loop on one of this process's CPUs during the trial: the rule decides, and says why; the times are
+    kept in the record but not cached, so the next run, alone, times again and caches its own."""
+    monkeypatch.setenv("TORCHCLS_CACHE_DIR", str(tmp_path / "cache"))
+    spin = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{max(os.sched_getaffinity(0))}}})"
+                             "\nwhile True: pass"])
+    try:
+        time.sleep(0.3)  # (running before the trial starts)
+        busy = _choose(tmp_path)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy.how.startswith("rule: other work kept") and "CPU(s) busy while the steps were timed" in busy.how
+    assert busy.channels_last is False and set(busy.times_ms) == {"fp32+cl", "fp32+nchw"}
+    assert not (tmp_path / "cache" / "step-choices.json").exists()
+    monkeypatch.setattr(CpuActivity, "other", lambda self: 0.0)
+    assert _choose(tmp_path).how == "measured" and _choose(tmp_path).how == "cached"
+
+
 @pytest.mark.slow
-def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path: Path) -> None:
+def test_a_run_records_its_choice_and_a_resume_keeps_it(tmp_path: Path, quiet) -> None:
     cfg = tiny_config(make_image_folder(tmp_path / "shapes", per_class=6), tmp_path / "runs", epochs=1)
     cfg.train.channels_last = None
     run = train(cfg).run_dir

@@ -158,33 +158,44 @@ def other_work(cpus: set[int], before: Sequence[Any], after: Sequence[Any], own_
     """How many of `cpus` other processes kept busy between two psutil.cpu_times(percpu=True) readings
     (this process's own CPU time `own_cpu_s` over the window taken out), rounded to whole CPUs, and a
     line saying so. psutil lists the online CPUs in order: with every CPU online, index = CPU number."""
+    other, seen = other_cpus(cpus, before, after, own_cpu_s)
+    n = min(seen - 1, int(other + 0.5)) if seen else 0
+    return (n, f"other work kept {other:.1f} of {seen} CPU(s) busy as the run started") if n else (0, "")
+
+
+def other_cpus(cpus: set[int], before: Sequence[Any], after: Sequence[Any], own_cpu_s: float) -> tuple[float, int]:
+    """The CPUs' worth of time other processes spent on `cpus` between the two readings, and how many of `cpus`
+    were read."""
     seen = [c for c in cpus if c < min(len(before), len(after))]
     if not seen:
-        return 0, ""
+        return 0.0, 0
     t0 = {c: _idle_and_total(before[c]) for c in seen}
     t1 = {c: _idle_and_total(after[c]) for c in seen}
     window = max(t1[c][1] - t0[c][1] for c in seen)  # seconds of one CPU's time that passed
     if window <= 0:
-        return 0, ""
+        return 0.0, len(seen)
     busy = sum((t1[c][1] - t0[c][1]) - (t1[c][0] - t0[c][0]) for c in seen)
-    other = max(0.0, (busy - own_cpu_s) / window)  # in CPUs
-    n = min(len(seen) - 1, int(other + 0.5))
-    return (n, f"other work kept {other:.1f} of {len(seen)} CPU(s) busy as the run started") if n else (0, "")
+    return max(0.0, (busy - own_cpu_s) / window), len(seen)
 
 
 class CpuActivity:
-    """Other processes' CPU use from `start()` (the run's start) to `busy()` (when its threads are chosen): the
-    window covers the run's own data loading, whose CPU time is taken out, so measuring costs no extra time."""
+    """Other processes' CPU use from its creation (the run's start) to `busy()` (when its threads are chosen): the
+    window covers the run's own data loading, whose CPU time is taken out, so measuring costs no extra time.
+    `other()` gives the same as a fraction of CPUs, for a window that some timing must have to itself."""
 
     def __init__(self):
         self.before = psutil.cpu_times(percpu=True)
         self.own, self.t0 = time.process_time(), time.monotonic()
 
     def busy(self) -> tuple[int, str]:
-        if not self.before:
-            return 0, ""
+        return other_work(*self._window()) if self.before else (0, "")
+
+    def other(self) -> float:
+        return other_cpus(*self._window())[0] if self.before else 0.0
+
+    def _window(self) -> tuple[set[int], Sequence[Any], Sequence[Any], float]:
         time.sleep(max(0.0, MIN_WINDOW_S - (time.monotonic() - self.t0)))
-        return other_work(usable_cpus(), self.before, psutil.cpu_times(percpu=True), time.process_time() - self.own)
+        return usable_cpus(), self.before, psutil.cpu_times(percpu=True), time.process_time() - self.own
 
 
 @dataclass(frozen=True)

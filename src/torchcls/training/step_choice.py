@@ -11,7 +11,9 @@ choice: bf16 where native, contiguous NCHW).
 
 A choice is cached per machine, model, shape and candidates (TORCHCLS_CACHE_DIR, default
 $XDG_CACHE_HOME/torchcls/step-choices.json): a second run on the same machine makes the same choice,
-as reproducibility needs; a resumed run keeps its own (step_choice.json in the run dir). Not measured
+as reproducibility needs; a resumed run keeps its own (step_choice.json in the run dir). Since a cached
+choice governs every later run, only a trial that had the machine to itself is used and cached: where other
+processes took more than QUIET_OTHER_CPUS during it, the rule decides that run and the next one times again. Not measured
 (the rule decides): on a GPU (bf16 where supported, channels-last for convolution nets), under
 torchrun (ranks must agree; FSDP2 refuses channels-last), for early-exit models (their time depends on
 the data), and when one step of the first candidate takes longer than TRIAL_STEP_LIMIT_S.
@@ -34,6 +36,7 @@ from torch import nn
 
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.machine import CpuActivity
 from torchcls.models.parts import is_convnet
 from torchcls.precision.hardware import PrecisionChoice
 
@@ -41,6 +44,12 @@ TRIAL_ROUNDS = (3, 9)  # timed steps per candidate (fewest, most), interleaved (
 TRIAL_BUDGET_S = 4.0  # the timed rounds of all candidates together, when the steps are fast enough to allow more
 MARGIN = 1.05  # another candidate replaces the rule's only when it is this much faster: noise must not flip it
 TRIAL_STEP_LIMIT_S = 1.5  # a slower step makes the trial cost more than it can save on a short run
+# Other processes' CPU use during the trial, in CPUs, above which its times are not trusted: OpenMP's threads
+# wait for the slowest at every op, so a neighbour on one core scrambles them (FastNet on 2 cores beside one
+# busy loop: bf16 channels-last timed at 1.0-1.9x NCHW's time, run to run; 0.87x alone, every run).
+QUIET_OTHER_CPUS = 0.25
+# Part of the cache key: entries timed before the trial checked that it had the machine to itself are timed again.
+TRIAL_VERSION = 2
 CACHE_ENV = "TORCHCLS_CACHE_DIR"
 STATE_FILE = "step_choice.json"
 
@@ -182,12 +191,17 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     options = candidates(rule, cpu_bf16_here()[0], channels_last, model)
     if len(options) == 1 or isinstance(model, EarlyExitNet):
         return StepChoice(rule, bool(channels_last), "as asked" if len(options) == 1 else "rule")
-    key = cache_key(**describe, requested=requested, shape=list(shape), options=[label(*o) for o in options])
+    key = cache_key(**describe, requested=requested, shape=list(shape), options=[label(*o) for o in options],
+                    trial=TRIAL_VERSION)
     if (hit := cached(key)) is not None:
         return from_record(hit, "cached")
+    activity = CpuActivity()
     times = time_steps(model, make_optimizer, shape, classes, options)
     if times is None:
         return StepChoice(rule, bool(channels_last), f"rule: a step takes over {TRIAL_STEP_LIMIT_S} s, not timed")
+    if (other := activity.other()) > QUIET_OTHER_CPUS:  # neither used nor remembered: the next run times again
+        return StepChoice(rule, bool(channels_last), f"rule: other work kept {other:.1f} CPU(s) busy while the steps "
+                          "were timed, so the times were not used", times)
     default = label(rule.precision, bool(channels_last))
     best = min(times, key=times.get)
     if default in times and times[default] <= times[best] * MARGIN:
