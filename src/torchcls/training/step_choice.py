@@ -46,7 +46,7 @@ MARGIN = 1.05  # another candidate replaces the rule's only when it is this much
 TRIAL_STEP_LIMIT_S = 1.5  # a slower step makes the trial cost more than it can save on a short run
 # Other processes' CPU use during the trial, in CPUs, above which its times are not trusted: OpenMP's threads
 # wait for the slowest at every op, so a neighbour on one core scrambles them (FastNet on 2 cores beside one
-# busy loop: bf16 channels-last timed at 1.0-1.9x NCHW's time, run to run; 0.87x alone, every run).
+# busy loop: bf16 channels-last timed at 1.1-2.0x NCHW's time, run to run; 0.87x alone, every run).
 QUIET_OTHER_CPUS = 0.25
 # Part of the cache key: entries timed before the trial checked that it had the machine to itself are timed again.
 TRIAL_VERSION = 2
