@@ -21,6 +21,7 @@ from torchcls.evaluation.tta import tta_probs, views
 from torchcls.models.fastnet import FastNet
 from torchcls.training.init import FirstBiasFreeze, apply_dirac, apply_whitening, first_bias, parse_init
 from torchcls.training.optim import build_optimizer, param_groups
+from torchcls.training.selective import SelectiveBackprop
 
 
 def _correlated_images(n: int = 64, c: int = 1, size: int = 12, seed: int = 0) -> torch.Tensor:
@@ -200,10 +201,46 @@ def test_multicrop_tta_is_airbenchs_weighted_six_views() -> None:
         torch.testing.assert_close(tta_probs(model, x, "flip"), (p[0] + p[1]) / 2)
 
 
+# -- --selective-backprop -----------------------------------------------------------------------------------
+def test_selective_backprop_keeps_the_highest_loss_images() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(10, 4, generator=g), torch.randint(0, 4, (10,), generator=g)
+    losses = F.cross_entropy(logits, y, reduction="none")
+    for fraction, n in ((0.5, 5), (0.25, 3), (0.01, 1)):  # ceil(fraction x 10), at least one
+        keep = SelectiveBackprop(fraction, 0).hardest(logits, y)
+        assert keep.tolist() == losses.argsort(descending=True)[:n].tolist()
+    assert not SelectiveBackprop(0.5, 2).applies(1) and SelectiveBackprop(0.5, 2).applies(2)
+
+
+def test_selective_backprop_scores_the_batch_then_trains_on_its_hard_part(shapes32: Path, tmp_path: Path) -> None:
+    """Every forward of the model during training: epoch 1 trains on whole batches of 8; from epoch 2 each batch
+    is scored without gradients, then 4 of its images train."""
+    from torchcls.training import train
+
+    cfg = tiny_config(shapes32, tmp_path, "sb", epochs=2)
+    cfg.model.name, cfg.data.val_fraction, cfg.governance.lineage = "fastnet", 0.25, False
+    cfg.train.channels_last, cfg.precision.precision = False, "fp32"  # (no timed trial: its forwards are not these)
+    cfg.optim.selective_backprop, cfg.optim.selective_backprop_after_epochs = 0.5, 1
+    seen = []
+
+    def record(module, args, output) -> None:
+        if isinstance(module, FastNet) and module.training:
+            seen.append((torch.is_grad_enabled(), len(args[0])))
+
+    hook = torch.nn.modules.module.register_module_forward_hook(record)
+    try:
+        result = train(cfg)
+    finally:
+        hook.remove()
+    assert result.steps == 6  # 24 training images, 3 steps an epoch
+    assert seen == [(True, 8)] * 3 + [(False, 8), (True, 4)] * 3
+
+
 # -- the options in config.toml, on the command line, and a run using all of them -------------------------
 ALL = ["--model", "fastnet", "--init", "whiten,dirac", "--freeze-first-conv", "--bn-bias-lr-scale", "64",
        "--freeze-first-bias-after-epochs", "1", "--lookahead", "3", "--lookahead-alpha", "0.5", "--augment",
-       "flip-alternate", "--whiten-eps", "0.001"]
+       "flip-alternate", "--whiten-eps", "0.001", "--selective-backprop", "0.25", "--selective-backprop-after-epochs",
+       "2"]
 
 
 def test_the_options_are_flags_and_round_trip_through_config_toml(tmp_path: Path) -> None:
@@ -211,11 +248,13 @@ def test_the_options_are_flags_and_round_trip_through_config_toml(tmp_path: Path
     assert (cfg.model.init, cfg.model.freeze_first_conv, cfg.model.whiten_eps) == ("whiten,dirac", True, 1e-3)
     assert (cfg.optim.bn_bias_lr_scale, cfg.optim.freeze_first_bias_after_epochs) == (64.0, 1)
     assert (cfg.optim.lookahead, cfg.optim.lookahead_alpha, cfg.data.augment) == (3, 0.5, "flip-alternate")
+    assert (cfg.optim.selective_backprop, cfg.optim.selective_backprop_after_epochs) == (0.25, 2)
     cfg.save_toml(tmp_path / "config.toml")
     assert load_toml(tmp_path / "config.toml").to_dict() == cfg.to_dict()
     default = Config()  # off unless asked for: a plain optimizer, not timm's Lookahead
     assert (default.model.init, default.model.freeze_first_conv, default.optim.bn_bias_lr_scale,
-            default.optim.freeze_first_bias_after_epochs, default.optim.lookahead) == ("", False, 1.0, 0, 0)
+            default.optim.freeze_first_bias_after_epochs, default.optim.lookahead,
+            default.optim.selective_backprop) == ("", False, 1.0, 0, 0, 0.0)
     assert not hasattr(build_optimizer(nn.Linear(2, 2), default.optim), "sync_lookahead")
 
 
@@ -232,6 +271,7 @@ def _all_options(data: Path, out: Path, name: str) -> Config:
     cfg.optim.optimizer, cfg.optim.lr, cfg.optim.weight_decay = "sgd", 0.05, 5e-4
     cfg.optim.bn_bias_lr_scale, cfg.optim.freeze_first_bias_after_epochs = 64.0, 1
     cfg.optim.lookahead, cfg.optim.lookahead_alpha = 2, 0.5
+    cfg.optim.selective_backprop, cfg.optim.selective_backprop_after_epochs = 0.5, 1
     cfg.data.augment, cfg.data.in_memory, cfg.data.val_fraction = "flip-alternate", "on", 0.25
     cfg.governance.lineage = False
     return cfg
@@ -296,6 +336,21 @@ def test_the_options_refuse_what_they_are_not_for(shapes32: Path, tmp_path: Path
     cfg.model.pretrained = str(tmp_path / "weights.safetensors")
     with pytest.raises(UserError, match="give one of the two"):
         train(cfg)
+    for name, change, match in (("frac", {"selective_backprop": 1.0}, r"give the fraction of each batch .* in \(0, 1\)"),
+                                ("after", {"selective_backprop_after_epochs": -1}, "from an epoch >= 0")):
+        cfg = _all_options(shapes32, tmp_path, name)
+        vars(cfg.optim).update(change)
+        with pytest.raises(UserError, match=match):
+            train(cfg)
+    cfg = _all_options(shapes32, tmp_path, "mix")
+    cfg.data.mixup = 0.2
+    with pytest.raises(UserError, match="its one label, on one process: leave it at 0 with --mixup/--cutmix"):
+        train(cfg)
+    cfg = tiny_config(shapes32, tmp_path, "sb-ddp")
+    cfg.optim.selective_backprop, cfg.parallel.parallel = 0.5, "ddp"
+    with pytest.raises(UserError, match="leave it at 0 with --parallel ddp"):
+        train(cfg)
+    assert not any((tmp_path / n).exists() for n in ("frac", "after", "mix", "sb-ddp"))
 
 
 def test_resume_refuses_another_lookahead(tmp_path: Path) -> None:

@@ -163,6 +163,10 @@ class OptimConfig:
                          "weights move --lookahead-alpha of the way to the fast ones and the fast ones restart from "
                          "them (also at each epoch end, so validation and checkpoints see them); 0 = off")
     lookahead_alpha: float = opt(0.5, "--lookahead: the slow weights' step towards the fast ones, in (0, 1]")
+    selective_backprop: float = opt(0.0, "train on this fraction of each batch, in (0, 1): its images with the "
+                                    "highest loss under a forward without gradients (Selective-Backprop); 0 = all")
+    selective_backprop_after_epochs: int = opt(0, "--selective-backprop: applies from this epoch on (0-based: "
+                                               "after N full epochs)")
 
 
 @dataclass

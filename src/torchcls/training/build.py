@@ -60,6 +60,7 @@ from torchcls.training.rank_memory import record_memory
 from torchcls.training.resize import check_schedule
 from torchcls.training.resume_options import Finished, finished_run, option_changes
 from torchcls.training.rundir import RunDir
+from torchcls.training.selective import selective_backprop
 from torchcls.training.step_choice import STATE_FILE as STEP_STATE
 from torchcls.training.step_choice import StepChoice, choose_step
 from torchcls.training.tensorboard import open_writer
@@ -187,7 +188,7 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
                 # the tuner first: a callback that stops the run at the tuner's step comes after its decision
                 [*([tuner] if tuner else []), *callbacks, *([memory] if memory else [])], mixing, memory,
                 open_writer(run.path) if cfg.train.tensorboard else None, resume_changes=changes, ema=ema,
-                tracker=tracker, at_epoch_start=at_epoch_start)
+                tracker=tracker, at_epoch_start=at_epoch_start, selective=selective_backprop(cfg.optim))
     return t
 
 
@@ -213,7 +214,8 @@ def _check_options(cfg: Config) -> None:
 
 
 def _check_training_options(cfg: Config) -> None:
-    """--init, --lookahead and --freeze-first-bias-after-epochs: the combinations they are defined for."""
+    """--init, --lookahead, --freeze-first-bias-after-epochs and --selective-backprop: the combinations they are
+    defined for."""
     if parse_init(cfg.model.init) and cfg.model.pretrained:
         raise UserError(f"--init {cfg.model.init} replaces weights, --pretrained {cfg.model.pretrained} loads them: "
                         "give one of the two")
@@ -225,6 +227,26 @@ def _check_training_options(cfg: Config) -> None:
         # parameter it registered: a bias frozen mid-run would stop its all-reduce.
         raise UserError(f"--lookahead and --freeze-first-bias-after-epochs are for one process; with --parallel "
                         f"{cfg.parallel.parallel} leave them at 0")
+    _check_selective_backprop(cfg)
+
+
+def _check_selective_backprop(cfg: Config) -> None:
+    o = cfg.optim
+    if not o.selective_backprop:
+        return
+    flag = f"--selective-backprop {o.selective_backprop}"
+    if not 0.0 < o.selective_backprop < 1.0 or o.selective_backprop_after_epochs < 0:
+        raise UserError(f"{flag} --selective-backprop-after-epochs {o.selective_backprop_after_epochs}: give the "
+                        "fraction of each batch to train on, in (0, 1) (0 = all), from an epoch >= 0 "
+                        "(e.g. --selective-backprop 0.5 --selective-backprop-after-epochs 2)")
+    # Its images are ranked by their loss against one hard label, from one output: not defined for blended
+    # labels, multilabel targets or several exits. And one process: not tested under torchrun.
+    for given, what in ((cfg.data.mixup or cfg.data.cutmix, "--mixup/--cutmix"),
+                        (cfg.data.task == "multilabel", "--task multilabel"), (cfg.model.exits, "--exits"),
+                        (cfg.parallel.parallel != "none", f"--parallel {cfg.parallel.parallel}")):
+        if given:
+            raise UserError(f"{flag} ranks each image by its loss against its one label, on one process: "
+                            f"leave it at 0 with {what}")
 
 
 def _set_threads(cfg: Config, feed, activity: CpuActivity, recorded: dict[str, Any]) -> ThreadChoice:

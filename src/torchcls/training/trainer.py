@@ -80,6 +80,7 @@ class Trainer:
     resume_rng: torch.Tensor | None = None  # restored once a resumed epoch is replayed to its step
     resume_changes: dict[str, Any] = field(default_factory=dict)  # options changed by --resume (resume_options)
     ema: Any = None  # --ema: torchcls.training.ema.WeightEma, updated after each optimizer step
+    selective: Any = None  # --selective-backprop: torchcls.training.selective.SelectiveBackprop
     micro: int = 0  # micro-batches of the current --accum-steps window done so far
     window: int = 1  # micro-batches in the current window
     thresholds: list[float] | None = None  # multilabel: per-label thresholds chosen on the validation set
@@ -145,11 +146,19 @@ class Trainer:
         targets = y
         if self.mixing is not None:  # soft targets; training accuracy stays against the hard labels
             x, targets = self.mixing(x, y, step=p.step * accum + self.micro)
+        scored = None
+        if self.selective is not None and self.selective.applies(p.epoch):  # --selective-backprop
+            with torch.no_grad(), self.precision.autocast():
+                scored = self.forward(x)
+            keep = self.selective.hardest(scored, y)
+            x, targets = x[keep], targets[keep]
         with grad_sync(self.model, last):  # inner micro-batches add up gradients locally (DDP/FSDP2)
             with self.precision.autocast():
                 logits = self.forward(x)
             loss, logits = exit_loss(self.criterion, logits, targets, self.model)  # early-exit models: all exits
             self.precision.backward(loss, scale=1.0 / self.window)
+        if scored is not None:  # training accuracy stays over the whole batch (the loss is the trained images')
+            logits = scored
         p.step_in_epoch += 1
         self.micro = 0 if last else self.micro + 1
         return loss, logits, self.optimizer_step() if last else None
