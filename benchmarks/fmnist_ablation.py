@@ -54,6 +54,8 @@ METHODS: dict[str, tuple[str, dict[str, Any]]] = {
     "no-label-smoothing": ("--label-smoothing 0 (the recipe has 0.1)", {"optim.label_smoothing": 0.0}),
     "flip-alternate": ("--augment flip-alternate", {"data.augment": "flip-alternate"}),
     "multicrop": ("evaluate --tta multicrop (the recipe tests with flip)", {"tta": "multicrop"}),
+    "selective-backprop": ("--selective-backprop 0.5 --selective-backprop-after-epochs 2",
+                           {"optim.selective_backprop": 0.5, "optim.selective_backprop_after_epochs": 2}),
 }
 
 
