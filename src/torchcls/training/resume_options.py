@@ -22,9 +22,10 @@ from torchcls.training.rundir import read_metrics
 FIXED = {"data": ("source", "root", "val_data", "val_fraction", "img_size", "channels", "batch_size",
                   "image_column", "label_column", "in_memory", "task", "balanced_sampler"),
          "model": ("exits", "drop_rate", "drop_path", "freeze", "init", "whiten_eps", "freeze_first_conv"),
+         # from "optimizer" on: the restored optimizer's state and its groups' lr_scale and lookahead_* would
+         # silently keep the old ones; selective_backprop*: another choice of the images each step trains on
          "optim": ("accum_steps", "ema", "optimizer", "layer_decay", "head_lr", "bn_bias_lr_scale", "lookahead",
-                   "lookahead_alpha", "selective_backprop", "selective_backprop_after_epochs"),  # from "optimizer" on: the restored optimizer's state and its groups'
-         # lr_scale and lookahead_* would silently keep the old ones
+                   "lookahead_alpha", "selective_backprop", "selective_backprop_after_epochs"),
          "train": ("seed",)}
 
 

@@ -13,8 +13,8 @@ A choice is cached per machine, model, shape and candidates (TORCHCLS_CACHE_DIR,
 $XDG_CACHE_HOME/torchcls/step-choices.json): a second run on the same machine makes the same choice,
 as reproducibility needs; a resumed run keeps its own (step_choice.json in the run dir). Since a cached
 choice governs every later run, only a trial that had the machine to itself is used and cached: where other
-processes took more than QUIET_OTHER_CPUS during it, the rule decides that run and the next one times again. Not measured
-(the rule decides): on a GPU (bf16 where supported, channels-last for convolution nets), under
+processes took more than QUIET_OTHER_CPUS during it, the rule decides that run and the next one times again.
+Not measured (the rule decides): on a GPU (bf16 where supported, channels-last for convolution nets), under
 torchrun (ranks must agree; FSDP2 refuses channels-last), for early-exit models (their time depends on
 the data), and when one step of the first candidate takes longer than TRIAL_STEP_LIMIT_S.
 """
