@@ -210,6 +210,11 @@ def test_selective_backprop_keeps_the_highest_loss_images() -> None:
         keep = SelectiveBackprop(fraction, 0).hardest(logits, y)
         assert keep.tolist() == losses.argsort(descending=True)[:n].tolist()
     assert not SelectiveBackprop(0.5, 2).applies(1) and SelectiveBackprop(0.5, 2).applies(2)
+    # at the batch users train with (256, fmnist-fast's): the 128 hardest of a bf16 forward's logits
+    logits, y = torch.randn(256, 10, generator=g).bfloat16(), torch.randint(0, 10, (256,), generator=g)
+    keep = SelectiveBackprop(0.5, 0).hardest(logits, y)
+    losses = F.cross_entropy(logits.float(), y, reduction="none")
+    assert len(keep) == 128 and losses[keep].min() >= losses.sort(descending=True).values[127]
 
 
 def test_selective_backprop_scores_the_batch_then_trains_on_its_hard_part(shapes32: Path, tmp_path: Path) -> None:
