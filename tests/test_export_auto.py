@@ -14,10 +14,10 @@ import torch
 from torchcls.artifacts import export, load_artifact
 from torchcls.artifacts.fastest import Candidate, candidates, choose
 from torchcls.artifacts.parity import held_out_images
+from torchcls.artifacts.quantize import int8_reduce_range
 from torchcls.checkpoint.files import load_model
 from torchcls.cli import main
 from torchcls.errors import UserError
-from torchcls.precision.hardware import cpu_int8_matmul_exact
 
 pytestmark = pytest.mark.slow
 MAX_BATCH = 64  # the default: the choice times batch 1 and batch 16, as users get it
@@ -59,11 +59,13 @@ def test_auto_exports_every_target_here_and_returns_the_fastest(auto_export):
     run, result = auto_export
     choice = json.loads(result.parity_path.read_text())["choice"]
     built = {name: c for name, c in choice["candidates"].items() if "not_kept" not in c}
-    # this installation has the export extra: AOTInductor (auto precision, and int8 where the CPU's int8 kernels
-    # are exact), ONNX Runtime and OpenVINO are all candidates; one not built here says why
+    # this installation has the export and precision extras: AOTInductor (auto precision, and static int8: with
+    # 7-bit activations where the CPU's int8 kernels lack VNNI), ONNX Runtime and OpenVINO are all candidates
     assert set(choice["candidates"]) == {"aoti", "aoti-int8", "onnx", "onnx-openvino"}
     assert READS == {"load_model": 1, "held_out_images": 1}  # once for the four candidates
-    assert ("not_kept" in choice["candidates"]["aoti-int8"]) != cpu_int8_matmul_exact()
+    assert "not_kept" not in choice["candidates"]["aoti-int8"]  # built and within the 99% bound on either kind
+    int8_parity = json.loads((Path(choice["candidates"]["aoti-int8"]["path"]).parent / "parity.json").read_text())
+    assert int8_parity["reduce_range"] == int8_reduce_range()
     assert choice["chosen"] in built and Path(built[choice["chosen"]]["path"]) == result.path
     assert choice["rounds"] >= 3 and choice["block_s"] > 0 and choice["threads"] == torch.get_num_threads()
     for name, c in built.items():  # each kept one is a verified artifact on disk with its own parity record
@@ -172,21 +174,18 @@ def test_timing_leaves_out_the_calls_after_a_switch_of_runtime(monkeypatch):
 def test_a_gpu_export_tries_aoti_only():
     found, left = candidates(torch.device("cuda"))
     assert found == [Candidate("aoti")] and "GPU" in left["onnx"]
-    int8 = ["aoti-int8"] if cpu_int8_matmul_exact() else []
-    assert [c.name for c in candidates(torch.device("cpu"))[0]] == ["aoti", *int8, "onnx", "onnx-openvino"]
+    assert [c.name for c in candidates(torch.device("cpu"))[0]] == ["aoti", "aoti-int8", "onnx", "onnx-openvino"]
     assert [c.name for c in candidates(torch.device("cpu"), "fp32")[0]] == ["aoti", "onnx", "onnx-openvino"]
 
 
 def test_int8_pt2_is_calibrated_on_training_images_and_checked_against_fp32(pinned_run, tmp_path):
     """--precision int8: a static int8 AOTInductor package (PT2E, torchao's X86InductorQuantizer), held to 99%
-    top-1 agreement with eager fp32; refused where the CPU's int8 kernels saturate, and on other targets."""
-    if not cpu_int8_matmul_exact():
-        with pytest.raises(UserError, match="saturate"):
-            export(pinned_run, target="aoti", precision="int8", out=tmp_path / "q.pt2")
-        return
+    top-1 agreement with eager fp32 (activations in 7 bits where the CPU's int8 kernels lack VNNI); refused on
+    other targets."""
     result = export(pinned_run, precision="int8", out=tmp_path / "q.pt2")  # every other option at its default
     parity = json.loads(result.parity_path.read_text())
     assert parity["target"] == "aoti" and parity["precision"] == "int8" and parity["passed"]
+    assert parity["reduce_range"] == int8_reduce_range()
     training_images = json.loads((pinned_run / "data_splits.json").read_text())["train"]["images"]
     assert parity["calibration_images"] == min(256, training_images) and parity["quantizer"] == "x86_inductor"
     assert parity["min_agreement"] == 0.99 and parity["top1_agreement"] >= 0.99
@@ -232,8 +231,6 @@ def test_int8_leaves_a_single_channel_stem_in_fp32_and_compiles_to_what_it_quant
     from torchcls.artifacts.targets.base import ArtifactInfo
     from torchcls.data import Preprocess
 
-    if not cpu_int8_matmul_exact():
-        pytest.skip("int8 .pt2 packages are built only where the CPU's int8 kernels are exact (VNNI)")
     torch.manual_seed(0)
     model = timm.create_model("resnet18", num_classes=10, in_chans=1).eval()
     dynamic = ({0: torch.export.Dim("batch", min=1, max=16)},)
@@ -242,7 +239,8 @@ def test_int8_leaves_a_single_channel_stem_in_fp32_and_compiles_to_what_it_quant
     info = ArtifactInfo("grey", "aoti", [str(i) for i in range(10)], Preprocess(28, 1, (0.5,), (0.5,)), 16, "int8")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        quantized = quantize_int8_x86(ep, torch.randn(32, 1, 28, 28), dynamic, batch=16)
+        quantized = quantize_int8_x86(ep, torch.randn(32, 1, 28, 28), dynamic, batch=16,
+                                      reduce_range=int8_reduce_range())
         aoti.build(quantized, info, tmp_path / "grey.pt2", {})
     # the libraries' warnings about the fp32 stem's max pool and their own tensor copy (torchcls.noise) are not
     # shown to a user of `torchcls export`
@@ -251,3 +249,51 @@ def test_int8_leaves_a_single_channel_stem_in_fp32_and_compiles_to_what_it_quant
     with torch.no_grad():
         reference, compiled = quantized.module()(x), aoti.TARGET.load(tmp_path / "grey.pt2")(x)
     assert torch.allclose(compiled, reference, atol=1e-3), (compiled - reference).abs().max()
+
+
+INT8_PACKAGE = """
+import json, timm, torch
+from torchcls.artifacts.quantize import int8_reduce_range, quantize_int8_x86
+from torchcls.artifacts.targets import aoti
+from torchcls.artifacts.targets.base import ArtifactInfo
+from torchcls.data import Preprocess
+torch.manual_seed(0)
+net = timm.create_model("resnet18", num_classes=10)
+with torch.no_grad():  # BatchNorm statistics of the inputs, so that activations span their range
+    for _ in range(4):
+        net(torch.randn(32, 3, 32, 32))
+net.eval()
+dynamic = ({0: torch.export.Dim("batch", min=1, max=16)},)
+ep = torch.export.export(net, (torch.randn(2, 3, 32, 32),), dynamic_shapes=dynamic)
+reduce_range = int8_reduce_range() if REDUCE is None else REDUCE
+quantized = quantize_int8_x86(ep, torch.randn(64, 3, 32, 32), dynamic, batch=16, reduce_range=reduce_range)
+info = ArtifactInfo("net", "aoti", [str(i) for i in range(10)], Preprocess(32, 3, (0.5,) * 3, (0.5,) * 3), 16, "int8")
+aoti.build(quantized, info, PATH, {})
+with torch.no_grad():
+    logits = aoti.TARGET.load(PATH)(torch.randn(16, 3, 32, 32))
+print(json.dumps({"reduce_range": reduce_range, "logits": logits.tolist()}))
+"""
+
+
+def test_int8_kernels_without_vnni_get_7_bit_activations_and_compute_what_vnni_does(tmp_path):
+    """Held to AVX2 (no VNNI), oneDNN's int8 kernels add pairs of uint8 x int8 products in 16 bits: full-range
+    activations saturate them (measured, a random ResNet-18 at 32 px: 0.016 off fp32's logits against 0.006 with
+    VNNI), 7-bit ones cannot (2 x 127 x 128 < 32,767). So the package built held to AVX2 gives the logits that
+    the same quantization gives with this CPU's own kernels."""
+    import os
+    import subprocess
+    import sys
+
+    def package(name: str, reduce: bool | None, env: dict[str, str]) -> dict:
+        code = INT8_PACKAGE.replace("REDUCE", repr(reduce)).replace("PATH", repr(str(tmp_path / f"{name}.pt2")))
+        out = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    avx2 = package("avx2", None, {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+                                  "MKL_ENABLE_INSTRUCTIONS": "AVX2"})
+    # Which CPUs need 7 bits is asked of the kernel: an AVX-512 CPU held to AVX2 does; a real AVX2 AMD Zen 3's int8
+    # GEMM was exact. The same quantization (its choice) with this CPU's unrestricted kernels is the reference.
+    own = package("own", avx2["reduce_range"], {})
+    torch.testing.assert_close(torch.tensor(avx2["logits"]), torch.tensor(own["logits"]), atol=1e-5, rtol=1e-4)

@@ -3,7 +3,7 @@
 Which runtime is fastest depends on the model and the CPU (measured, docs/benchmarks.md: on one AVX-512-bf16
 CPU AOTInductor and OpenVINO are within 10% on ResNet-18 in bf16, while ONNX Runtime runs MobileNetV3 1.8x as
 fast as AOTInductor), so no fixed default can be the fast one everywhere. On the CPU, auto exports every path this
-installation can build (AOTInductor; a static int8 AOTInductor package where the CPU's int8 kernels are exact;
+installation can build (AOTInductor; a static int8 AOTInductor package;
 the ONNX model on ONNX Runtime; the same on OpenVINO), each exactly as `--target` would, with its own parity
 gate and its own parity.json; then times the ones that passed on this
 machine, interleaved in rounds (median), at batch 1 and at min(16, --max-batch); and returns the one with the
@@ -52,8 +52,9 @@ class Candidate:
 
 def candidates(device: torch.device, precision: str = "auto") -> tuple[list[Candidate], dict[str, str]]:
     """The paths auto tries on `device`, and why any other is left out (a missing extra says how to add it).
-    With --precision auto on a CPU whose int8 kernels are exact (VNNI), a static int8 .pt2 is one of them: it
-    is kept only where it agrees with eager fp32 on 99% of the held-out images (quantize.AOTI_INT8_MIN_AGREEMENT)."""
+    With --precision auto a static int8 .pt2 is one of them (activations in 7 bits where the CPU's int8 kernels
+    lack VNNI: quantize.int8_reduce_range): it is kept only where it agrees with eager fp32 on 99% of the
+    held-out images (quantize.AOTI_INT8_MIN_AGREEMENT)."""
     if device.type != "cpu":
         return [Candidate("aoti")], {"onnx": "auto builds AOTInductor only for a GPU (name --target onnx for "
                                              "ONNX Runtime's CUDA provider)"}
@@ -61,12 +62,8 @@ def candidates(device: torch.device, precision: str = "auto") -> tuple[list[Cand
     found: list[Candidate] = [Candidate("aoti")]
     left: dict[str, str] = {}
     if precision == "auto":
-        from torchcls.precision.hardware import cpu_int8_matmul_exact
-
         if importlib.util.find_spec("torchao") is None:
             left["aoti-int8"] = f"torchao not installed: {install_command('precision')}"
-        elif not cpu_int8_matmul_exact():
-            left["aoti-int8"] = "this CPU's int8 kernels saturate (no VNNI): int8 is not built here"
         else:
             found.append(Candidate("aoti", precision="int8"))
     if all(have.values()):

@@ -35,6 +35,7 @@ from torchcls.artifacts.targets.base import (
     first_line,
     has_cond,
 )
+from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.noise import INT8_LOWERING, warnings_without
 
@@ -208,32 +209,28 @@ def _int8_plan(req: ExportRequest, meta: Any) -> Plan:
 
     if importlib.util.find_spec("torchao") is None:
         raise missing_extra("precision", "--precision int8 (PT2E quantization)", "torchao")
-    check_int8_kernels()
     calib = calibration_images(meta, req.calibration_images, req.data, req.root)
     return Plan("int8", int8_builder(calib), AOTI_INT8_MIN_AGREEMENT)
-
-
-def check_int8_kernels() -> None:
-    from torchcls.precision.hardware import cpu_int8_matmul_exact
-
-    if not cpu_int8_matmul_exact():
-        raise UserError("--precision int8: this CPU's int8 kernels (oneDNN without VNNI) add products in 16 bits, "
-                        "which saturate; export fp32 here (--precision auto), or int8 on a CPU with AVX-512-VNNI "
-                        "or AVX-VNNI")
 
 
 def int8_builder(calibration: torch.Tensor):
     """A builder of static int8 packages (artifacts/quantize.py: PT2E, X86InductorQuantizer) observed on
     `calibration`: the program is captured in fp32 and quantized here, then compiled frozen as every .pt2 is
-    (freezing is what fuses the quantized convolutions into oneDNN's int8 kernels)."""
-    from torchcls.artifacts.quantize import quantize_int8_x86
+    (freezing is what fuses the quantized convolutions into oneDNN's int8 kernels). On a CPU whose int8 kernels
+    lack VNNI the activations are quantized to 7 bits (quantize.int8_reduce_range), recorded as `reduce_range`."""
+    from torchcls.artifacts.quantize import int8_reduce_range, quantize_int8_x86
 
     def build_int8(ep: torch.export.ExportedProgram, info: ArtifactInfo, path: Path,
                    extra: dict[str, str]) -> dict[str, Any]:
         dynamic = ({0: torch.export.Dim("batch", min=1, max=info.max_batch)},) if info.max_batch >= 2 else None
-        quantized = quantize_int8_x86(ep, calibration, dynamic, batch=min(32, info.max_batch))
+        reduce_range = int8_reduce_range()
+        if reduce_range:
+            console.print("int8: this CPU's int8 kernels have no VNNI; activations are quantized to 7 bits "
+                          "(0-127), which they add exactly")
+        quantized = quantize_int8_x86(ep, calibration, dynamic, batch=min(32, info.max_batch),
+                                      reduce_range=reduce_range)
         return build(quantized, info, path, extra, batch16=True) | {"calibration_images": len(calibration),
-                                                      "quantizer": "x86_inductor"}
+                                                      "quantizer": "x86_inductor", "reduce_range": reduce_range}
 
     return build_int8
 
