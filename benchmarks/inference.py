@@ -2,10 +2,10 @@
 
 torchcls paths: eager, eager channels_last, torchcls compile (fp32, bf16: `compile_for_inference`), AOTInductor
 package (fp32), AOTInductor static int8 (`aoti_int8`: `torchcls export --precision int8`, calibrated on the same
-inputs as ORT's int8, only where the CPU's int8 GEMM is exact, as export asks), and `default`: what `torchcls
-export CHECKPOINT` builds on this machine with every option at its default (target, precision auto with its
-fallback to fp32 when the reduced precision fails parity on the probe; `torchcls serve` serves that artifact as
-it was exported). Peers, each from the same ONNX file (torchcls' onnx
+inputs as ORT's int8; 7-bit activations where the CPU's int8 kernels lack VNNI, as export builds it), and
+`default`: what `torchcls export CHECKPOINT` builds on this machine with every option at its default (target,
+precision auto with its fallback to fp32 when the reduced precision fails parity on the probe; `torchcls serve`
+serves that artifact as it was exported). Peers, each from the same ONNX file (torchcls' onnx
 target): ONNX Runtime fp32 (`ort`), ONNX Runtime int8 (`ort_int8`: static QDQ quantization, only where the CPU
 has VNNI), OpenVINO with PERFORMANCE_HINT THROUGHPUT (`ov_throughput`: b16 through an AsyncInferQueue of its
 optimal request count) and LATENCY (`ov_latency`), OpenVINO in its default inference precision. Every path runs

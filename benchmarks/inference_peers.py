@@ -88,10 +88,6 @@ def skip_reason(config: str) -> str | None:
     if config == "ort_int8":
         ok, why = vnni_here()
         return None if ok else f"int8 runs only where the CPU has VNNI: {why}"
-    if config == "aoti_int8":  # asked of the kernel, as `torchcls export` asks it (a real AVX2 CPU may pass)
-        from torchcls.precision.hardware import cpu_int8_matmul_exact
-
-        return None if cpu_int8_matmul_exact() else "this CPU's int8 kernels saturate (no VNNI): int8 is not built here"
     if config in OV_HINTS and v["openvino"] is None:
         return f"openvino not installed: {INSTALL}"
     return None
