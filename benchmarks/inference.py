@@ -153,7 +153,6 @@ def int8_plan(source: Source):
     from torchcls.artifacts.targets import aoti
     from torchcls.artifacts.targets.base import Plan
 
-    aoti.check_int8_kernels()
     return Plan("int8", aoti.int8_builder(source.calibration()), AOTI_INT8_MIN_AGREEMENT)
 
 
