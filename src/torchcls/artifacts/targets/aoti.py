@@ -225,8 +225,8 @@ def int8_builder(calibration: torch.Tensor):
         dynamic = ({0: torch.export.Dim("batch", min=1, max=info.max_batch)},) if info.max_batch >= 2 else None
         reduce_range = int8_reduce_range()
         if reduce_range:
-            console.print("int8: this CPU's int8 kernels have no VNNI; activations are quantized to 7 bits "
-                          "(0-127), which they add exactly")
+            console.print("int8: oneDNN's int8 kernels here lack VNNI (they add products in 16 bits); activations "
+                          "are quantized to 7 bits (0-127), which they add exactly")
         quantized = quantize_int8_x86(ep, calibration, dynamic, batch=min(32, info.max_batch),
                                       reduce_range=reduce_range)
         return build(quantized, info, path, extra, batch16=True) | {"calibration_images": len(calibration),
