@@ -125,8 +125,9 @@ class ExportOptions:
     precision: str = opt("auto", "weights and compute inside the artifact; inputs and logits stay float32. auto = "
                          "bf16 where the hardware computes it natively (CPU with AVX-512-bf16 or AMX, GPU of compute "
                          "capability >= 8.0) and the target builds it (aoti), else fp32; --target auto also tries "
-                         "int8 on a CPU with VNNI; parity.json says which and why. int8: static int8 .pt2 for the "
-                         "CPU (aoti), calibrated on training images", choices=("auto", "fp32", "bf16", "int8"))
+                         "int8 on the CPU; parity.json says which and why. int8: static int8 .pt2 for the CPU "
+                         "(aoti), calibrated on training images (7-bit activations where its int8 kernels lack "
+                         "VNNI)", choices=("auto", "fp32", "bf16", "int8"))
     max_batch: int = opt(64, "largest batch the artifact accepts")
     out: str | None = opt(None, "artifact path (.pt2/.onnx/.pte) or folder (default: "
                           "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")
