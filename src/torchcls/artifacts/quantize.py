@@ -102,10 +102,10 @@ def int8_reduce_range() -> bool:
     weights with vpmaddubsw, which adds each pair of products in 16 bits: 2 x 255 x 128 overflows them, and the
     sum saturates (measured, a random ResNet-18 at 32 px held to AVX2: its logits 0.016 off fp32's, against 0.006
     with VNNI). With activations at most 127 a pair stays within 2 x 127 x 128 = 32,512 < 32,767, so the sums are
-    exact (the same net held to AVX2 gave the logits of its 7-bit quantization with VNNI to the last bit) at the
-    cost of one bit of activation resolution; the parity gate then judges the result as any int8 package. Asked of
-    the kernel, not the flags (hardware.cpu_int8_matmul_exact): a CPU with VNNI whose oneDNN is held to AVX2 needs
-    it too."""
+    exact (the same net held to AVX2 gave the logits of its 7-bit quantization with VNNI, to the last bit at batch
+    16, within 0.3% at batch 1) at the cost of one bit of activation resolution; the parity gate then judges the
+    result as any int8 package. Asked of the kernel, not the flags (hardware.cpu_int8_matmul_exact): a CPU with
+    VNNI whose oneDNN is held to AVX2 needs it too."""
     from torchcls.precision.hardware import cpu_int8_matmul_exact
 
     return not cpu_int8_matmul_exact()
