@@ -300,3 +300,16 @@ def test_int8_kernels_without_vnni_get_7_bit_activations_and_compute_what_vnni_d
     # range at batch 1, none at batch 16); full-range activations held to AVX2 were 13% off.
     off, logits = torch.tensor(avx2["logits"]) - torch.tensor(own["logits"]), torch.tensor(own["logits"])
     assert off.abs().max() <= 0.02 * logits.abs().max(), (off.abs().max(), logits.abs().max())
+
+
+def test_7_bit_activations_wherever_the_cpu_has_no_vnni_or_its_int8_product_is_wrong(monkeypatch):
+    """The kernel probe checks an int8 x int8 product, which was exact on a real AVX2 AMD Zen 3 (no VNNI): the
+    uint8 x int8 convolutions there still add pairs in 16 bits, so no VNNI flag is enough to reduce the range."""
+    import torchcls.machine
+    import torchcls.precision.hardware
+
+    for flags, exact, reduce in [({"avx2", "avx512_vnni"}, True, False), ({"avx2", "avx_vnni"}, True, False),
+                                 ({"avx2"}, True, True), ({"avx2", "avx512_vnni"}, False, True), (set(), True, True)]:
+        monkeypatch.setattr(torchcls.machine, "cpu_flags", lambda flags=flags: frozenset(flags))
+        monkeypatch.setattr(torchcls.precision.hardware, "cpu_int8_matmul_exact", lambda exact=exact: exact)
+        assert int8_reduce_range() is reduce, (flags, exact)

@@ -95,6 +95,9 @@ def quantize_int8_x86(ep: torch.export.ExportedProgram, calibration: torch.Tenso
     return _pt2e(ep, quantizer, calibration, dynamic_shapes, batch)
 
 
+VNNI_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")  # torch's spelling (machine.cpu_flags)
+
+
 def int8_reduce_range() -> bool:
     """Whether this CPU's int8 kernels need activations in 7 bits (torchao's `reduce_range`).
 
@@ -104,11 +107,14 @@ def int8_reduce_range() -> bool:
     with VNNI). With activations at most 127 a pair stays within 2 x 127 x 128 = 32,512 < 32,767, so the sums are
     exact (the same net held to AVX2 gave the logits of its 7-bit quantization with VNNI, to the last bit at batch
     16, within 0.3% at batch 1) at the cost of one bit of activation resolution; the parity gate then judges the
-    result as any int8 package. Asked of the kernel, not the flags (hardware.cpu_int8_matmul_exact): a CPU with
-    VNNI whose oneDNN is held to AVX2 needs it too."""
+    result as any int8 package. Needed where the CPU has no VNNI instruction, and where it has one that oneDNN may
+    not use (held to AVX2), which the kernel probe finds (hardware.cpu_int8_matmul_exact). The probe alone is not
+    enough: it checks an int8 x int8 matrix product, and on a real AVX2 AMD Zen 3 that product was exact, which
+    says nothing of the uint8 x int8 convolutions."""
+    from torchcls.machine import cpu_flags
     from torchcls.precision.hardware import cpu_int8_matmul_exact
 
-    return not cpu_int8_matmul_exact()
+    return not set(VNNI_FLAGS) & cpu_flags() or not cpu_int8_matmul_exact()
 
 
 def single_channel_convolutions(ep: torch.export.ExportedProgram) -> list[str]:
