@@ -17,12 +17,14 @@ from pathlib import Path
 
 import torch
 
+from torchcls.artifacts.quantize import VNNI_FLAGS
+
 OV_HINTS = {"ov_throughput": "THROUGHPUT", "ov_latency": "LATENCY"}
 # VNNI: int8 dot products in one instruction; without it ORT's int8 convolutions are slower than fp32. The
 # AVX-512 forms count only while torch is not held below AVX-512 (the AVX2 stand-in: ATEN_CPU_CAPABILITY=avx2,
 # ONEDNN_MAX_CPU_ISA=AVX2), since the CPU the stand-in plays has none.
-VNNI_AVX512 = ("avx512_vnni", "amx_int8")
 VNNI_AVX2 = ("avx_vnni",)
+VNNI_AVX512 = tuple(f for f in VNNI_FLAGS if f not in VNNI_AVX2)  # the flags export's int8 rule reads, less AVX2's
 ONEDNN_NO_VNNI = ("SSE41", "AVX", "AVX2", "AVX512_CORE")  # oneDNN ISA caps without VNNI instructions
 INSTALL = "pip install -e '.[export]'"  # OpenVINO, an export runtime too (--runtime openvino)
 
@@ -64,7 +66,7 @@ def vnni_here() -> tuple[bool, str]:
         return True, f"CPU has {', '.join(have)}"
     held = [f for f in VNNI_AVX512 if f in flags] if capped else []
     return False, (f"CPU has {', '.join(held)} but torch/oneDNN are held below AVX-512 (AVX2 stand-in)" if held
-                   else "CPU has no VNNI (avx512_vnni, avx_vnni, amx_int8)")
+                   else f"CPU has no VNNI ({', '.join(VNNI_FLAGS)})")
 
 
 def isa_cap_note() -> str | None:
