@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_basis_term
@@ -26,6 +27,9 @@ from torchcls.provenance.digest import canonical_json, merkle_root, sha256_bytes
 from torchcls.suggest import data_names, did_you_mean
 
 MAX_MANIFEST_BYTES = 512 << 20  # a record is ~300 bytes: over a million files; parsed whole, so bounded first
+# A record is ~6 values in ~300 bytes (indent 1): 512 MiB of records is ~11M values. The bound keeps the
+# worst text ('[[],[],...]': a list per 3 bytes, ~22x its size in objects) to ~1.3 GB, not ~11 GB.
+MANIFEST_BOUNDS = JsonBounds(max_bytes=MAX_MANIFEST_BYTES, max_values=20_000_000, max_depth=16, max_str=1 << 20)
 BUILTIN_SPLITS = {"mnist-5k": ("train",), "fashion-mnist": ("train", "test")}  # the samples a manifest hashes
 
 
@@ -138,10 +142,7 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"manifest {path} does not exist; create one with: torchcls data manifest DATA --out {path}")
-    try:
-        m = json.loads(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="manifest"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"manifest {path} is not valid JSON ({e})") from None
+    m = read_manifest_json(path)
     missing = [k for k in ("tc:records", "tc:merkleRoot", "tc:source", "tc:root") if not isinstance(m, dict) or k not in m]
     if missing:
         raise UserError(f"manifest {path} lacks {', '.join(missing)}: it was not written by `torchcls data manifest`")
@@ -152,6 +153,16 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
         raise UserError(f"manifest {path}: its records do not hash to its Merkle root {m['tc:merkleRoot'][:16]}…; "
                         "the manifest was edited after it was written. Recreate it with `torchcls data manifest`")
     return m
+
+
+def parse_manifest_json(data: bytes, where: str) -> Any:
+    """The JSON of a manifest's bytes, parsed under MANIFEST_BOUNDS (UserError naming `where` otherwise)."""
+    return load_bounded(data, MANIFEST_BOUNDS, f"manifest {where}")
+
+
+def read_manifest_json(path: str | Path, what: str = "manifest") -> Any:
+    """The JSON of the manifest file `path`: at most MAX_MANIFEST_BYTES, parsed under MANIFEST_BOUNDS."""
+    return parse_manifest_json(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what=what), str(path))
 
 
 def _iso_date(text: str, where: str) -> str:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from torchcls.errors import UserError
 from torchcls.governance.integrity import record_path
-from torchcls.governance.manifest import MAX_MANIFEST_BYTES
+from torchcls.governance.manifest import MAX_MANIFEST_BYTES, parse_manifest_json
 from torchcls.io_files import read_bytes
 from torchcls.provenance.digest import looks_like_sha256, sha256_file
 from torchcls.provenance.lineage import AuditLog, manifest_store
@@ -47,9 +46,10 @@ def _manifests_with(store: Path, digest: str, resolved: str | None) -> dict[str,
     """{manifest hash: [record ids that are this file]}"""
     hits: dict[str, list[str]] = {}
     for f in sorted(store.glob("*.json")) if store.is_dir() else []:
+        data = read_bytes(f, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest")  # (not a regular file: said)
         try:
-            m = json.loads(read_bytes(f, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            m = parse_manifest_json(data, str(f))
+        except UserError:  # not JSON, or past MANIFEST_BOUNDS: not a manifest torchcls stored
             continue
         ids = [r["@id"] for r in m.get("tc:records", []) if r.get("sha256") == digest
                or (resolved is not None and "contentUrl" in r and str(record_path(m, r).resolve()) == resolved)]

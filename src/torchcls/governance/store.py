@@ -3,13 +3,19 @@ so that records stay small and `verify` finds the exact manifest a run recorded.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from torchcls.governance.manifest import MAX_MANIFEST_BYTES, content_key, manifest_hash, save_manifest
+from torchcls.errors import UserError
+from torchcls.governance.manifest import (
+    MAX_MANIFEST_BYTES,
+    content_key,
+    manifest_hash,
+    parse_manifest_json,
+    save_manifest,
+)
 from torchcls.io_files import read_bytes, read_text
 
 
@@ -28,9 +34,10 @@ def store_built(m: dict[str, Any], store: Path) -> dict[str, Any]:
     name = read_text(index, max_bytes=256, what="manifest store index").strip() if index.exists() else None
     earlier = store / f"{name}.json" if name else None
     if earlier is not None and earlier.exists():
+        data = read_bytes(earlier, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest")
         try:
-            old = json.loads(read_bytes(earlier, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"))
-        except (json.JSONDecodeError, UnicodeDecodeError):
+            old = parse_manifest_json(data, str(earlier))
+        except UserError:  # not JSON, or past MANIFEST_BOUNDS: stored again below
             old = None
         if isinstance(old, dict) and content_key(old) == content_key(m) and manifest_hash(old) == earlier.stem:
             return old

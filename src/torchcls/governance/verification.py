@@ -28,7 +28,6 @@ fool the hash cache that training uses. `rehash=False` trusts that cache for unc
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +37,13 @@ from torchcls.governance.hashcache import CACHE_FILE, HashCache
 from torchcls.governance.integrity import check_data
 from torchcls.governance.log_search import ArtifactSearch, second_pass
 from torchcls.governance.logcheck import VerifyResult, check_log, listed, scan_log
-from torchcls.governance.manifest import MAX_MANIFEST_BYTES, content_key, manifest_hash, records_root
+from torchcls.governance.manifest import (
+    MAX_MANIFEST_BYTES,
+    content_key,
+    manifest_hash,
+    parse_manifest_json,
+    records_root,
+)
 from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
 from torchcls.io_files import read_bytes
 from torchcls.provenance.attestation import attestation_path, verify_attestation
@@ -149,7 +154,8 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
             res.add(name, False, f"{path} is missing from the manifest store")
             continue
         try:
-            manifest = json.loads(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"))
+            manifest = parse_manifest_json(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"),
+                                           str(path))
             legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
             digest = content_key(manifest) if legacy else manifest_hash(manifest)
             same = digest == m["manifest_sha256"] and records_root(manifest["tc:records"]) == m["merkle_root"]
