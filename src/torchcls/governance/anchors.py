@@ -10,12 +10,13 @@ cut off before it, no longer matches the pin.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import read_bytes
+from torchcls.provenance.sidecars import LINEAGE_BOUNDS
 
 Pin = tuple[str, dict[str, Any]]  # (where it is kept, {"seq", "hash"})
 LINEAGE_JSON_BYTES = 1 << 20  # a run's lineage.json is a few hundred bytes
@@ -34,8 +35,9 @@ def pins_of(artifact: Path, lineage: dict[str, Any] | None, records: list[dict[s
              and isinstance(r.get("run_dir"), str) and r["run_dir"]}
     for f in sorted({d / "lineage.json" for d in dirs}):
         try:  # (the run dir is named by the log: read only a regular file, and only as much as a lineage.json)
-            data = json.loads(read_bytes(f, max_bytes=LINEAGE_JSON_BYTES, what="lineage.json")) if f.exists() else None
-        except (UserError, OSError, ValueError, RecursionError):
+            data = load_bounded(read_bytes(f, max_bytes=LINEAGE_JSON_BYTES, what="lineage.json"), LINEAGE_BOUNDS,
+                                str(f)) if f.exists() else None
+        except (UserError, OSError):
             data = {"record_seq": -1, "record_hash": "unreadable", "run_id": run_id}
         if isinstance(data, dict) and data.get("run_id") == run_id and "record_seq" in data:
             pins.append((str(f), {"seq": data["record_seq"], "hash": data.get("record_hash")}))

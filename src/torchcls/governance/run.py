@@ -43,7 +43,7 @@ from torchcls.governance.vocab import RESTRICTED_BY_DEFAULT
 from torchcls.provenance.digest import sha256_file
 from torchcls.provenance.keys import key_id, load_key
 from torchcls.provenance.lineage import STORE_DIR, AuditLog, default_audit_log, manifest_store
-from torchcls.provenance.sidecars import LINEAGE_KEY, SIDECAR_BYTES, read_lineage, stamp_checkpoint
+from torchcls.provenance.sidecars import LINEAGE_KEY, SIDECAR_BYTES, parse_lineage, read_lineage, stamp_checkpoint
 from torchcls.provenance.signatures import check_signing
 from torchcls.provenance.signing import signer_from
 from torchcls.run_files import write_text_atomic
@@ -332,7 +332,8 @@ def _previous_run_id(run_path: Path) -> str | None:
     run stopped before finishing."""
     f = run_path / "lineage.json"
     if os.path.lexists(f):  # (a link is refused, not followed: a received run dir's)
-        return json.loads(run_files.read_bytes(f, max_bytes=SIDECAR_BYTES, what="lineage.json")).get("run_id")
+        found = parse_lineage(run_files.read_bytes(f, max_bytes=SIDECAR_BYTES, what="lineage.json"), str(f))
+        return found.get("run_id") if isinstance(found, dict) else None
     stamp = read_lineage(run_path / "checkpoints" / "last.safetensors")
     return stamp.get("run_id") if stamp else None
 

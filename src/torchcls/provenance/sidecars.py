@@ -15,7 +15,9 @@ import os
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.checkpoint.files import atomic_write, resolve_checkpoint
+from torchcls.checkpoint.safetensors_bounds import METADATA, check_safetensors_header
 from torchcls.errors import UserError
 from torchcls.io_files import read_bytes, regular_path
 from torchcls.provenance.digest import looks_like_sha256, sha256_file
@@ -23,6 +25,9 @@ from torchcls.provenance.lineage import AuditLog, record_hash
 
 LINEAGE_KEY = "torchcls.lineage"
 SIDECAR_BYTES = 1 << 20  # a sidecar is a JSON object of a few hundred bytes
+# A lineage (sidecar, lineage.json, or a checkpoint's torchcls.lineage metadata value): run id, audit log, policy,
+# outputs, chain head, artifact id: a few dozen values. Paths are strings of at most 4,096 characters.
+LINEAGE_BOUNDS = JsonBounds(max_bytes=SIDECAR_BYTES, max_values=10_000, max_depth=8, max_str=4096)
 
 
 def stamp_checkpoint(path: Path, lineage: dict[str, Any]) -> None:
@@ -50,29 +55,40 @@ def read_sidecar(path: Path) -> dict[str, Any] | None:
     if not os.path.lexists(side):
         return None
     try:
-        found = json.loads(read_bytes(side, max_bytes=SIDECAR_BYTES, what="lineage sidecar"))
-    except (OSError, ValueError):  # (UnicodeDecodeError is a ValueError)
+        data = read_bytes(side, max_bytes=SIDECAR_BYTES, what="lineage sidecar")
+    except OSError:
         return None
+    found = parse_lineage(data, str(side))
     return found if isinstance(found, dict) else None
 
 
 def read_lineage(path: str | Path) -> dict[str, Any] | None:
     """The lineage an artifact carries (metadata or sidecar), or None when it carries none or is unreadable.
-    The artifact and its sidecar are opened only as regular files (UserError otherwise): `predict` and
+    A lineage past LINEAGE_BOUNDS is a UserError. The artifact and its sidecar are opened only as regular files
+    (UserError otherwise): `predict` and
     `serve` call this first, before the loader, so a FIFO named `model.pt2` must not block here."""
     path = Path(path)
     if os.path.lexists(sidecar(path)):
         return read_sidecar(path)
-    try:
-        from safetensors import safe_open
+    with regular_path(path, what="artifact") as checked:  # (not a regular file: UserError, before any read)
+        try:  # the header under torchcls's bounds (8 MiB, counted before the parse), not the library's 100 MB
+            header = check_safetensors_header(checked, follow_symlinks=True)
+        except UserError:  # not safetensors, or its header was damaged: the hash check or the loader says which
+            return None
+    raw = header.get(METADATA, {}).get(LINEAGE_KEY)
+    found = parse_lineage(raw.encode(), f"{path}: {LINEAGE_KEY}") if raw else None
+    return found if isinstance(found, dict) else None
 
-        with regular_path(path, what="artifact") as checked, safe_open(checked, framework="pt") as f:
-            raw = (f.metadata() or {}).get(LINEAGE_KEY)
-        return json.loads(raw) if raw else None
-    except UserError:  # not a regular file: said before anything else reads it
+
+def parse_lineage(data: bytes, where: str) -> Any:
+    """A lineage's JSON under LINEAGE_BOUNDS: None when it is not JSON (as an unreadable lineage was always taken);
+    past a bound (values, nesting, string length) a UserError naming `where`."""
+    try:
+        return load_bounded(data, LINEAGE_BOUNDS, where)
+    except UserError as e:
+        if isinstance(e.__context__, ValueError):  # (load_bounded raises `from None`: the parse's own error)
+            return None
         raise
-    except Exception:  # not safetensors, or its header was damaged: the hash check will say which
-        return None
 
 
 def refuse_forbidden_predictions(artifact: str | Path, command: str) -> None:

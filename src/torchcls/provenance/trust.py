@@ -31,6 +31,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular, read_bytes
 from torchcls.provenance.attestation import attestation_path, verify_attestation
@@ -38,13 +39,14 @@ from torchcls.provenance.digest import looks_like_sha256, sha256_file
 from torchcls.provenance.keys import KEY_ENV
 from torchcls.provenance.lineage import AuditLog, record_hash
 from torchcls.provenance.records import MAX_LINE_BYTES
-from torchcls.provenance.sidecars import sidecar
+from torchcls.provenance.sidecars import LINEAGE_BOUNDS, sidecar
 from torchcls.provenance.signatures import scan_log, trusted_from
 from torchcls.provenance.signing import TRUSTED_KEYS_ENV, load_public_key, trusted_key_files
 
 RECORD_ENV = "TORCHCLS_EXPORT_RECORD"
 TRUST_FLAG = "--trust-artifact"
 MAX_LINE = MAX_LINE_BYTES  # an audit record or a sidecar is a few KB
+EXPORT_LINE = JsonBounds(max_bytes=MAX_LINE, max_values=64, max_depth=2, max_str=8192)  # {sha256, path, time}
 
 
 @dataclass(frozen=True)
@@ -79,8 +81,8 @@ def _exported_here(digest: str) -> str | None:
     with open_regular(record, "r", what="export record", errors="replace") as f:  # (a FIFO would block)
         for line in f:
             try:
-                entry = json.loads(line)
-            except json.JSONDecodeError:
+                entry = load_bounded(line, EXPORT_LINE, str(record))
+            except UserError:
                 continue
             if isinstance(entry, dict) and entry.get("sha256") == digest:
                 return f"published by torchcls export on this machine ({entry.get('time')}, recorded in {record})"
@@ -93,10 +95,10 @@ def _registered(path: Path, digest: str) -> tuple[str | None, str]:
     no line of it is read whole beyond MAX_LINE."""
     side = sidecar(path)
     try:
-        lineage = json.loads(_read_small(side))
+        lineage = load_bounded(_read_small(side), LINEAGE_BOUNDS, str(side))
         log = AuditLog(Path(str(lineage["audit_log"])))
         artifact_id, pin = lineage["artifact_id"], dict(lineage["chain_head"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, UserError):
         return None, f"no readable registration ({side.name})"
     if not log.path.is_file():
         return None, f"its registration names {log.path}, which does not exist"
