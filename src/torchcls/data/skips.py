@@ -16,6 +16,7 @@ from typing import Any, BinaryIO
 import torch
 from torch.utils.data import default_collate
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
 from torchcls.run_files import append_text
@@ -46,6 +47,7 @@ def record_skip(log: Path, file: str, reason: str) -> None:
 
 MAX_SKIP_LINE = 16 << 10  # a record: a path (< 4,096 bytes) and a reason cut to 1,000 characters
 MAX_SKIP_LOG_BYTES = 1 << 30  # one rank's log: ~5 million skips
+SKIP_LINE = JsonBounds(max_bytes=MAX_SKIP_LINE, max_values=64, max_depth=2, max_str=MAX_SKIP_LINE)  # {file, reason}
 
 
 def read_skips(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -68,8 +70,8 @@ def _records(f: BinaryIO) -> Iterator[dict[str, Any]]:
         if not complete or len(piece) > MAX_SKIP_LINE:
             continue
         try:
-            rec = json.loads(piece)
-        except ValueError:
+            rec = load_bounded(piece, SKIP_LINE, "skip log")
+        except UserError:  # not JSON, or past SKIP_LINE (nested: json would end in a RecursionError)
             continue
         if isinstance(rec, dict) and isinstance(rec.get("file"), str) and isinstance(rec.get("reason"), str):
             yield rec

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import html
-import json
 import os
 from pathlib import Path
 
 from torchcls import run_files
+from torchcls.bounded_json import load_bounded
 from torchcls.io_files import SMALL_JSON_BYTES
+from torchcls.training.rundir import RUN_RECORD
 
 
 def governance_html(run_dir: Path) -> str:
     f = run_dir / "governance.json"
     if not os.path.lexists(f):
         return ""
-    s = json.loads(run_files.read_bytes(f, max_bytes=SMALL_JSON_BYTES, what="governance.json"))
+    s = load_bounded(run_files.read_bytes(f, max_bytes=SMALL_JSON_BYTES, what="governance.json"), RUN_RECORD, str(f))
     m = s.get("manifest") or {}
     pol = s.get("policy")
     rows = [("lineage id", s.get("lineage_id")),

@@ -8,11 +8,12 @@ category (parameters, optimizer state, activations, gradients...) at its peak.
 
 from __future__ import annotations
 
-import json
 import warnings
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.noise import KINETO_CPU_ONLY, stderr_without
 from torchcls.run_files import replace_file
@@ -20,6 +21,9 @@ from torchcls.run_files import replace_file
 # Index 1.. of each timeline row, in torch.profiler._memory_profiler._CATEGORY_TO_COLORS order.
 TIMELINE_CATEGORIES = ("parameter", "optimizer_state", "input", "temporary", "activation", "gradient",
                        "autograd_detail", "unknown")
+# memory_timeline.json as torch writes it: [times, rows of (time, bytes per category)], ~16 rows a step. Every
+# value takes >= 3 bytes ("0, "), so the count is what the byte bound allows; the shape bounds the nesting at 3.
+TIMELINE = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=SMALL_JSON_BYTES // 3, max_depth=3, max_str=64)
 
 
 class StepProfiler:
@@ -62,8 +66,16 @@ class StepProfiler:
                        "timeline_file": timeline_file.name} | timeline_peak(timeline_file)
 
 
+def read_timeline(data: bytes, where: str) -> tuple[list, list]:
+    """torch's memory timeline JSON: [times, [[time, bytes per category...], ...]], parsed under TIMELINE."""
+    value = load_bounded(data, TIMELINE, where)
+    if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, list) for v in value)):
+        raise UserError(f"{where}: not a memory timeline ([times, sizes]): refused")
+    return value[0], value[1]
+
+
 def timeline_peak(path: Path) -> dict[str, Any]:
-    times, sizes = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory timeline"))
+    times, sizes = read_timeline(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory timeline"), str(path))
     if not times:
         return {"timeline_peak_bytes": 0, "timeline_at_peak": {}}
     totals = [sum(row[1:]) for row in sizes]

@@ -19,17 +19,20 @@ fp8_layers.size_reason).
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 
 ROOFLINE_MIN_SPEEDUP = 1.3  # the ceiling a layer needs (see above: measured speed-ups fall 5-30% short)
 MEASURED_MIN_SPEEDUP = 1.05  # a measured gain smaller than this is within run-to-run noise
+# --fp8-table: rows of m, k, n, recipe and speed-ups (~10 values each) that benchmarks/gpu/fp8_gemm.py wrote.
+TABLE_BOUNDS = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=1_000_000, max_depth=8, max_str=4096,
+                          allow_nonfinite=True)
 TABLE_M_FACTOR = 2.0  # a measured row stands for layers whose M is within this factor of its own
 # torchao's efficiency figures (roofline_utils.py): the share of peak that large GEMMs and pointwise kernels
 # reach, and the floor of one kernel launch.
@@ -108,12 +111,13 @@ class MeasuredTable:
     @classmethod
     def load(cls, path: str | Path) -> MeasuredTable:
         try:
-            data = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="FP8 measurement table"))
+            data = load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="FP8 measurement table"), TABLE_BOUNDS,
+                                str(path))
             rows = [{"m": int(r["m"]), "k": int(r["k"]), "n": int(r["n"]), "recipe": str(r["recipe"]),
                      "linear_speedup": float(r["linear_speedup"])}
                     for r in data["rows"] if r.get("linear_speedup") is not None]
             return cls(str(path), str(data["gpu"]), rows)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, UserError) as e:
             raise UserError(f"--fp8-table {path}: not a table written by benchmarks/gpu/fp8_gemm.py ({e!r}); "
                             "run that script on the GPU to write one, or drop --fp8-table") from None
 

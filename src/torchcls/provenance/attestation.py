@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import read_bytes
 from torchcls.provenance import dsse
@@ -29,6 +30,11 @@ SLSA_PROVENANCE = "https://slsa.dev/provenance/v1"
 BUILD_TYPE = "urn:torchcls:buildtype:export:v1"
 BUILDER_ID = "urn:torchcls:builder:export"
 MAX_ATTESTATION_BYTES = 1 << 20  # an attestation is a few KB; a larger file is refused unread
+# The DSSE envelope (payloadType, the base64 payload, a few signatures) and the in-toto Statement in its payload
+# (subjects, the SLSA predicate: a few dozen values and a dependency per manifest), parsed under these bounds.
+ENVELOPE_BOUNDS = JsonBounds(max_bytes=MAX_ATTESTATION_BYTES, max_values=10_000, max_depth=4,
+                             max_str=MAX_ATTESTATION_BYTES)
+STATEMENT_BOUNDS = JsonBounds(max_bytes=MAX_ATTESTATION_BYTES, max_values=100_000, max_depth=16, max_str=1 << 16)
 
 
 def attestation_path(artifact: Path) -> Path:
@@ -69,10 +75,11 @@ def verify_attestation(artifact: Path, digest: str, trusted: dict[str, Any]) -> 
     `trusted`: key id -> public key (signing.load_public_key)."""
     side = attestation_path(artifact)
     try:
-        env = dsse.parse(json.loads(read_bytes(side, max_bytes=MAX_ATTESTATION_BYTES, what="attestation")))
+        env = dsse.parse(load_bounded(read_bytes(side, max_bytes=MAX_ATTESTATION_BYTES, what="attestation"),
+                                      ENVELOPE_BOUNDS, str(side)))
         if env.payload_type != dsse.INTOTO_TYPE:
             raise ValueError(f"payloadType {env.payload_type[:80]!r} is not in-toto's")
-        stmt = json.loads(env.payload.decode())
+        stmt = load_bounded(env.payload, STATEMENT_BOUNDS, f"{side}: payload")
         subjects = _subjects(stmt)
     except (OSError, UserError, ValueError, RecursionError) as e:  # (not a regular file, or too large: UserError)
         return False, f"{side.name} is not a well-formed signed in-toto statement ({str(e)[:200]})"

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import html
-import json
 import os
 from pathlib import Path
 
 from torchcls import run_files
+from torchcls.bounded_json import load_bounded
 from torchcls.io_files import SMALL_JSON_BYTES
+from torchcls.training.rundir import RUN_RECORD
 
 
 def _mb(v: float | None) -> str:
@@ -19,7 +20,7 @@ def memory_section(run_dir: Path) -> str:
     path = run_dir / "memory.json"
     if not os.path.lexists(path):
         return ""
-    m = json.loads(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory.json"))
+    m = load_bounded(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="memory.json"), RUN_RECORD, str(path))
     cuda = any("cuda_peak_allocated_bytes" in r for r in m["ranks"])
     head = ["rank", "params MB", "grads MB", "optimizer MB", "total MB", "expected MB (analytic)",
             "peak RSS MB"] + (["CUDA peak MB", "CUDA reserved MB"] if cuda else [])

@@ -88,8 +88,6 @@ def confusion_matrix(matrix: list[list[int]], classes: list[str], path: Path) ->
 
 def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
     """CUDA: allocated / reserved / inactive-split per step. CPU: the profiler's memory timeline by category."""
-    import json
-
     cuda = report["allocator"]["available"] and report.get("samples")
     if not cuda:
         name = report.get("profiler", {}).get("timeline_file")  # (allocator.json names it: a run dir's word)
@@ -103,10 +101,10 @@ def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
             ax.plot([x["step"] for x in s], [x[key] / 2**20 for x in s], label=key)
         ax.set(xlabel="step", ylabel="MiB", title="CUDA caching allocator")
     else:
-        from torchcls.memory.cpu_profile import TIMELINE_CATEGORIES
+        from torchcls.memory.cpu_profile import TIMELINE_CATEGORIES, read_timeline
 
-        times, sizes = json.loads(run_files.read_bytes(timeline, max_bytes=SMALL_JSON_BYTES,
-                                                         what="memory timeline"))
+        times, sizes = read_timeline(run_files.read_bytes(timeline, max_bytes=SMALL_JSON_BYTES, what="memory timeline"),
+                                     str(timeline))
         if not times:
             plt.close(fig)
             return False

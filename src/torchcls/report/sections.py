@@ -19,7 +19,7 @@ from torchcls import run_files
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
-from torchcls.training.rundir import read_metrics
+from torchcls.training.rundir import parse_record, read_metrics
 
 Render = Callable[[Path], "str | None"]
 
@@ -50,7 +50,7 @@ def ordered() -> list[Section]:
 def read_json(path: Path) -> Any | None:
     """The JSON record `path` of the run dir; None when absent or not JSON. A link is refused (UserError)."""
     try:
-        return json.loads(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record")) \
+        return parse_record(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record"), str(path)) \
             if os.path.lexists(path) else None
     except (OSError, json.JSONDecodeError):
         return None

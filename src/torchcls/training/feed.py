@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
 from torchcls.data.device_decode import decode_on_device, device_loader, why_not
@@ -31,6 +32,10 @@ from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
+
+# checkpoints/loader-state-<rank>.json of a shards run: the step and the loader's position, plus the
+# (file, reason) pairs it skipped this epoch; compact JSON (>= 2 bytes a value), read back on --resume.
+LOADER_STATE = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=SMALL_JSON_BYTES // 2, max_depth=8, max_str=1 << 16)
 
 
 @dataclass
@@ -90,7 +95,7 @@ class Feed:
         path = _state_file(checkpoints, rank)
         if self.kind != "shards" or not path.is_file():
             return
-        saved = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="loader state"))
+        saved = load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="loader state"), LOADER_STATE, str(path))
         if saved["step"] == step:  # else the checkpoint is newer than the state: replay instead
             self.train.load_state_dict(saved["loader"])
             self._restored = True

@@ -17,7 +17,7 @@ from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of
-from torchcls.io_files import open_regular, read_text
+from torchcls.io_files import SMALL_JSON_BYTES, open_regular, read_text
 from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
 from torchcls.run_files import append_text, refuse_link, sub_dir, write_text_atomic
 
@@ -28,6 +28,7 @@ NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only
 # write this file too. Only what this very process created (made_dirs.MadeDir, in memory) is removed.
 CREATED_BY = ".created-by.json"
 MARKER_BYTES = 4096  # a marker is one short JSON object
+MARKER = JsonBounds(max_bytes=MARKER_BYTES, max_values=64, max_depth=4, max_str=1024)  # {"job", "pid", "host"...}
 
 
 def job_id() -> str:
@@ -40,7 +41,8 @@ def job_id() -> str:
 def created_by(path: Path, job: str) -> bool:
     """Whether the run dir `path` was created by the job `job` (its marker names it)."""
     try:
-        return json.loads(read_text(path / CREATED_BY, max_bytes=MARKER_BYTES, what="run dir marker")).get("job") == job
+        marker = read_text(path / CREATED_BY, max_bytes=MARKER_BYTES, what="run dir marker")
+        return load_bounded(marker, MARKER, str(path / CREATED_BY)).get("job") == job
     except (OSError, ValueError, AttributeError, UserError):  # (a FIFO or a huge file names no job)
         return False
 
@@ -150,7 +152,24 @@ def default_name(cfg: Config) -> str:
 # million steps holds ~8 million values. NaN is allowed (a diverged loss is logged as NaN).
 METRICS_LINE = JsonBounds(max_bytes=4 << 20, max_values=250_000, max_depth=16, max_str=1 << 20, allow_nonfinite=True)
 MAX_METRICS_BYTES = 1 << 30
+# The other JSON records of a run dir (eval.json, memory.json, governance.json, skipped_files.json, precision.json,
+# allocator.json...), each read whole at most SMALL_JSON_BYTES: kilobytes in practice. torchcls writes them with
+# indent 2 or 1 (>= 4 bytes a value), so 4M values fit any of them; the worst text ('[[],...]') then builds
+# ~260 MB, and nesting past 32 (a RecursionError in json) is refused. NaN as Python's json writes it.
+RUN_RECORD = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=4_000_000, max_depth=32, max_str=1 << 20,
+                        allow_nonfinite=True)
 MAX_METRICS_VALUES = 10_000_000  # in all lines together, counted before each is parsed
+
+
+def parse_record(data: bytes, where: str, bounds: JsonBounds = RUN_RECORD) -> Any | None:
+    """A run-dir record's JSON under `bounds`; None when it is not JSON at all (a write cut short), a UserError
+    naming `where` when it is past a bound (values, nesting, string length)."""
+    try:
+        return load_bounded(data, bounds, where)
+    except UserError as e:
+        if isinstance(e.__context__, ValueError):  # (load_bounded raises `from None`: the parse's own error)
+            return None
+        raise
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

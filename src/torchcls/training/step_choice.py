@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.machine import CpuActivity
@@ -52,6 +53,12 @@ QUIET_OTHER_CPUS = 0.25
 TRIAL_VERSION = 2
 CACHE_ENV = "TORCHCLS_CACHE_DIR"
 STATE_FILE = "step_choice.json"
+# step_choice.json (a run dir's: the precision, layout and a few step times) and the user's cache of them, one
+# entry per machine and run shape (~1 KB each), parsed under these bounds: a received run dir's record is a
+# few hundred bytes.
+RECORD = JsonBounds(max_bytes=1 << 20, max_values=10_000, max_depth=8, max_str=4096, allow_nonfinite=True)
+CACHE = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=1_000_000, max_depth=8, max_str=1 << 16,
+                   allow_nonfinite=True)
 
 
 @dataclass(frozen=True)
@@ -124,7 +131,8 @@ def cache_path() -> Path:
 
 def cached(key: str) -> dict | None:
     try:
-        return json.loads(read_bytes(cache_path(), max_bytes=SMALL_JSON_BYTES, what="step-choice cache")).get(key)
+        return load_bounded(read_bytes(cache_path(), max_bytes=SMALL_JSON_BYTES, what="step-choice cache"), CACHE,
+                            str(cache_path())).get(key)
     except (OSError, ValueError, AttributeError, UserError):
         return None
 
@@ -137,8 +145,8 @@ def remember(key: str, entry: dict) -> None:
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                table = json.loads(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="step-choice cache")) \
-                    if path.exists() else {}
+                table = load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="step-choice cache"), CACHE,
+                                     str(path)) if path.exists() else {}
             except (ValueError, UserError):  # a damaged cache (or no regular file) is started again
                 table = {}
             table[key] = entry
@@ -179,7 +187,7 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     from torchcls.precision.hardware import choose_precision, cpu_bf16_here
 
     if state is not None and state.exists():
-        record = json.loads(read_bytes(state, max_bytes=SMALL_JSON_BYTES, what="step choice record"))
+        record = load_bounded(read_bytes(state, max_bytes=SMALL_JSON_BYTES, what="step choice record"), RECORD, str(state))
         # The run's own choice, unless this resume asks for another precision or layout: that one then applies.
         if record["precision"]["requested"] == requested and channels_last in (None, record["channels_last"]):
             return from_record(record, "resumed")

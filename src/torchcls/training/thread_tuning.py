@@ -27,6 +27,7 @@ from typing import Any
 import psutil
 
 from torchcls import run_files
+from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES
@@ -36,6 +37,9 @@ from torchcls.run_files import write_text_atomic
 WARMUP_STEPS = 5  # the first steps compile (--compile), fill the workers' prefetch queue and warm the allocator
 WINDOW_STEPS = 50  # enough wall time for the kernel's 10 ms CPU-time ticks to say little of one step
 # A worker using a tenth of a CPU or less (its share of a short window is within the tick resolution) takes no core
+# machine.json: the CPU, cores, quota and thread choices of a run (a few hundred bytes), read back on --resume.
+MACHINE_RECORD = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=10_000, max_depth=8, max_str=4096,
+                            allow_nonfinite=True)
 IDLE_CPUS = 0.1
 
 Reading = Mapping[tuple[int, float], float]  # (pid, create time) -> CPU seconds (user + system)
@@ -85,9 +89,10 @@ def read_record(path: Path) -> dict[str, Any]:
     """machine.json of the run being resumed ({} where there is none)."""
     if not path.is_file() and not path.is_symlink():
         return {}
+    data = run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="machine.json")
     try:
-        record = json.loads(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="machine.json"))
-    except (ValueError, UnicodeDecodeError) as e:
+        record = load_bounded(data, MACHINE_RECORD, str(path))
+    except UserError as e:
         raise UserError(f"{path}: not a JSON machine record ({e}); remove it to resume with a new thread "
                         "count") from None
     return record if isinstance(record, dict) else {}

@@ -29,6 +29,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from torchcls import run_files
+from torchcls.bounded_json import JsonBounds
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
@@ -36,8 +37,10 @@ from torchcls.extras import missing_extra
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.made_dirs import MadeDir, make_dirs, remove_made
 from torchcls.run_files import write_text_atomic
+from torchcls.training.rundir import parse_record
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
+TRACKING_RECORD = JsonBounds(max_bytes=64 << 10, max_values=64, max_depth=2, max_str=8192)  # {uri, experiment_id, run_id}
 ARTIFACTS = ("report.html", "metrics.jsonl", "config.toml", "pretrained.json", "skipped_files.json")
 OPEN_TIMEOUT_S = "5"  # per request while the store is checked; retries off, so a dead server fails in seconds
 _LIVE: dict[str, Tracker] = {}  # run id -> its tracker in this process (an interrupted run resumed in-process)
@@ -158,9 +161,10 @@ def _run_for(client, uri: str, experiment_id: str, cfg: Config, run_dir: Path) -
 
 def _read_tracking_file(run_dir: Path) -> dict[str, Any]:
     try:
-        return json.loads(run_files.read_bytes(run_dir / TRACKING_FILE, max_bytes=SMALL_JSON_BYTES, what="tracking record"))
-    except (OSError, ValueError):
+        data = run_files.read_bytes(run_dir / TRACKING_FILE, max_bytes=SMALL_JSON_BYTES, what="tracking record")
+    except OSError:
         return {}
+    return parse_record(data, str(run_dir / TRACKING_FILE), TRACKING_RECORD) or {}
 
 
 def _get_run(client, run_id: str):
