@@ -18,8 +18,10 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from PIL.PngImagePlugin import PngInfo
 
 from bounds_check import bounded
+from torchcls.data.image_formats import BOUNDS
 from torchcls.data.images import ALLOWED_FORMATS, MAX_PIXELS, BadImage, decode_bytes, load_image, read_header
 
 
@@ -336,3 +338,154 @@ def test_tiff_block_and_tag_value_counts_are_bounded():
     for data, reason in ((many, "tag 65000 holds 2,000,000 numbers"), (bps, "tag 258 holds 8,000,000 numbers")):
         with bounded(seconds=1.0, rss_mb=60), pytest.raises(BadImage, match=reason + " \\(limit 196,608\\)"):
             decode_bytes(data, 1)
+
+
+# --- Work Pillow does in Python out of proportion to the file (security review, size findings): plain PNM, RLE BMP,
+# PNG iCCP/zTXt/iTXt inflation, and an ICO's walks of its embedded PNGs. Each is refused by `probe`, before Pillow
+# opens the bytes (Image.open must not run), on both paths: decode_bytes and the start-up scan's read_header. ---
+
+def _refused_before_pillow(data: bytes, reason: str, monkeypatch, tmp_path, scan: bool = True) -> None:
+    """`data` is refused with `reason` by decode_bytes and (`scan`) read_header, and Pillow never sees it; the
+    callers name the file (a BadImage is the reason: loaders, predict and the scan pair it with the path)."""
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("Pillow opened a file probe should have refused")
+
+    monkeypatch.setattr(Image, "open", must_not_run)
+    with pytest.raises(BadImage, match=reason):
+        decode_bytes(data, 3)
+    if scan:
+        path = tmp_path / "hostile.img"
+        path.write_bytes(data)
+        with pytest.raises(BadImage, match=reason):
+            read_header(path)
+    monkeypatch.undo()
+
+
+def _pnm(magic: bytes, header: bytes, raster: bytes) -> bytes:
+    return magic + b"\n" + header + raster
+
+
+@pytest.mark.parametrize("magic", [b"P1", b"P2", b"P3"])
+def test_plain_pnm_is_refused_with_the_conversion_to_make(magic, monkeypatch, tmp_path):
+    """Pillow's PpmPlainDecoder strips each comment by rebuilding its 1 MiB block: 1 MiB of '#\\n' took 12 s."""
+    data = _pnm(magic, b"1 1\n" + (b"" if magic == b"P1" else b"255\n"), b"#\n" * 2048 + b"1\n")
+    _refused_before_pillow(data, rf"PPM: a plain \(ASCII\) {magic.decode()} file.*convert it to binary PNM "
+                           r"\(P4-P6\) or PNG", monkeypatch, tmp_path)
+
+
+def test_binary_pnm_header_is_bounded_to_its_maxval(monkeypatch, tmp_path):
+    """Pillow reads a comment before the maxval a byte at a time too (20 MiB took 5.6 s): the maxval must lie
+    in the bounded header; a maxval Pillow converts in Python is bounded by its samples."""
+    late = _pnm(b"P6", b"1 1\n#" + b"x" * 5000 + b"\n255\n", bytes(3))
+    _refused_before_pillow(late, "no maxval in its first 4,096 bytes", monkeypatch, tmp_path)
+    bad = _pnm(b"P5", b"1 1\n70000\n", bytes(2))
+    _refused_before_pillow(bad, "maxval 70000", monkeypatch, tmp_path)
+    slow = _pnm(b"P6", b"1024 1024\n65535\n", b"")  # 3 Mi samples for PpmDecoder, one Python step each
+    _refused_before_pillow(slow, r"1024x1024 P6 with maxval 65535: .*3,145,728 samples in Python.*convert it to PNG",
+                           monkeypatch, tmp_path)
+
+
+def _bmp_bytes(width: int, height: int, compression: int = 0, bpp: int = 8, rows: bytes | None = None) -> bytes:
+    """A palette BMP; RLE8/RLE4 `rows` are "one pixel, then end of line" (4 bytes a row, any width)."""
+    colours = 16 if bpp == 4 else 256
+    palette = b"".join(bytes((i, i, i, 0)) for i in range(colours))
+    if rows is None:
+        rows = (b"\x01\x05\x00\x00" * height + b"\x00\x01" if compression else
+                bytes(((width * bpp + 31) // 32 * 4) * height))
+    info = struct.pack("<IiiHHIIiiII", 40, width, height, 1, bpp, compression, len(rows), 2835, 2835, colours, 0)
+    offset = 14 + len(info) + len(palette)
+    return b"BM" + struct.pack("<IHHI", offset + len(rows), 0, 0, offset) + info + palette + rows
+
+
+@pytest.mark.parametrize(("compression", "bpp", "name"), [(1, 8, "RLE8"), (2, 4, "RLE4")])
+def test_rle_bmp_is_refused_in_a_file_and_in_an_icon(compression, bpp, name, monkeypatch, tmp_path):
+    """Pillow's BmpRleDecoder runs in Python a byte per step and pads each row: 17 KB stating 16 MP took 2.2 s."""
+    data = _bmp_bytes(4000, 4000, compression, bpp)
+    assert len(data) < 20_000
+    _refused_before_pillow(data, f"BMP: its pixels are {name}-compressed.*re-save it uncompressed or as PNG",
+                           monkeypatch, tmp_path)
+    dib = _bmp_bytes(16, 32, compression, bpp)[14:]  # an icon's BMP: no file header, the mask doubles the height
+    _refused_before_pillow(hostile_ico(embedded=dib), f"ICO: an embedded BMP's pixels are {name}-compressed",
+                           monkeypatch, tmp_path)
+
+
+def _png_with(before: list[bytes], after: list[bytes] = ()) -> bytes:
+    """A 16x16 greyscale PNG with chunks `before` its IDAT and `after` it."""
+    ihdr = png_chunk(b"IHDR", struct.pack(">IIBBBBB", 16, 16, 8, 0, 0, 0, 0))
+    idat = png_chunk(b"IDAT", zlib.compress(b"\0" * 17 * 16))
+    return b"\x89PNG\r\n\x1a\n" + ihdr + b"".join(before) + idat + b"".join(after) + png_chunk(b"IEND", b"")
+
+
+ICC_BOMB = png_chunk(b"iCCP", b"p\0\0" + zlib.compress(bytes(2**20 - 16), 9))  # ~1 KB inflating to ~1 MB
+
+
+def test_png_has_one_icc_profile_and_a_budget_of_compressed_metadata(monkeypatch, tmp_path):
+    _refused_before_pillow(_png_with([ICC_BOMB] * 3), "PNG: a second ICC profile", monkeypatch, tmp_path)
+    # after IDAT, Pillow's load() inflates it all the same: decode_bytes refuses it (the scan reads up to IDAT,
+    # as Image.open does, and decoding refuses the file)
+    _refused_before_pillow(_png_with([ICC_BOMB], [ICC_BOMB]), "a second ICC profile", monkeypatch, tmp_path,
+                           scan=False)
+    # zTXt and iTXt share the budget with iCCP, before or after IDAT: 40 chunks of 30 KB (the bytes, not the
+    # count, over it; the contents do not matter, Pillow never sees them)
+    ztxt = png_chunk(b"zTXt", b"k\0\0" + bytes(30_000))
+    itxt = png_chunk(b"iTXt", b"k\0\1\0\0\0" + bytes(30_000))
+    _refused_before_pillow(_png_with([ztxt] * 20, [itxt] * 20), r"more than 1,048,576 bytes of compressed "
+                           r"metadata \(iCCP, zTXt, iTXt", monkeypatch, tmp_path, scan=False)
+    one = png_chunk(b"iCCP", b"p\0\0" + bytes(BOUNDS.max_png_packed_metadata))  # one profile over the budget
+    _refused_before_pillow(_png_with([one]), "more than 1,048,576 bytes of compressed", monkeypatch, tmp_path)
+    # and their number: 65 chunks of ~1 KB each inflate 65 MB, though their bytes are well under the budget (an
+    # iTXt whose text is not UTF-8 escapes Pillow's own 64 MB text budget, after being inflated)
+    small = png_chunk(b"iTXt", b"k\0\1\0\0\0" + zlib.compress(b"\xff" * (2**20 - 100), 9))  # not UTF-8
+    _refused_before_pillow(_png_with([], [small] * 65), "more than 64 compressed metadata chunks", monkeypatch,
+                           tmp_path, scan=False)
+    assert len(_png_with([], [small] * 65)) < BOUNDS.max_png_packed_metadata // 10
+
+
+def _ico_of(images: list[bytes], offsets: list[int] | None = None) -> bytes:
+    head = struct.pack("<HHH", 0, 1, len(images))
+    at, table, body = 6 + 16 * len(images), b"", b""
+    for k, blob in enumerate(images):
+        offset = offsets[k] if offsets is not None else at + len(body)
+        table += struct.pack("<BBBBHHII", 16, 16, 0, 0, 1, 32, len(blob), offset)
+        body += blob if offsets is None or k == 0 else b""
+    return head + table + body
+
+
+def test_ico_walks_share_one_block_budget_and_entries_never_share_bytes(monkeypatch, tmp_path):
+    """256 entries all pointing at one PNG of 100k chunks took 9.5 s: each walk had its own 100,000-block budget."""
+    chunky = _png_with([png_chunk(b"tEXt", b"")] * 40_000)
+    at = 6 + 16 * 3
+    _refused_before_pillow(_ico_of([chunky] * 3, [at] * 3), r"ICO: entries 1 and 2 share image bytes",
+                           monkeypatch, tmp_path)
+    _refused_before_pillow(_ico_of([chunky, chunky[:100]], [at, at + 50]), "entries 1 and 2 share image bytes",
+                           monkeypatch, tmp_path)
+    # three distinct PNGs of 40,000 chunks each: 120,000 chunks in one file, over the one budget
+    _refused_before_pillow(_ico_of([chunky] * 3), "ICO: more than 100,000 chunks", monkeypatch, tmp_path)
+    assert read_header_of(_ico_of([chunky] * 2)) == ("ICO", 16, 16)  # 80,000: under it
+
+
+def test_normal_files_of_each_touched_format_still_decode(tmp_path):
+    p6 = _pnm(b"P6", b"# a comment\n8 6\n# another\n255\n", bytes(range(144)))
+    p5_16 = _pnm(b"P5", b"8 6\n1023\n", bytes(96))  # PpmDecoder, well under its sample bound
+    bmp = _bmp_bytes(8, 6)
+    icc = Image.new("RGB", (8, 6), (10, 20, 30))
+    profile = b"\0" * 3000  # Pillow stores any bytes as the profile (an ICC profile is a few KB)
+    text = PngInfo()
+    text.add_text("Comment", "a note " * 100, zip=True)
+    text.add_itxt("XML:com.adobe.xmp", "<x:xmpmeta/>" * 100, zip=True)
+    buf = io.BytesIO()
+    icc.save(buf, format="PNG", icc_profile=profile, pnginfo=text)
+    png = buf.getvalue()
+    assert (png.count(b"iCCP"), png.count(b"zTXt"), png.count(b"iTXt")) == (1, 1, 1)
+    ico = _saved("ICO", size=(16, 16))
+    dib_ico = _saved("ICO", size=(16, 16), bitmap_format="bmp")  # an uncompressed BMP entry
+    for name, data, shape in (("P6", p6, (3, 6, 8)), ("P5 maxval 1023", p5_16, (3, 6, 8)), ("BMP", bmp, (3, 6, 8)),
+                              ("PNG with iCCP", png, (3, 6, 8)), ("ICO", ico, (3, 16, 16)),
+                              ("ICO with a BMP", dib_ico, (3, 16, 16))):
+        assert tuple(decode_bytes(data, 3).shape) == shape, name
+        path = tmp_path / "ok"
+        path.write_bytes(data)
+        assert read_header(path)[0] == {"P6": "PPM", "P5 maxval 1023": "PPM", "PNG with iCCP": "PNG",
+                                        "ICO with a BMP": "ICO"}.get(name, name), name
+    with Image.open(io.BytesIO(png)) as im:
+        assert im.info["icc_profile"] == profile

@@ -11,6 +11,9 @@ Formats left out, and why: DIB (no signature: any file starting with a header le
 (no signature: any 18 bytes with two plausible flags parse as a header), QOI (Pillow decodes it in
 Python, one pixel at a time: a 1 MB file of 64 MP costs a minute of CPU), PFM and the Pillow-only
 PPM variants, and every other plugin (EPS/PS start Ghostscript; the rest see little hostile input).
+Refused inside accepted formats for the same reason (Pillow decodes them in Python, at a cost out of proportion
+to the file): plain (ASCII) P1-P3 PNM, RLE8/RLE4 BMP (a file's or an ICO entry's), and P5/P6 above
+`max_ppm_python_samples` whose maxval Pillow converts in Python.
 """
 
 from __future__ import annotations
@@ -26,11 +29,19 @@ class Bounds:
     max_pixels: int = 64_000_000      # default --max-pixels: pixels decoded (after any JPEG reduction)
     resize_limit: int = 16_000_000    # pixels of the copy resized to the model's input
     reduced_jpeg_factor: int = 4      # a one-scan JPEG decoded reduced may store 4x --max-pixels
-    max_blocks: int = 100_000         # PNG/WebP chunks, JPEG segments, GIF blocks walked in one file
+    max_blocks: int = 100_000         # PNG/WebP chunks, JPEG segments, GIF blocks walked in one file (one budget per
+                                      # probe: an ICO's walks of its embedded PNGs share it)
     max_scans: int = 256              # scans of a progressive JPEG: each is a pass over every coefficient
     max_jpeg_segments: int = 16 * 2**20  # bytes of JPEG segments before the image data (Pillow keeps them all)
     max_components: int = 4           # JPEG colour components (Pillow decodes 1, 3 or 4)
     max_exif_bytes: int = 65_535      # an Exif block (JPEG's own APP1 limit, kept for PNG eXIf / WebP EXIF)
+    # Compressed bytes of a file's PNG iCCP + zTXt + iTXt chunks together. Pillow inflates each (up to 1 MB apiece)
+    # inside Image.open or load, with no total for iCCP nor for an iTXt it then drops: ~2 s per MiB of such chunks.
+    # A camera or editor ICC profile compresses to 1-60 KB and text to a few KB, so a real photo never gets near.
+    max_png_packed_metadata: int = 2**20
+    # ...and their number: ~1 KB of zlib inflates to Pillow's 1 MB cap, so the bytes alone let 1,000 chunks cost 2 s.
+    # A real file has one profile and a few text chunks (XMP, Exif or IPTC as "Raw profile" zTXt).
+    max_png_packed_chunks: int = 64
     max_icon_side: int = 256          # the largest side an ICO directory can state (a 0 byte means 256)
     max_icon_entries: int = 256
     max_tiff_tags: int = 1_024        # entries in IFD 0
@@ -38,7 +49,10 @@ class Bounds:
     max_tiff_tile: int = 2**20        # pixels of a TIFF tile larger than the image (padding)
     max_tiff_blocks: int = 65_536     # strips or tiles (x planes) of TIFF IFD 0: Pillow builds one tile object each
     max_tiff_numbers: int = 3 * 2**16  # numbers in one other TIFF tag (a 16-bit ColorMap): each a Python object
-    max_ppm_header: int = 4_096       # bytes of a PBM/PGM/PPM header, comments included
+    max_ppm_header: int = 4_096       # bytes of a PBM/PGM/PPM header (magic, size, maxval), comments included
+    # Samples of a P5/P6 whose maxval is neither 255 nor (P5) 65535: Pillow's PpmDecoder converts each in Python
+    # (~0.7 us a sample here, a minute for a 64 MP greyscale file). 2**20: under a second; larger ones go to PNG.
+    max_ppm_python_samples: int = 2**20
     max_file_bytes: int = 256 * 2**20  # an encoded image, read whole: a file, a shard member, a table cell
 
 
@@ -63,6 +77,8 @@ class _Source:
 
     def __init__(self, fp: BinaryIO, size: int, fmt: str = ""):
         self.fp, self.size, self.fmt = fp, size, fmt
+        self.blocks = 0  # chunks, markers, blocks walked: one budget for the whole file, however many walks
+        self.packed = self.packed_chunks = 0  # PNG iCCP/zTXt/iTXt chunks and their bytes, all embedded PNGs together
 
     def at(self, offset: int, n: int) -> bytes:
         if offset < 0 or offset + n > self.size:
@@ -72,6 +88,13 @@ class _Source:
 
     def unpack(self, fmt: str, offset: int) -> tuple:
         return struct.unpack(fmt, self.at(offset, struct.calcsize(fmt)))
+
+    def block(self, what: str) -> None:
+        """One more chunk, marker or block walked, against `max_blocks` for the whole file (an ICO's entries
+        share it: one budget per probe, not per walk)."""
+        self.blocks += 1
+        if self.blocks > BOUNDS.max_blocks:
+            raise self.too_many(what, BOUNDS.max_blocks)
 
     def corrupt(self, why: str) -> BadImage:
         return BadImage(f"truncated or corrupted {self.fmt} header: {why}")
@@ -95,11 +118,9 @@ def probe(fp: BinaryIO, size: int, whole: bool = True) -> Probe:
 
 
 def _jpeg(src: _Source, whole: bool) -> Probe:
-    pos, frame, blocks, kept = 2, None, 0, 0
+    pos, frame, kept = 2, None, 0
     while True:
-        blocks += 1
-        if blocks > BOUNDS.max_blocks:
-            raise src.too_many("markers before the image data", BOUNDS.max_blocks)
+        src.block("markers before the image data")
         ff, marker = src.at(pos, 2)
         if ff != 0xFF or marker in (0xFF, 0x00):  # junk, fill or a stuffed byte: Pillow and libjpeg skip them
             pos += 1 if ff != 0xFF or marker == 0xFF else 2
@@ -145,28 +166,45 @@ def _png(src: _Source, whole: bool, base: int = 0) -> Probe:
     length, kind, width, height = src.unpack(">I4sII", base + 8)
     if kind != b"IHDR" or length != 13 or not 0 < width < 2**31 or not 0 < height < 2**31:
         raise src.corrupt(f"first chunk {kind!r} of {length} bytes declares {width}x{height}")
-    pos, chunks = base + 8, 0
+    pos, profiles = base + 8, 0
     while pos + 12 <= src.size:  # a truncated file stops the walk; Pillow then names what is missing
         length, kind = src.unpack(">I4s", pos)
-        chunks += 1
-        if chunks > BOUNDS.max_blocks:
-            raise src.too_many("chunks", BOUNDS.max_blocks)
+        src.block("chunks")
         if length >= 2**31:
             raise src.corrupt(f"chunk {kind!r} of {length} bytes")
         if kind == b"eXIf" and length > BOUNDS.max_exif_bytes:
             raise BadImage(f"PNG: an Exif block of {length:,} bytes (limit {BOUNDS.max_exif_bytes:,})")
+        if kind == b"iCCP":  # before or after IDAT: Pillow inflates every one it meets, in open or in load
+            profiles += 1
+            if profiles > 1:
+                raise BadImage(f"{src.fmt}: a second ICC profile (iCCP chunk at byte {pos}); the PNG specification "
+                               "allows one, and Pillow inflates each: re-save it with one profile")
+        if kind in _PNG_PACKED:
+            src.packed += length
+            src.packed_chunks += 1
+            if src.packed_chunks > BOUNDS.max_png_packed_chunks:
+                raise BadImage(f"{src.fmt}: more than {BOUNDS.max_png_packed_chunks} compressed metadata chunks "
+                               "(iCCP, zTXt, iTXt), which Pillow inflates one by one before any pixel: "
+                               "re-save it without them (a bound on the work of reading its header)")
+            if src.packed > BOUNDS.max_png_packed_metadata:
+                raise BadImage(f"{src.fmt}: more than {BOUNDS.max_png_packed_metadata:,} bytes of compressed "
+                               "metadata (iCCP, zTXt, iTXt chunks), which Pillow inflates before any pixel: "
+                               "re-save it without them (a bound on the work of reading its header)")
         if kind == b"IEND" or (kind == b"IDAT" and not whole):  # the scan reads what Image.open reads
             break
         pos += 12 + length
     return Probe("PNG", width, height)
 
 
+_PNG_PACKED = {b"iCCP", b"zTXt", b"iTXt"}  # zlib-compressed chunks Pillow inflates (an ICC profile, text)
+
+
 def _gif(src: _Source, whole: bool) -> Probe:
     """The logical screen and frame 0's extent: Pillow enlarges the screen to hold frame 0."""
     width, height, flags = src.unpack("<HHB", 6)
     pos = 13 + (3 << ((flags & 7) + 1) if flags & 0x80 else 0)  # after the global colour table
-    blocks = 0
-    while (blocks := blocks + 1) <= BOUNDS.max_blocks:  # every block and sub-block counts
+    while True:  # every block and sub-block counts
+        src.block("blocks before the first image")
         intro = src.at(pos, 1)
         if intro == b",":
             x, y, w, h = src.unpack("<4H", pos + 1)
@@ -178,23 +216,32 @@ def _gif(src: _Source, whole: bool) -> Probe:
             raise src.corrupt("no image before the end of the file")
         if intro == b"!":  # an extension: a label, then sub-blocks until a 0 length
             pos += 2
-            while (length := src.at(pos, 1)[0]) and (blocks := blocks + 1) <= BOUNDS.max_blocks:
+            while length := src.at(pos, 1)[0]:
+                src.block("blocks before the first image")
                 pos += 1 + length
             pos += 1
         else:
             pos += 1  # Pillow skips a stray byte between blocks
-    raise src.too_many("blocks before the first image", BOUNDS.max_blocks)
 
 
 def _bmp_size(src: _Source, header: int) -> tuple[int, int]:
-    """(width, height) of a BMP/DIB info header at `header`, read as Pillow reads them."""
+    """(width, height) of a BMP/DIB info header at `header`, read as Pillow reads them (a BMP file's, or one an
+    ICO entry embeds); RLE8/RLE4 pixels are refused: Pillow's BmpRleDecoder runs in Python one byte per step,
+    and pads every row to the full width (a 17 KB file stating 16 MP took 2.2 s)."""
     (hsize,) = src.unpack("<I", header)
-    if hsize == 12:
+    if hsize == 12:  # OS/2 core header: no compression field, always uncompressed
         return src.unpack("<HH", header + 4)
     if hsize not in (40, 52, 56, 64, 108, 124):
         raise src.corrupt(f"unknown info header size {hsize}")
-    width, height = src.unpack("<II", header + 4)
+    width, height, _, _, compression = src.unpack("<IIHHI", header + 4)
+    if compression in _BMP_RLE:
+        whose = "an embedded BMP's" if src.fmt == "ICO" else "its"
+        raise BadImage(f"{src.fmt}: {whose} pixels are {_BMP_RLE[compression]}-compressed, which Pillow decodes in "
+                       "Python one byte at a time (a few KB can cost seconds): re-save it uncompressed or as PNG")
     return width, 2**32 - height if height >> 24 == 0xFF else height  # a negative height: stored top-down
+
+
+_BMP_RLE = {1: "RLE8", 2: "RLE4"}  # the info header's compression field
 
 
 def _bmp(src: _Source, whole: bool) -> Probe:
@@ -206,11 +253,17 @@ def _bmp(src: _Source, whole: bool) -> Probe:
 
 def _ico(src: _Source, whole: bool) -> Probe:
     """Every entry's embedded PNG or BMP, read from its own header: Pillow decodes one inside Image.open,
-    chosen by the directory's sizes, which need not be the embedded image's."""
+    chosen by the directory's sizes, which need not be the embedded image's. Entries may not share bytes (the
+    directory's offset and size), and every walk of an embedded PNG draws on the one block budget of the file."""
     (count,) = src.unpack("<H", 4)
     if not 1 <= count <= BOUNDS.max_icon_entries:
         raise src.corrupt(f"{count} entries (1 to {BOUNDS.max_icon_entries} accepted)")
     side, largest = BOUNDS.max_icon_side, (0, 0)
+    spans = sorted((*src.unpack("<II", 6 + 16 * i + 8)[::-1], i + 1) for i in range(count))  # (offset, size, entry)
+    for (start, length, i), (later, _, j) in zip(spans, spans[1:]):
+        if later < start + max(length, 1):  # the same image twice would be walked (and budgeted) twice
+            raise BadImage(f"ICO: entries {min(i, j)} and {max(i, j)} share image bytes (entry {i} at byte {start}, "
+                           f"{length:,} bytes; entry {j} at byte {later}): each entry embeds its own image")
     for i in range(count):
         (offset,) = src.unpack("<I", 6 + 16 * i + 12)
         if src.at(offset, 8) == _PNG_MAGIC:
@@ -310,12 +363,10 @@ def _webp(src: _Source, whole: bool) -> Probe:
     as libwebp's demuxer requires too (its decoder allocates the whole canvas when created, inside Image.open)."""
     if src.at(8, 4) != b"WEBP":
         raise BadImage(f"not an image (a RIFF file that is not WebP; accepted: {', '.join(ALLOWED_FORMATS)})")
-    pos, chunks, canvas = 12, 0, None
+    pos, canvas = 12, None
     while pos + 8 <= src.size:
         kind, length = src.unpack("<4sI", pos)
-        chunks += 1
-        if chunks > BOUNDS.max_blocks:
-            raise src.too_many("chunks", BOUNDS.max_blocks)
+        src.block("chunks")
         size = None
         if kind == b"VP8X" and pos == 12:
             canvas = _le(src.at(pos + 12, 3)) + 1, _le(src.at(pos + 15, 3)) + 1
@@ -348,16 +399,23 @@ def _le(b: bytes) -> int:
 
 
 def _ppm(src: _Source, whole: bool) -> Probe:
-    """P1-P6: magic, width, height as Pillow tokenises them (a '#' comment may end anywhere, even mid-token),
-    within a bounded header: Pillow reads a comment a byte at a time, however long."""
+    """P4-P6: magic, width, height (and maxval, but for P4) as Pillow tokenises them (a '#' comment may end
+    anywhere, even mid-token), within a bounded header: Pillow reads a comment a byte at a time, however long.
+    Plain (ASCII) P1-P3 are refused: Pillow's PpmPlainDecoder strips each comment in the pixel data by rebuilding
+    its 1 MiB block (a 1x1 image followed by 1 MiB of comments took 12 s)."""
     head = src.at(0, min(src.size, BOUNDS.max_ppm_header))
-    pos, tokens = 3, []
+    pos, tokens, magic = 3, [], head[:2]
     if head[2:3] not in b" \t\n\v\f\r" or not head[2:3]:
         raise BadImage(f"not an image (unrecognised format; accepted: {', '.join(ALLOWED_FORMATS)})")
+    if magic in (b"P1", b"P2", b"P3"):
+        raise BadImage(f"PPM: a plain (ASCII) {magic.decode()} file, which Pillow decodes in Python at a cost that "
+                       "grows with the square of its comments: convert it to binary PNM (P4-P6) or PNG")
+    wanted = 2 if magic == b"P4" else 3  # a bitmap has no maxval
     token = b""
-    while len(tokens) < 2:
+    while len(tokens) < wanted:
         if pos >= len(head):
-            raise src.corrupt(f"no width and height in its first {BOUNDS.max_ppm_header:,} bytes")
+            what = "width and height" if len(tokens) < 2 else "maxval"
+            raise src.corrupt(f"no {what} in its first {BOUNDS.max_ppm_header:,} bytes")
         c = head[pos:pos + 1]
         pos += 1
         if c == b"#":
@@ -372,11 +430,19 @@ def _ppm(src: _Source, whole: bool) -> Probe:
             if len(token) > 10:
                 raise src.corrupt("a token longer than 10 characters")
     try:
-        width, height = (int(t) for t in tokens)
+        width, height, maxval = (int(t) for t in tokens + [b"1"] * (3 - len(tokens)))
     except ValueError:
-        raise src.corrupt(f"size {tokens[0]!r} x {tokens[1]!r}") from None
+        raise src.corrupt(f"size and maxval {b' '.join(tokens)!r}") from None
     if width <= 0 or height <= 0:
         raise src.corrupt(f"{width}x{height}")
+    if not 0 < maxval < 65536:
+        raise src.corrupt(f"maxval {maxval}")
+    samples = width * height * (3 if magic == b"P6" else 1)
+    native = magic == b"P4" or maxval == 255 or (maxval == 65535 and magic == b"P5")
+    if not native and samples > BOUNDS.max_ppm_python_samples:
+        raise BadImage(f"PPM: a {width}x{height} {magic.decode()} with maxval {maxval}: Pillow converts each of its "
+                       f"{samples:,} samples in Python (more than {BOUNDS.max_ppm_python_samples:,}; only maxval 255, "
+                       "or 65535 in a P5, decodes natively): convert it to PNG")
     return Probe("PPM", width, height)
 
 
