@@ -70,6 +70,8 @@ def read_lineage(path: str | Path) -> dict[str, Any] | None:
     path = Path(path)
     if os.path.lexists(sidecar(path)):
         return read_sidecar(path)
+    if not os.path.lexists(path):  # (a run's checkpoint before its first save)
+        return None
     with regular_path(path, what="artifact") as checked:  # (not a regular file: UserError, before any read)
         try:  # the header under torchcls's bounds (8 MiB, counted before the parse), not the library's 100 MB
             header = check_safetensors_header(checked, follow_symlinks=True)
