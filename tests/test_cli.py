@@ -108,7 +108,8 @@ def test_wrong_values_are_refused_for_the_right_reason(tmp_path, monkeypatch, ca
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my-images").mkdir()
-    for argv, message in ((["--batch-size", "0"], "--batch-size 0: give the number of images per training step"),
+    for argv, message in ((["--batch-size", "0"], "[data] batch_size = 0 is outside the allowed range 1 to 65,536 (images "
+                                                  "per training step"),
                           (["--data", "mnist5k"], "(did you mean 'mnist-5k'?)"),
                           (["--data", "my-imgs"], "(did you mean 'my-images'?)")):
         assert main(["train", "--data", "mnist-5k", *argv, "--out-dir", str(tmp_path / "runs")]) == 2

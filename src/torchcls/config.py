@@ -453,8 +453,55 @@ def _owner_of(f: dataclasses.Field) -> type:
     raise KeyError(f.name)
 
 
+# The range of every integer option: (min, max, why). set_option checks it wherever an option is set (command
+# line, TOML, a recorded config); check_ranges checks a Config built in Python. No real run comes near a max;
+# each keeps what the value sizes (tensors, processes, threads, images kept) within a machine's memory.
+INT_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
+    ("data", "img_size"): (1, 2048, "models/registry.MAX_IMG_SIZE: a checkpoint of a larger input is refused"),
+    ("data", "channels"): (1, 64, "models/registry.MAX_IN_CHANS: multispectral data has up to 13"),
+    ("data", "max_shift"): (0, 2048, "a shift past the largest image pads it into a larger one"),
+    ("data", "batch_size"): (1, 65536, "images per training step; the step trial allocates one batch: 2^16 "
+                                       "images of 224 px are 37 GiB"),
+    ("data", "workers"): (0, 256, "one DataLoader process each"),
+    ("data", "max_pixels"): (0, 1 << 48, "a bound itself (0 = none), never taken from a recorded config"),
+    ("data", "memory_limit_mb"): (0, 1 << 40, "a bound itself, never taken from a recorded config"),
+    ("model", "exits"): (0, 16, "models/registry.MAX_EXITS"),
+    ("optim", "accum_steps"): (1, 4096, "micro-batches per optimizer step"),
+    ("optim", "freeze_first_bias_after_epochs"): (0, 1_000_000, "a number of epochs"),
+    ("optim", "lookahead"): (0, 1_000_000, "steps between Lookahead syncs"),
+    ("optim", "selective_backprop_after_epochs"): (0, 1_000_000, "a number of epochs"),
+    ("train", "epochs"): (0, 1_000_000, "a number of epochs"),
+    ("train", "seed"): (-(1 << 63), (1 << 64) - 1, "what torch.manual_seed takes"),
+    ("train", "threads"): (0, 4096, "torch.set_num_threads: one OS thread each"),
+    ("train", "log_every"): (0, 1_000_000_000, "a number of steps"),
+    ("train", "early_stop"): (0, 1_000_000, "a number of epochs"),
+    ("precision", "fp8_min_dim"): (0, 1 << 20, "a Linear's features"),
+    ("parallel", "dist_timeout"): (1, 7 * 86400, "seconds: a week"),
+    ("checkpoint", "save_every"): (0, 1_000_000_000, "a number of steps"),
+    ("governance", "sample_grid"): (0, 256, "each sample is kept decoded at full resolution for the grid"),
+}
+
+
+def check_range(section: str, key: str, value: Any, origin: str) -> None:
+    """A UserError naming the option, the value and its range when `value` is outside INT_RANGES."""
+    bound = INT_RANGES.get((section, key))
+    if bound is None or type(value) is not int:
+        return
+    lo, hi, why = bound
+    if not lo <= value <= hi:
+        shown = str(value) if abs(value) < 10**30 else f"a number of {len(str(abs(value)))} digits"
+        raise UserError(f"{origin}: [{section}] {key} = {shown} is outside the allowed range {lo:,} to {hi:,} "
+                        f"({why})")
+
+
+def check_ranges(cfg: Config, origin: str = "config") -> None:
+    """INT_RANGES over every option of `cfg` (one built or changed in Python, not through set_option)."""
+    for section, key in INT_RANGES:
+        check_range(section, key, getattr(getattr(cfg, section), key), origin)
+
+
 def set_option(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
-    """Set cfg.<section>.<key> = value with type and choice checks."""
+    """Set cfg.<section>.<key> = value with type, choice and range (INT_RANGES) checks."""
     sub = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(sub)}
     if key not in fields:
@@ -469,4 +516,5 @@ def set_option(cfg: Config, section: str, key: str, value: Any, origin: str) -> 
         choices = f.metadata.get("choices")
         if choices and value not in choices:
             raise UserError(f"{origin}: [{section}] {key} must be one of {', '.join(choices)}, got {value!r}")
+        check_range(section, key, value, origin)
     setattr(sub, key, value)

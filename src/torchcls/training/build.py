@@ -20,7 +20,7 @@ from torch import nn
 
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.pretrained import PretrainedSource, model_for, pretrained_model, resolve_pretrained
-from torchcls.config import Config, ModelConfig, resume_command
+from torchcls.config import Config, ModelConfig, check_ranges, resume_command
 from torchcls.console import console, progress_bar
 from torchcls.data import build_data
 from torchcls.data.mixing import build_mixing
@@ -208,6 +208,7 @@ def _check_options(cfg: Config) -> None:
     if cfg.train.early_stop < 0:
         raise UserError(f"--early-stop {cfg.train.early_stop}: give a number of epochs >= 1, or 0 to train all "
                         "--epochs")
+    check_ranges(cfg)  # (set_option checked every option set from a file or flag; this, one set in Python)
     check_schedule(cfg.data.resize_schedule, cfg.train.epochs, cfg.data.img_size)
     check_precision_options(cfg.precision, cfg.parallel.parallel)
     _check_training_options(cfg)
