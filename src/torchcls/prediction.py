@@ -61,6 +61,8 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
     from torchcls.provenance.sidecars import check_pinned_sha256, refuse_forbidden_predictions
 
     check_tta(tta)
+    if batch_size < 1:
+        raise UserError(f"batch size {batch_size}: give the number of images per inference batch, >= 1")
     refuse_forbidden_predictions(checkpoint, "predict")  # a policy's [outputs] predictions = false
     if Path(checkpoint).suffix in ARTIFACT_SUFFIXES:  # .pt2/.onnx/.pte run on their own runtime
         # Host batches in: the artifact moves them to its device (pinned copy) and returns host logits.
@@ -78,18 +80,10 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
         print(f"torchcls predict: {precision_line}", file=sys.stderr)  # stderr: --json output stays parseable
     transform = build_transform(meta.preprocess, train=False)
     result = Predictions([], precision=precision_line)
-    good: list[tuple[Path, torch.Tensor]] = []
-    for f in expand_inputs(inputs):
-        try:
-            good.append((f, transform(load_image(f, meta.preprocess.channels, meta.preprocess.resize_size))))
-        except BadImage as e:
-            if on_bad_file == "error":
-                raise UserError(f"{f}: {e} (pass --on-bad-file skip to leave it out)") from None
-            result.skipped.append({"file": str(f), "reason": str(e)})
     k = min(topk, len(meta.classes))
     multilabel = meta.task == MULTILABEL  # sigmoid per class; every label above its threshold
-    for start in range(0, len(good), batch_size):
-        chunk = good[start:start + batch_size]
+
+    def run(chunk: list[tuple[Path, torch.Tensor]]) -> None:
         probs = tta_probs(model, torch.stack([t for _, t in chunk]).to(dev), tta, multilabel).cpu()
         values, indices = probs.topk(k, dim=1)
         for (f, _), p, vals, idx in zip(chunk, probs, values, indices):
@@ -98,4 +92,20 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
             if multilabel:
                 item["labels"] = labels_above(p.tolist(), thresholds_for(meta), meta.classes)
             result.items.append(item)
+
+    # Decoded a batch at a time: at most batch_size transformed images are held (each is 4 x C x H x W bytes,
+    # 602 KB at 224 px whatever the file's size), never one per input file.
+    chunk: list[tuple[Path, torch.Tensor]] = []
+    for f in expand_inputs(inputs):
+        try:
+            chunk.append((f, transform(load_image(f, meta.preprocess.channels, meta.preprocess.resize_size))))
+        except BadImage as e:
+            if on_bad_file == "error":
+                raise UserError(f"{f}: {e} (pass --on-bad-file skip to leave it out)") from None
+            result.skipped.append({"file": str(f), "reason": str(e)})
+        if len(chunk) == batch_size:
+            run(chunk)
+            chunk = []
+    if chunk:
+        run(chunk)
     return result
