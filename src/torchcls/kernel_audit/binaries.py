@@ -10,6 +10,7 @@ u32 at 8, SM version u32 at 28. Parsing it ourselves avoids needing `cuobjdump`.
 
 from __future__ import annotations
 
+import os
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 FATBIN_MAGIC = 0xBA55ED50
+FATBIN_HEADER = 16  # magic u32, version u16, header size u16, payload size u64
+ELF_SHDR = 64  # bytes of one ELF64 section header
 KIND_PTX, KIND_CUBIN = 1, 2
 
 
@@ -33,36 +36,52 @@ class GpuBinary:
 
 
 def elf_section(path: Path, wanted: str) -> bytes | None:
-    """The bytes of one section of a 64-bit little-endian ELF file (None when absent)."""
+    """The bytes of one section of a 64-bit little-endian ELF file (None when absent). Every offset and size the
+    file gives is checked against the file's length before it is used (ValueError: damaged or crafted)."""
     with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
         ident = f.read(64)
         if len(ident) < 64 or ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1:
             return None
         shoff, = struct.unpack_from("<Q", ident, 0x28)
         shentsize, shnum, shstrndx = struct.unpack_from("<HHH", ident, 0x3A)
+        if shentsize < ELF_SHDR or shoff + shentsize * shnum > size or shstrndx >= shnum:
+            raise ValueError(f"section headers ({shnum} x {shentsize} bytes at {shoff}, names in {shstrndx}) do not "
+                             f"fit the file's {size} bytes")
         f.seek(shoff)
-        headers = [struct.unpack("<IIQQQQIIQQ", f.read(shentsize)[:64]) for _ in range(shnum)]
+        headers = [struct.unpack("<IIQQQQIIQQ", f.read(shentsize)[:ELF_SHDR]) for _ in range(shnum)]
         names_off, names_size = headers[shstrndx][4], headers[shstrndx][5]
+        _check_range(names_off, names_size, size, "the section names")
         f.seek(names_off)
         names = f.read(names_size)
         for h in headers:
             name = names[h[0]:names.index(b"\0", h[0])].decode(errors="replace")
             if name == wanted:
+                _check_range(h[4], h[5], size, wanted)
                 f.seek(h[4])
                 return f.read(h[5])
     return None
 
 
+def _check_range(offset: int, length: int, size: int, what: str) -> None:
+    if offset + length > size:
+        raise ValueError(f"{what}: {length} bytes at {offset}, past the end of the file ({size} bytes)")
+
+
 def parse_fatbin(blob: bytes) -> tuple[list[int], list[int]]:
-    """(cubin archs, ptx archs) of every fat binary in a `.nv_fatbin` section."""
+    """(cubin archs, ptx archs) of every fat binary in a `.nv_fatbin` section. A fat binary whose header is
+    shorter than one, or whose size runs past the section, is a ValueError: each step moves forward."""
     cubins, ptx = set(), set()
     pos = 0
-    while pos + 16 <= len(blob):
+    while pos + FATBIN_HEADER <= len(blob):
         magic, _version, header_size, fat_size = struct.unpack_from("<IHHQ", blob, pos)
         if magic != FATBIN_MAGIC:
             pos += 8  # fat binaries are 8-byte aligned; skip padding between them
             continue
         entry, end = pos + header_size, pos + header_size + fat_size
+        if header_size < FATBIN_HEADER or end > len(blob):
+            raise ValueError(f"the fat binary at byte {pos} of .nv_fatbin claims a {header_size}-byte header and "
+                             f"{fat_size} bytes (the section holds {len(blob)}): damaged or crafted")
         while entry + 32 <= end:
             kind, _v, entry_header, padded = struct.unpack_from("<HHII", blob, entry)
             sm, = struct.unpack_from("<I", blob, entry + 28)
@@ -70,7 +89,7 @@ def parse_fatbin(blob: bytes) -> tuple[list[int], list[int]]:
             if entry_header == 0:
                 break
             entry += entry_header + padded
-        pos = end
+        pos = end  # > pos: the header is at least FATBIN_HEADER bytes
     return sorted(cubins), sorted(ptx)
 
 
@@ -78,11 +97,11 @@ def scan_shared_object(path: Path) -> GpuBinary | None:
     """The GPU architectures a .so targets; None when it carries no device code."""
     try:
         section = elf_section(path, ".nv_fatbin")
+        if section is None:
+            return None
+        cubins, ptx = parse_fatbin(section)
     except (OSError, struct.error, ValueError) as e:
         return GpuBinary(str(path), error=f"unreadable ELF: {e}")
-    if section is None:
-        return None
-    cubins, ptx = parse_fatbin(section)
     return GpuBinary(str(path), cubins, ptx)
 
 
