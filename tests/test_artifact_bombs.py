@@ -228,6 +228,155 @@ def test_a_well_formed_graph_loads_and_runs(tmp_path):
     assert out.shape == (3, 2) and torch.allclose(out, torch.full((3, 2), 3.0 * 32 * 3))
 
 
+# --- the protobuf parse itself (onnx_bounds.read_model, protobuf_scan) -------------------------------------
+# Parsing builds every message and repeated element on the wire before any bound on the graph can run: an
+# empty node is 2 bytes in a file and ~150 once parsed. Each file here is a valid artifact-shaped model with
+# malicious fields after it (protobuf merges a message's occurrences, so they land in its graph), a few MB
+# sized past a bound and, where the parse would keep more than the file's bytes, so that it would take more
+# than the 200 MB `_refused` allows (250-390 MB measured, onnx 1.23 on upb).
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        out.append(b | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def _ld(number: int, body: bytes) -> bytes:
+    """A length-delimited field (wire type 2)."""
+    return _varint(number << 3 | 2) + _varint(len(body)) + body
+
+
+def _nest(levels: int, wrap) -> bytes:
+    body = b""
+    for _ in range(levels):
+        body = wrap(body)
+    return body
+
+
+GRAPH, OPSET, META, NODE, INIT, VALUE_INFO = 7, 8, 14, 1, 5, 13  # ModelProto.graph ..., GraphProto.node ...
+EMPTY = b"\x00"  # a length of 0: an empty message or string
+WIRE_BOMBS = {  # what is appended to a valid model (built when its test runs) -> what the refusal says
+    "empty-nodes": (lambda: _ld(GRAPH, (_varint(NODE << 3 | 2) + EMPTY) * 2_000_000), "more than 100000 nodes"),
+    "empty-attributes": (lambda: _ld(GRAPH, _ld(NODE, b"\x2a\x00" * 2_000_000)),
+                         "more than 1048576 protobuf messages"),
+    "opset-imports": (lambda: (_varint(OPSET << 3 | 2) + EMPTY) * 6_000_000, "more than 1048576 protobuf messages"),
+    "metadata-props": (lambda: (_varint(META << 3 | 2) + EMPTY) * 6_000_000, "more than 1048576 protobuf messages"),
+    "value-infos": (lambda: _ld(GRAPH, (_varint(VALUE_INFO << 3 | 2) + EMPTY) * 4_000_000), "protobuf messages"),
+    "packed-int64": (lambda: _ld(GRAPH, _ld(INIT, _ld(7, b"\x01" * 2**24))), "more than 4194304 protobuf fields"),
+    "packed-ints-attribute": (lambda: _ld(GRAPH, _ld(NODE, _ld(5, _ld(8, b"\x7f" * 2**24)))), "protobuf fields"),
+    "unpacked-int64": (lambda: _ld(GRAPH, _ld(INIT, b"\x38\x01" * 2**24)), "more than 4194304 protobuf fields"),
+    "node-input-names": (lambda: _ld(GRAPH, _ld(NODE, b"\x0a\x00" * 8_000_000)), "more than 4194304 protobuf fields"),
+    # Kept as the bytes they are (as much memory parsed as in the file), but each one is a step of the scan
+    "unknown-fields": (lambda: b"\x78\x00" * 5_000_000, "more than 4194304 protobuf fields"),  # ModelProto has no 15
+    "unknown-in-a-node": (lambda: _ld(GRAPH, _ld(NODE, (_varint(1000 << 3) + b"\x01") * 4_200_000)),
+                          "protobuf fields"),
+    # Deeper than protobuf's parser goes (it refuses them itself): refused as clearly, before it runs.
+    # GraphProto.node -> NodeProto.attribute -> AttributeProto.g: 3 messages a level, 34 levels of If
+    "nested-subgraphs": (lambda: _ld(GRAPH, _nest(34, lambda g: _ld(NODE, _ld(5, _ld(6, g))))),
+                         "nest deeper than 100"),
+    # ValueInfoProto.type -> TypeProto.sequence_type -> TypeProto.Sequence.elem_type -> TypeProto ...
+    "nested-types": (lambda: _ld(GRAPH, _ld(VALUE_INFO, _ld(2, _nest(60, lambda t: _ld(4, _ld(1, t)))))),
+                     "nest deeper than 100"),
+}
+
+
+@pytest.mark.parametrize("kind", WIRE_BOMBS)
+def test_what_the_protobuf_parse_would_build_is_bounded_before_it_runs(tmp_path, kind):
+    extra, says = WIRE_BOMBS[kind]
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_model([]).SerializeToString() + extra())
+    _refused(path, says)
+
+
+WIRE_DAMAGE = {  # not protobuf at all -> where the reader stops
+    "varint-past-10-bytes": (_varint(GRAPH << 3 | 2) + b"\x80" * 10 + b"\x01", "a varint longer than 10 bytes"),
+    "length-past-the-end": (_varint(GRAPH << 3 | 2) + _varint(2**31 - 2) + _ld(NODE, b""),
+                            "a length of 2147483646 bytes runs past the end"),
+    "length-past-its-message": (_ld(GRAPH, _varint(NODE << 3 | 2) + b"\x05" + b"\x00" * 4) + b"\x00" * 8,
+                                "a length of 5 bytes runs past the end of its message"),
+    "truncated-varint": (b"\x78\x80", "a varint runs past the end"),
+    "truncated-fixed": (b"\x7d\x00\x00", "a fixed-width field runs past"),
+    "packed-varint-cut": (_ld(GRAPH, _ld(INIT, _ld(7, b"\x01\x81"))), "a packed varint runs past"),
+    "group": (b"\x7b", "wire type 3"),
+    "field-zero": (b"\x02\x00", "field number 0"),
+}
+
+
+@pytest.mark.parametrize("kind", WIRE_DAMAGE)
+def test_damaged_wire_data_is_refused_before_the_parse(tmp_path, kind):
+    extra, says = WIRE_DAMAGE[kind]
+    path = tmp_path / "model.onnx"
+    path.write_bytes(_model([]).SerializeToString() + extra)
+    _refused(path, f"is not a loadable ONNX model \\(byte \\d+: {says}")
+
+
+def _parsed_counts(message) -> tuple[int, int]:
+    """(fields, messages) the way protobuf_scan counts them, from a parsed message (no unknown fields)."""
+    from google.protobuf.descriptor import FieldDescriptor as F
+
+    fields, messages = 0, 1
+    for f, value in message.ListFields():
+        items = list(value) if f.is_repeated else [value]
+        if f.type == F.TYPE_MESSAGE:
+            for m in items:
+                sub = _parsed_counts(m)
+                fields, messages = fields + 1 + sub[0], messages + sub[1]
+        elif f.is_packed and f.type in (F.TYPE_FLOAT, F.TYPE_DOUBLE, F.TYPE_FIXED32, F.TYPE_FIXED64,
+                                        F.TYPE_SFIXED32, F.TYPE_SFIXED64):  # one field, read by its length
+            fields += 1
+        else:
+            fields += len(items)
+    return fields, messages
+
+
+def test_the_scan_counts_what_the_parse_builds(tmp_path):
+    """A real export (torch.onnx of a SmallNet, through the exporter's own capture and build) and the
+    helper-made models above: the scan's counts are exactly what the parse built, and the export loads."""
+    from torchcls.artifacts import onnx_bounds
+    from torchcls.artifacts.exporter import capture
+    from torchcls.artifacts.protobuf_scan import scan
+    from torchcls.artifacts.targets import onnx as onnx_target
+    from torchcls.models.smallnet import SmallNet
+
+    info = ArtifactInfo("small", "onnx", ["a", "b"], Preprocess(32, 3, (0.5,) * 3, (0.25,) * 3), 4, "fp32")
+    torch.manual_seed(0)
+    path = tmp_path / "real.onnx"
+    onnx_target.build(capture(SmallNet(num_classes=2, in_chans=3), info), info, path, {})
+    loop = helper.make_graph([helper.make_node("Identity", ["c"], ["d"])], "b", [], [
+        helper.make_tensor_value_info("d", TensorProto.BOOL, [])])
+    odd = _model([helper.make_node("Loop", ["t", ""], ["o"], body=loop, floats=[1.0, 2.0], ints=[3, 300, -1])],
+                 [_ints("t", 1, 2, 3), helper.make_tensor("f", TensorProto.FLOAT, [2], [1.0, 2.0])])
+    for data in (path.read_bytes(), _model(*CONSTANT_BOMBS["range"]).SerializeToString(), odd.SerializeToString()):
+        counts = scan(data, onnx.ModelProto.DESCRIPTOR, max_fields=onnx_bounds.MAX_PROTOBUF_FIELDS,
+                      max_messages=onnx_bounds.MAX_PROTOBUF_MESSAGES, max_depth=onnx_bounds.MAX_MESSAGE_DEPTH)
+        assert (counts.fields, counts.messages) == _parsed_counts(onnx.load_model_from_string(data))
+    out = _load_onnx(path)(torch.zeros(3, 3, 32, 32))
+    assert out.shape == (3, 2) and torch.isfinite(out).all()
+
+
+def test_the_scan_bounds_are_inclusive():
+    from torchcls.artifacts.protobuf_scan import ScanError, scan
+
+    nodes = _ld(GRAPH, (_varint(NODE << 3 | 2) + EMPTY) * 10)  # 11 fields, 12 messages (with the model)
+    limits = {"onnx.NodeProto": (10, "nodes")}
+    counts = scan(nodes, onnx.ModelProto.DESCRIPTOR, max_fields=11, max_messages=12, max_depth=2, limits=limits)
+    assert (counts.fields, counts.messages, counts.depth, counts.by_type["onnx.NodeProto"]) == (11, 12, 2, 10)
+    for bounds, says in (((10, 12, 2, 10), "more than 10 protobuf fields"), ((11, 11, 2, 10), "11 protobuf messages"),
+                         ((11, 12, 1, 10), "deeper than 1"), ((11, 12, 2, 9), "more than 9 nodes")):
+        with pytest.raises(ScanError, match=says) as e:
+            scan(nodes, onnx.ModelProto.DESCRIPTOR, max_fields=bounds[0], max_messages=bounds[1],
+                 max_depth=bounds[2], limits={"onnx.NodeProto": (bounds[3], "nodes")})
+        assert not e.value.malformed
+    packed = _ld(GRAPH, _ld(INIT, _ld(7, b"\x01\x81\x01\xff\xff\x7f" * 4)))  # 12 varints, one field on the wire
+    assert scan(packed, onnx.ModelProto.DESCRIPTOR, max_fields=14, max_messages=3, max_depth=2).fields == 14
+    with pytest.raises(ScanError, match="more than 13 protobuf fields"):
+        scan(packed, onnx.ModelProto.DESCRIPTOR, max_fields=13, max_messages=3, max_depth=2)
+
+
 # --- ExecuTorch ---------------------------------------------------------------------------------------------
 
 pte_size = 2**29  # float32 elements planned by the forward bomb: 2 GiB

@@ -3,7 +3,9 @@ read from the graph and checked against a stated bound before a session exists.
 
 Creating a session folds the graph's constant subgraphs: a 191-byte file holding ConstantOfShape([2^28])
 took 2.75 GB there, before any metadata was read. So the loader reads the file once (`read_model`, a
-size bound), checks its metadata, then `check_graph`:
+size bound), counts what parsing it would build before parsing it (`protobuf_scan`: an empty node is 2
+bytes in a file and 150 once parsed, so a 7.6 MiB file took 614 MiB to parse), checks its metadata, then
+`check_graph`:
 
 1. Structure, by construction: one image input of the metadata's shape, the outputs an export writes,
    operators from `onnx_ops.ALLOWED` in the standard domain, no local functions, sparse or external
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls.artifacts import onnx_ops
+from torchcls.artifacts.protobuf_scan import ScanError, scan
 from torchcls.artifacts.sizes import value_bound
 from torchcls.errors import UserError
 from torchcls.io_files import read_bytes
@@ -36,6 +39,12 @@ MAX_DEPTH = 32  # nested subgraphs (an early-exit model nests one If per exit, a
 MAX_RANK = 16
 MAX_CONSTANT_ELEMENTS = 2**26  # one value computed from constants only: the session folds it when created
 MAX_CONSTANT_TOTAL = 2**28  # all of them together
+# What the protobuf parse may build, counted on the wire before it runs (an exported resnet50: 8,096 fields,
+# 2,949 messages; mobilenetv3: 9,783 and 3,538). At most ~200 bytes a message and ~32 a field once parsed:
+# ~350 MB at these bounds, whatever the file's size (it was ~80 times the file's size).
+MAX_PROTOBUF_FIELDS = 2**22  # every field occurrence, each element of a packed varint field included
+MAX_PROTOBUF_MESSAGES = 2**20
+MAX_MESSAGE_DEPTH = 100  # protobuf's own parser stops there (subgraphs are 3 messages deeper than their graph)
 _SMALL = 1024  # stored tensors of at most this many elements keep their data for shape inference
 # Element types a value may have: numbers of at most 8 bytes and booleans (no strings, no complex).
 _DTYPES = {1: 4, 2: 1, 3: 1, 4: 2, 5: 2, 6: 4, 7: 8, 9: 1, 10: 2, 11: 8, 12: 4, 13: 8, 16: 2}
@@ -47,11 +56,18 @@ def read_model(path: Path) -> tuple[bytes, Any]:
     from google.protobuf.message import DecodeError
 
     data = read_bytes(path, max_bytes=MAX_ONNX_BYTES, what="ONNX model")
-    try:
+    try:  # before the parse, which builds all it reads: counted on the wire, no allocation that grows with it
+        scan(data, onnx.ModelProto.DESCRIPTOR, max_fields=MAX_PROTOBUF_FIELDS, max_messages=MAX_PROTOBUF_MESSAGES,
+             max_depth=MAX_MESSAGE_DEPTH, limits={onnx.NodeProto.DESCRIPTOR.full_name: (MAX_NODES, "nodes")})
         return data, onnx.load_model_from_string(data)
+    except ScanError as e:
+        if not e.malformed:
+            raise _Walk(path).refuse(str(e)) from None
+        error: BaseException = e
     except (DecodeError, RecursionError, ValueError) as e:
-        raise UserError(f"{path} is not a loadable ONNX model ({e or type(e).__name__}); export one with "
-                        "`torchcls export CHECKPOINT --target onnx`") from None
+        error = e
+    raise UserError(f"{path} is not a loadable ONNX model ({error or type(error).__name__}); export one with "
+                    "`torchcls export CHECKPOINT --target onnx`")
 
 
 @dataclass
