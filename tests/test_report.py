@@ -151,3 +151,61 @@ def test_governance_values_read_as_text(tmp_path):
     html = write_report(tmp_path).read_text()
     assert "<td>CC-BY-SA-3.0 / not given</td>" in html and "<td>not requested</td>" in html
     assert "None" not in html and "&quot;" not in html
+
+
+PAYLOAD = "<x-injected onerror=alert(1)>"
+
+
+def _poisoned(value, mode: str, pattern: tuple = (), at: tuple = (), hits: list | None = None):
+    """`value` (a parsed JSON document) with markup put in: "strings": every string leaf replaced; "keys": every
+    key extended; "number": the last number at `pattern` (keys, "*" for any list index) replaced, so that a
+    page that expects a number there and does not escape it shows markup (the others, numbers still, let the
+    rest of the section render). `hits`: [numbers at `pattern` to pass over, across a file's documents]."""
+    if isinstance(value, dict):
+        return {(k + PAYLOAD if mode == "keys" else k): _poisoned(v, mode, pattern, (*at, k), hits)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_poisoned(v, mode, pattern, (*at, "*"), hits) for v in value]
+    if mode == "strings" and isinstance(value, str):
+        return PAYLOAD
+    if mode == "number" and at == pattern and isinstance(value, (int, float)) and not isinstance(value, bool):
+        hits[0] -= 1
+        return PAYLOAD if hits[0] == -1 else value
+    return value
+
+
+def _number_patterns(value, at: tuple = ()) -> list[tuple]:
+    """The pattern of each number in `value`, in document order (one entry per number)."""
+    if isinstance(value, dict):
+        return [p for k, v in value.items() for p in _number_patterns(v, (*at, k))]
+    if isinstance(value, list):
+        return [p for v in value for p in _number_patterns(v, (*at, "*"))]
+    return [at] if isinstance(value, (int, float)) and not isinstance(value, bool) else []
+
+
+def test_no_value_of_a_received_run_dir_reaches_the_page_as_markup(trained_run, tmp_path):
+    """Every JSON record of a full run dir, one file at a time, with all its strings, or all its keys, or the
+    numbers of one field replaced by markup: the page shows it as text, or refuses the section, never renders
+    it; and the page tells the browser to run no script and load nothing in any case."""
+    from torchcls.evaluation import evaluate
+    from torchcls.report import write_report
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    evaluate(run, workers=0)
+    _results(run)
+    records = sorted(p for p in run.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
+    assert {"eval.json", "metrics.jsonl", "bench_compile.json", "kernel_audit.json"} <= {p.name for p in records}
+    for path in records:
+        original = path.read_text()
+        docs = [json.loads(line) for line in original.splitlines() if line.strip()] if path.suffix == ".jsonl" \
+            else [json.loads(original)]
+        numbers = [p for d in docs for p in _number_patterns(d)]
+        cases = [("strings", ()), ("keys", ())] + [("number", p) for p in sorted(set(numbers), key=str)]
+        for mode, pattern in cases:
+            hits = [numbers.count(pattern) - 1]
+            path.write_text("\n".join(json.dumps(_poisoned(d, mode, pattern, hits=hits)) for d in docs) + "\n")
+            assert "<x-injected" not in write_report(run).read_text(), (path.name, mode, pattern)
+        path.write_text(original)
+    head = write_report(run).read_text().split("</head>")[0]
+    assert "Content-Security-Policy" in head and "default-src 'none'" in head and "<script" not in head

@@ -68,7 +68,7 @@ def html_section(report: dict[str, Any]) -> str:
         parts.append(f"<p>{html.escape(fp8_lines(fp8)[0])}</p>")
         rows = "".join(
             f"<tr><td>{html.escape(d['name'] or '<model>')}</td><td>{html.escape(d['type'])}</td>"
-            f"<td>{d['in_features']}</td><td>{d['out_features']}</td><td>{'yes' if d['converted'] else 'no'}</td>"
+            f"<td>{html.escape(str(d['in_features']))}</td><td>{html.escape(str(d['out_features']))}</td><td>{'yes' if d['converted'] else 'no'}</td>"
             f"<td>{html.escape(d['reason'])}</td></tr>" for d in fp8["layers"])
         parts.append("<table><tr><th>layer</th><th>type</th><th>in</th><th>out</th><th>FP8</th><th>why</th></tr>"
                      f"{rows}</table>")

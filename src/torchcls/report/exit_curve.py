@@ -43,7 +43,7 @@ def section(ev: dict[str, Any]) -> str:
     if cal:
         target = (f"accuracy ≥ {cal['target_accuracy']}" if cal["target_accuracy"] is not None
                   else f"compute ≤ {cal['target_compute']} of the backbone")
-        note = f"<p>Threshold calibrated on the validation split ({cal['n']} images) for {html.escape(target)}" + (
+        note = f"<p>Threshold calibrated on the validation split ({html.escape(str(cal['n']))} images) for {html.escape(target)}" + (
             ": no threshold reaches it, the nearest one is used.</p>" if cal.get("reached") is False else ".</p>")
     return (f"<h2>Early exit</h2>{kpis}{note}<table><tr><th>exit</th><th>samples leaving</th>"
             f"<th>MFLOP to leave here</th></tr>{rows}</table>")

@@ -28,6 +28,12 @@ nav a{margin-right:1em}.gallery{display:flex;flex-wrap:wrap;gap:.8em}.gallery fi
 .gallery img{width:96px;height:96px;object-fit:contain;image-rendering:pixelated;background:#000}
 .gallery figcaption{overflow-wrap:anywhere}.wrong{color:#b00}"""
 
+# The page runs no script and loads nothing: its figures are data: URLs and its style is inline. Said to the
+# browser too, so that a value from a received run dir that reached the page unescaped still could not run
+# code, load a resource, send a form or change the page's base (every value is escaped as well: htmlkit.esc).
+CSP = ("<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; img-src data:; "
+       "style-src 'unsafe-inline'; base-uri 'none'; form-action 'none'\">")
+
 
 def render_sections(run_dir: Path) -> list[tuple[str, str, str | None]]:
     """(key, title, html or None when not run) per section, in page order."""
@@ -65,6 +71,6 @@ def build_report(run_dir: str | Path) -> tuple[Path, list[tuple[str, str, str | 
             for key, title in missing) + ".</p>")
     parts.insert(1, f"<nav>{''.join(nav)}</nav>")
     out = run_dir / "report.html"
-    write_text_atomic(out, f"<!doctype html><html><head><meta charset='utf-8'><title>{esc(run_dir.name)}</title>"
+    write_text_atomic(out, f"<!doctype html><html><head><meta charset='utf-8'>{CSP}<title>{esc(run_dir.name)}</title>"
                    f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>")
     return out, rendered

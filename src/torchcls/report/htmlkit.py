@@ -16,10 +16,11 @@ def esc(value: Any) -> str:
     return html.escape(str(value))
 
 
-def img(path: Path) -> str:
-    """`path` (a figure of the run dir) embedded; a link, or anything but a regular file, is named instead."""
+def img(path: Path, max_bytes: int = SMALL_JSON_BYTES) -> str:
+    """`path` (a figure of the run dir) embedded; a link, anything but a regular file, or a file over
+    `max_bytes` is named instead."""
     try:
-        data = base64.b64encode(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="figure")).decode()
+        data = base64.b64encode(run_files.read_bytes(path, max_bytes=max_bytes, what="figure")).decode()
     except UserError as e:
         return f"<p class='notrun'>figure refused: {esc(e)}</p>"
     return f'<img alt="{esc(path.stem)}" src="data:image/png;base64,{data}">'

@@ -32,7 +32,7 @@ def memory_section(run_dir: Path) -> str:
             row += [_mb(r.get("cuda_peak_allocated_bytes")), _mb(r.get("cuda_peak_reserved_bytes"))]
         rows.append("<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>")
     rule = "full size / world size" if m["parallel"] == "fsdp2" else "full size (every rank holds a replica)"
-    return (f"<h2>Per-rank memory ({html.escape(m['parallel'])}, world size {m['world_size']})</h2>"
+    return (f"<h2>Per-rank memory ({html.escape(m['parallel'])}, world size {html.escape(str(m['world_size']))})</h2>"
             f"<p>Parameters + gradients + optimizer state of the full model: {_mb(m['full_total_bytes'])} MB; "
             f"expected per rank: {rule}.</p><table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>"
             + "".join(rows) + "</table>")

@@ -143,7 +143,7 @@ def scaling_memory(run_dir: Path) -> str | None:
             for r in data["results"] if r["status"] == "ok" for k in r["ranks"]]
     rows += [[r["parallel"], r["world"], "-", f"{r['status']}: {r['error']}", "", "", "", "", ""]
              for r in data["results"] if r["status"] != "ok"]
-    parts = [f"<p>{esc(data['model'])}, {data['img_size']} px, {data['batch_per_rank']} images per rank, "
+    parts = [f"<p>{esc(data['model'])}, {esc(data['img_size'])} px, {esc(data['batch_per_rank'])} images per rank, "
              f"{esc(data['machine']['device'])} ({esc(data['machine']['backend'])})</p>",
              table(["parallel", "world", "rank", "state", "analytic state", "state / world-1", "activations",
                     "transient", "measured peak"], rows)]

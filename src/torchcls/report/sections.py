@@ -63,7 +63,7 @@ def training(run_dir: Path) -> str | None:
     if not epochs:
         return None
     last = epochs[-1]
-    parts = [f"<p>{len(epochs)} epoch(s), {last['step']} steps, last epoch {last['img_per_s']:.0f} images/s.</p>"]
+    parts = [f"<p>{len(epochs)} epoch(s), {esc(last['step'])} steps, last epoch {last['img_per_s']:.0f} images/s.</p>"]
     classes = class_count(run_dir)
     cols = [k for k in ("epoch", "train_loss", "train_top1", "val_loss", "val_top1", "val_top5", "val_map", "val_f1",
                         "epoch_s")
