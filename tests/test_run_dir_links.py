@@ -166,6 +166,44 @@ def test_a_linked_checkpoints_folder_is_refused_before_training(tmp_path: Path) 
     assert [p.name for p in elsewhere.iterdir()] == [".last.dcp.old"]
 
 
+
+def test_a_linked_folder_on_the_way_to_an_export_is_refused_before_any_work(trained_run: Path, tmp_path: Path) -> None:
+    """RUN/export -> a folder of the user's: export's default artifact path (export/<target>-<precision>/), and
+    an --out inside the run dir the same way, would put model.pt2 and parity.json there."""
+    import shutil
+
+    from torchcls.artifacts import export
+
+    run, victim = tmp_path / "runs" / "alice", tmp_path / "victim"
+    shutil.copytree(trained_run, run)
+    victim.mkdir()
+    (run / "export").symlink_to(victim)
+    for out in (None, run / "export" / "model.onnx", run / "export" / "sub"):
+        with pytest.raises(UserError, match="export: a folder in a run dir is a symbolic link"):
+            export(run, target="onnx", out=out, precision="fp32")
+    assert list(victim.iterdir()) == []
+    assert run_files.refuse_links_below(run, tmp_path / "elsewhere" / "model.onnx") is None  # outside: the user's
+
+
+def test_a_linked_explain_folder_is_refused_and_the_run_dir_is_found_by_name(trained_run: Path,
+                                                                             tmp_path: Path) -> None:
+    """RUN/explain -> elsewhere is refused; RUN/checkpoints -> another run's makes that run's folder neither
+    the one eval.json goes to nor the one the explain pictures go to (run_dir_of does not resolve links)."""
+    import shutil
+
+    from torchcls.checkpoint.files import run_dir_of
+
+    run, other = tmp_path / "runs" / "alice", tmp_path / "runs" / "mine"
+    shutil.copytree(trained_run, other)
+    run.mkdir()
+    shutil.copy(other / "config.toml", run / "config.toml")
+    (run / "checkpoints").symlink_to(other / "checkpoints")
+    assert run_dir_of(run / "checkpoints" / "best.safetensors") == run  # was `mine`: its eval.json replaced
+    (run / "explain").symlink_to(tmp_path)
+    with pytest.raises(UserError, match="the explain folder in a run dir is a symbolic link"):
+        run_files.sub_dir(run / "explain", "the explain folder")
+
+
 # What may still write by name in src/, and why it is not a file of a run dir. Everything else routes through
 # run_files (replace_file / write_*_atomic / append_text), or writes into the temp file such a helper made.
 WRITES_BY_NAME = {

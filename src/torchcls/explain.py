@@ -21,7 +21,7 @@ from torchcls.errors import UserError
 from torchcls.extras import missing_extra
 from torchcls.options import ExplainOptions as _D  # the defaults, declared once
 from torchcls.prediction import expand_inputs
-from torchcls.run_files import replace_file
+from torchcls.run_files import replace_file, sub_dir
 
 METHODS = ("integrated-gradients", "saliency")
 
@@ -50,8 +50,11 @@ def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.m
     model, meta = load_model(path)
     if target is not None and target not in meta.classes:
         raise UserError(f"--target {target!r} is not a class of this model (it knows: {', '.join(meta.classes)})")
-    out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent) / "explain"
-    out.mkdir(parents=True, exist_ok=True)
+    if out_dir:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)  # (the user's folder: a link there is theirs)
+    else:
+        out = sub_dir((run_dir_of(path) or path.parent) / "explain", "the explain folder")
     transform = build_transform(meta.preprocess, train=False)
     results = []
     for f in expand_inputs(images):

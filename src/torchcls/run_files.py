@@ -14,7 +14,11 @@ link's target, and a read by name into a leak of it (report.html embeds figures)
   never its target. Readers never see half a file either;
 - an append (metrics.jsonl) opens with O_NOFOLLOW | O_APPEND and checks that it got a regular file
   (`append_text`);
-- a sub-folder written into (misclassified/, tensorboard/) is refused when it is a link (`sub_dir`).
+- a sub-folder written into (misclassified/, tensorboard/, explain/) is refused when it is a link (`sub_dir`),
+  and so is a deeper path (export/aoti-fp32/model.pt2) with a link anywhere below the run dir
+  (`refuse_links_below`: export/ -> ~/elsewhere would take model.pt2 and parity.json there). Links above
+  the run dir are the user's own and are followed. The run dir is the one the command was given, never
+  one recognised by its files: a received one need not hold any.
 What stays: someone who can write into the run dir while torchcls runs can still race a name between
 a check and a library's own open (docs/security.md); a received run dir is not such a writer.
 """
@@ -78,6 +82,16 @@ def refuse_link(path: Path, what: str = "folder") -> Path:
     if os.path.islink(path):
         raise _link(path, what)
     return path
+
+
+def refuse_links_below(run_dir: str | os.PathLike, path: str | os.PathLike) -> None:
+    """Refuse (UserError) a write to `path` when a folder between `run_dir` and `path` is a symbolic link:
+    the write would land wherever the link points. A `path` outside `run_dir` (by name) is not checked."""
+    root, here = Path(os.path.abspath(run_dir)), Path(os.path.abspath(path)).parent
+    if here != root and root not in here.parents:
+        return
+    for folder in reversed([here, *here.parents][:len(here.parts) - len(root.parts)]):  # outermost first
+        refuse_link(folder, "a folder")
 
 
 def sub_dir(path: Path, what: str = "folder") -> Path:

@@ -44,6 +44,7 @@ from torchcls.precision.hardware import PrecisionChoice, choose_precision
 from torchcls.precision.inference import CastIO
 from torchcls.provenance.digest import sha256_file
 from torchcls.provenance.trust import record_export
+from torchcls.run_files import refuse_links_below
 
 PARITY_CHUNK = 32
 EARLY_EXIT_POOL = 4  # early-exit parity picks from this many times --parity-images held-out images
@@ -147,7 +148,8 @@ def _export_target(source: _Source, target: str, asked: ExportRequest, out: str 
     if isinstance(model, EarlyExitNet):
         req, choice = _check_request(tgt, replace(req, early_exit=True), choice)
     ckpt = source.ckpt
-    _artifact_path(out, ckpt.parent, tgt.suffix, target, req.precision)  # a bad --out is refused before any work
+    # A bad --out, or a link on the way to it in the run dir, is refused before any work
+    _artifact_path(out, run_dir_of(ckpt) or ckpt.parent, tgt.suffix, target, req.precision)
     # Parity images before compiling (fail fast), read once for every attempt (auto: bf16, then fp32).
     images, labels, selection = source.parity_set
     job = _Job(tgt, target, model, meta, ckpt, dev, out, min_agreement, images, labels, selection)
@@ -473,4 +475,5 @@ def _artifact_path(out: str | Path | None, base: Path, suffix: str, target: str,
             path = path / f"model{suffix}"
         elif path.suffix != suffix:
             raise UserError(f"--out {out}: a --target {target} artifact must end in {suffix}")
+    refuse_links_below(base, path)  # a received run dir's export/ -> ~/elsewhere: not written through
     return path  # its folder is made by the attempt that publishes into it (attempt_folder)

@@ -12,6 +12,7 @@ The names of the files in runs/<name>/checkpoints/ are declared here once; the C
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -176,8 +177,10 @@ def resolve_checkpoint(path: str | Path) -> Path:
 
 
 def run_dir_of(checkpoint: Path) -> Path | None:
-    """runs/<name>/checkpoints/x.safetensors → runs/<name> (when it looks like a run dir)."""
-    parent = checkpoint.resolve().parent
+    """runs/<name>/checkpoints/x.safetensors → runs/<name> (when it looks like a run dir). Found by name, not
+    by resolving links: a received run dir's `checkpoints` -> ~/other/checkpoints must not make ~/other the
+    folder that eval.json and report.html are written into."""
+    parent = Path(os.path.abspath(checkpoint)).parent
     if parent.name == CHECKPOINTS and (parent.parent / "config.toml").is_file():
         return parent.parent
     return None
