@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import csv
+import hashlib
 import io
 import json
 import os
@@ -364,6 +365,47 @@ def test_lineage_finds_every_artifact_built_from_a_file(runs, dataset, tmp_path,
     flip_byte(exported, 3)
     assert main(["verify", str(exported)]) == 1
 
+
+
+def test_a_received_checkpoint_naming_a_run_of_the_users_log_is_not_registered_as_its(runs, tmp_path, capsys):
+    """A checkpoint's lineage (its metadata) is a claim: export registers an artifact under the run it names
+    only where that run's record lists the checkpoint's very bytes; verify holds an artifact record's
+    parent to the same (a record appended by hand, not by export, fails)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from torchcls.governance.artifacts import register_artifact, register_export
+    from torchcls.provenance.lineage import AuditLog
+    from torchcls.provenance.sidecars import LINEAGE_KEY, read_lineage
+
+    ckpt = runs["governed"] / "checkpoints" / "best.safetensors"
+    lineage = read_lineage(ckpt)
+    received = tmp_path / "received.safetensors"
+    save_file({"w": torch.zeros(1)}, str(received), metadata={LINEAGE_KEY: json.dumps(lineage)})
+    artifact = tmp_path / "model.pt2"
+    artifact.write_bytes(b"built from the received weights")
+    before = runs["log"].read_bytes()
+    assert register_export(artifact, received, {"target": "aoti"}) is None
+    assert "which recorded no such checkpoint: its lineage is a claim the log does not back" in capsys.readouterr().out
+    with pytest.raises(UserError, match="recorded no such checkpoint"):
+        register_artifact(artifact, received)
+    assert runs["log"].read_bytes() == before and not (tmp_path / "model.pt2.lineage.json").exists()
+
+    AuditLog(runs["log"]).append("artifact", {  # what the old export wrote: a record naming the run as parent
+        "artifact_id": "f" * 32, "parent_run_id": lineage["run_id"], "parent_sha256": "0" * 64,
+        "path": str(artifact.resolve()), "sha256": hashlib.sha256(artifact.read_bytes()).hexdigest(),
+        "artifact_kind": "export-aoti", "details": {}})
+    try:
+        assert main(["verify", str(artifact), "--audit-log", str(runs["log"])]) == 1
+        assert "was not recorded by run" in capsys.readouterr().out
+        exported = tmp_path / "real.pt2"
+        exported.write_bytes(b"built from the run's own checkpoint")
+        register_artifact(exported, ckpt, kind="aoti")  # the run's own bytes: registered, verified
+        capsys.readouterr()
+        assert main(["verify", str(exported)]) == UNVERIFIED
+        assert "is a checkpoint run" in capsys.readouterr().out
+    finally:
+        runs["log"].write_bytes(before)
 
 def test_builtin_manifest_hashes_every_sample(tmp_path, capsys):
     import hashlib

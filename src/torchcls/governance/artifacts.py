@@ -13,8 +13,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.events import ArtifactExported
+from torchcls.governance.log_search import artifacts_of
 from torchcls.provenance.digest import sha256_file
 from torchcls.provenance.keys import load_key
 from torchcls.provenance.lineage import AuditLog
@@ -28,7 +30,10 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
                       sha256: str | None = None, signing_key_file: str | None = None) -> str:
     """For exporters: record `path` (built from `source_checkpoint`) in the audit log; returns its lineage id.
 
-    The source checkpoint must carry a lineage id (runs stamp theirs); the new artifact gets a
+    The source checkpoint must carry a lineage id (runs stamp theirs), and that lineage is a claim until the
+    log it names backs it: the named run's record must list this very checkpoint (its SHA-256) among what the
+    run produced (`backed_parent`), so a received checkpoint whose metadata names a run of the user's log is
+    not registered, or signed, as that run's. The new artifact gets a
     sidecar naming its own id, its parent and the hash of its audit record (the log's head, pinned),
     and the log gets both files' hashes. With a signing key (`signing_key_file`, else
     $TORCHCLS_SIGNING_KEY) the record is signed with it and a signed in-toto attestation is written
@@ -43,9 +48,11 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
         raise UserError(f"{source_checkpoint} carries no lineage id: it was not produced by a run with lineage on")
     artifact_id = uuid.uuid4().hex
     log_path = Path(parent["audit_log"])
+    parent_sha256 = sha256_file(source_checkpoint)
+    backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint)
     signer = signer_from(signing_key_file, near=[log_path.parent])
     log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]), signer)
-    digest, parent_sha256 = sha256 or sha256_file(path), sha256_file(source_checkpoint)
+    digest = sha256 or sha256_file(path)
     record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
                                      "parent_sha256": parent_sha256, "path": str(path.resolve()),
                                      "sha256": digest, "artifact_kind": kind, "details": details or {}})
@@ -60,6 +67,23 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
                **({"signer": signer.keyid} if signer is not None else {})}
     write_text_atomic(sidecar(path), json.dumps(lineage, indent=2, sort_keys=True))
     return artifact_id
+
+
+class UnbackedLineage(UserError):
+    """A checkpoint's lineage names a run whose record does not list that checkpoint."""
+
+
+def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, checkpoint: Path) -> None:
+    """Refuse (UserError) unless a record of the run that `parent` (a checkpoint's lineage) names lists a file
+    with `parent_sha256` among the run's artifacts (any of its records: a resumed run records itself again)."""
+    runs = [r for _, r, _ in log.records() if r and r["kind"] == "run" and r.get("run_id") == parent.get("run_id")]
+    if not runs:
+        raise UnbackedLineage(f"{checkpoint} names run {parent.get('run_id')} of {log.path}, which has no record "
+                              "of it (a run still training records itself when it ends: export again after that)")
+    if not any(a["sha256"] == parent_sha256 for r in runs for a in artifacts_of(r)):
+        raise UnbackedLineage(f"{checkpoint} (sha256 {parent_sha256[:16]}…) names run {parent.get('run_id')} of "
+                              f"{log.path}, which recorded no such checkpoint: its lineage is a claim the log does "
+                              "not back")
 
 
 def _run_manifests(log: AuditLog, parent: dict[str, Any]) -> list[dict[str, Any]]:
@@ -78,6 +102,9 @@ def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha25
     try:
         return register_artifact(path, checkpoint, kind=f"export-{details.get('target', '')}", details=details,
                                  sha256=sha256)
+    except UnbackedLineage as e:  # a received checkpoint's claim: the artifact itself is built and checked
+        console.print(f"{path} was exported; not registered in the audit log: {e}", highlight=False)
+        return None
     except UserError as e:
         raise UserError(f"{path} was exported but not registered in the audit log: {e}") from None
 

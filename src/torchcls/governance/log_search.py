@@ -72,13 +72,19 @@ class ArtifactSearch:
         rec = self.produced[0]
         return rec.get("run_id") or rec.get("parent_run_id")
 
+    def produced_parent(self) -> Any:
+        """The SHA-256 of the checkpoint an exported artifact's record says it was built from (None: no such record)."""
+        return self.produced[0].get("parent_sha256") if self.produced and self.produced[0].get("kind") == "artifact" \
+            else None
 
-def second_pass(f: IO[bytes], first: ChainCheck, seqs: set[Any], run_id: Any
-                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, bool]:
+
+def second_pass(f: IO[bytes], first: ChainCheck, seqs: set[Any], run_id: Any, parent_sha256: Any = None
+                ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, bool, bool]:
     """(the records at `seqs`, the last `run` record of `run_id`, whether `f` still holds the chain `first`
-    checked), reading `f` from its start again."""
+    checked, whether a `run` record of `run_id` lists `parent_sha256` among its files), reading `f` from its
+    start again."""
     f.seek(0)
-    chain, pinned, run = ChainCheck(), {}, None
+    chain, pinned, run, parent_listed = ChainCheck(), {}, None, False
     for e in read_entries(f):
         chain.feed(e)
         rec = e.record
@@ -88,6 +94,7 @@ def second_pass(f: IO[bytes], first: ChainCheck, seqs: set[Any], run_id: Any
             pinned[rec["seq"]] = {"seq": rec["seq"], "hash": rec["hash"]}
         if rec.get("kind") == "run" and run_id is not None and rec.get("run_id") == run_id:
             run = rec
+            parent_listed = parent_listed or any(a["sha256"] == parent_sha256 for a in artifacts_of(rec))
     same = (chain.head, chain.next_seq, chain.lines, chain.records) == (first.head, first.next_seq, first.lines,
                                                                        first.records)
-    return list(pinned.values()), run, same
+    return list(pinned.values()), run, same, parent_listed

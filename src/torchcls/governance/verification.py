@@ -89,7 +89,8 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
         check_log(res, log, scan, trusted, lineage)
         pins = pins_of(artifact, lineage, search.run_records())
         seqs = {pin.get("seq") for _, pin in pins if type(pin.get("seq")) is int}
-        pinned, run, same = second_pass(f, scan.chain, seqs, search.produced_run())
+        pinned, run, same, parent_listed = second_pass(f, scan.chain, seqs, search.produced_run(),
+                                                       search.produced_parent())
     if not same:
         res.add("audit log", False, f"{log.path} changed while it was being verified: verify it again")
         return res
@@ -97,7 +98,7 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     res.add("audit log anchors", None if not pins else not bad, "; ".join(bad or good) if pins else
             "no pinned record hash found for this artifact (made before pins were recorded, and no lineage.json)")
     _check_attestation(res, artifact, digest, trusted)
-    if not _artifact_and_run(res, log, search, run):
+    if not _artifact_and_run(res, log, search, run, parent_listed):
         return res
     _check_manifests(res, log, run, HashCache(None if rehash else log.path.parent / CACHE_FILE))
     _check_policy(res, run, given, policy)
@@ -111,8 +112,10 @@ def _check_attestation(res: VerifyResult, artifact: Path, digest: str, trusted: 
     res.add("attestation", ok, detail)
 
 
-def _artifact_and_run(res: VerifyResult, log: AuditLog, search: ArtifactSearch, run: dict[str, Any] | None) -> bool:
-    """Whether a record produced the artifact and its run has a `run` record (`run`); each finding added."""
+def _artifact_and_run(res: VerifyResult, log: AuditLog, search: ArtifactSearch, run: dict[str, Any] | None,
+                      parent_listed: bool) -> bool:
+    """Whether a record produced the artifact, its run has a `run` record (`run`) and, for an export, a run
+    record lists the checkpoint it was built from (`parent_listed`); each finding added."""
     artifact, digest, lineage = search.artifact, search.digest, search.lineage
     if lineage is None and search.produced is None:
         res.add("artifact hash", False, f"{artifact} (sha256 {digest[:16]}…) carries no readable lineage id and its "
@@ -136,6 +139,12 @@ def _artifact_and_run(res: VerifyResult, log: AuditLog, search: ArtifactSearch, 
         res.add("run record", False, f"run {run_id} has no 'run' record in {log.path}")
         return False
     res.add("run record", True, f"run {run_id} (seq {run['seq']}, {run.get('run_dir')}, code {run.get('code_version')})")
+    parent = search.produced_parent()
+    if parent is not None:  # an export: its record's claim about its checkpoint, held against what the run made
+        res.add("source checkpoint", parent_listed, f"sha256 {str(parent)[:16]}… " + (
+            f"is a checkpoint run {run_id} recorded" if parent_listed else
+            f"was not recorded by run {run_id}: the export's lineage is a claim the log does not back"))
+        return parent_listed
     return True
 
 
