@@ -176,6 +176,21 @@ def test_the_command_line_still_sets_them_for_ones_own_run(tmp_path: Path, capsy
     assert "recorded config" not in capsys.readouterr().out
 
 
+def test_a_run_dirs_recorded_config_names_no_audit_log_or_key_file(tmp_path: Path, capsys):
+    """A received run dir's config.toml may not choose the file a resumed run appends its audit record to, nor
+    the key files that sign it: those come from the command line (or the defaults beside the runs)."""
+    config = _received_run(tmp_path)
+    config.write_text(config.read_text() + f'[governance]\naudit_log = "{tmp_path / "elsewhere.jsonl"}"\n'
+                      f'signing_key_file = "{tmp_path / "key.pem"}"\naudit_key_file = "{tmp_path / "k"}"\n')
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(config), "--resume"]))
+    assert (cfg.governance.audit_log, cfg.governance.signing_key_file, cfg.governance.audit_key_file) == (None,) * 3
+    assert "give --max-pixels --memory-limit-mb --audit-key-file --audit-log --signing-key-file" in \
+        " ".join(capsys.readouterr().out.split())
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(config), "--resume", "--audit-log",
+                                                      str(tmp_path / "mine.jsonl")]))
+    assert cfg.governance.audit_log == str(tmp_path / "mine.jsonl") and cfg.governance.signing_key_file is None
+
+
 def test_the_resume_hint_gives_on_the_command_line_what_config_toml_does_not_set(tmp_path: Path):
     from torchcls.config import resume_command
 

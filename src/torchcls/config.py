@@ -345,7 +345,7 @@ class Config:
     @classmethod
     def recorded(cls, raw: dict[str, Any], origin: str) -> Config:
         """The config a checkpoint recorded, for a later command (evaluate, export's parity and calibration
-        images): its options as written, except the BOUND_OPTIONS and EGRESS_OPTIONS, which keep this
+        images): its options as written, except the RECORDED_NOT_TAKEN ones (BOUND_OPTIONS...), which keep this
         machine's defaults. A checkpoint from elsewhere describes how its model was trained; it does not
         raise what reading input may cost here, nor say where data is sent."""
         cfg = cls.from_dict(raw, origin)
@@ -376,7 +376,13 @@ BOUND_OPTIONS = frozenset({("data", "max_pixels"), ("data", "memory_limit_mb")})
 # final checkpoint to --tracking-uri. Recorded configs never set them either (a received run dir's
 # config.toml naming tracking_uri = "http://attacker" would have it upload there); the command line does.
 EGRESS_OPTIONS = frozenset({("train", "tracking"), ("train", "tracking_uri")})
-RECORDED_NOT_TAKEN = BOUND_OPTIONS | EGRESS_OPTIONS
+
+# Options that name files of this machine a run appends to or signs with: the audit log and its keys. Not
+# from a recorded config either (a received run dir's config.toml would choose where a resumed run appends its
+# record, and which key file of the user's signs it); the command line, or the defaults beside the runs.
+LOCAL_FILE_OPTIONS = frozenset({("governance", "audit_log"), ("governance", "audit_key_file"),
+                                ("governance", "signing_key_file")})
+RECORDED_NOT_TAKEN = BOUND_OPTIONS | EGRESS_OPTIONS | LOCAL_FILE_OPTIONS
 
 # What a folder holds when it is a run dir (training/rundir.py writes them): a config.toml beside them is
 # a recorded config, whatever run it names.

@@ -374,5 +374,6 @@ def _note_ignored(path: str, ignored: list[tuple[str, str, Any]]) -> None:
     values = ", ".join(f"{key} = {value!r}" for _, key, value in ignored)
     flags = " ".join(f"--{key.replace('_', '-')}" for _, key, _ in ignored)
     console.print(f"[yellow]note: {path} is a run dir's recorded config: its {values} not taken (what bounds input "
-                  f"costs or sends data elsewhere comes from the command line: give {flags} to keep them)[/]",
+                  f"costs, sends data elsewhere or names the audit log and its keys comes from the command line: "
+                  f"give {flags} to keep them)[/]",
                   highlight=False, soft_wrap=True)
