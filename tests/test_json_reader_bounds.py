@@ -180,6 +180,9 @@ def test_lineage_from_a_checkpoint_header_and_a_sidecar(tmp_path):
         read_lineage(_safetensors(tmp_path / "c.safetensors", {LINEAGE_KEY: bomb}))
     big = _safetensors(tmp_path / "d.safetensors", {LINEAGE_KEY: json.dumps(lineage), "pad": "x" * (9 << 20)})
     assert read_lineage(big) is None  # a header past torchcls's 8 MiB (safetensors itself allows 100 MB): not read
+    (tmp_path / "dangling.safetensors").symlink_to(tmp_path / "gone")
+    assert read_lineage(tmp_path / "dangling.safetensors") is None  # unreadable: the loader says why
+    assert read_lineage(tmp_path / "not-saved-yet.safetensors") is None
     (tmp_path / "e.onnx").write_bytes(b"\x08\x07" * 100)
     assert read_lineage(tmp_path / "e.onnx") is None  # not safetensors
 

@@ -65,18 +65,21 @@ def read_sidecar(path: Path) -> dict[str, Any] | None:
 def read_lineage(path: str | Path) -> dict[str, Any] | None:
     """The lineage an artifact carries (metadata or sidecar), or None when it carries none or is unreadable.
     A lineage past LINEAGE_BOUNDS is a UserError. The artifact and its sidecar are opened only as regular files
-    (UserError otherwise): `predict` and
-    `serve` call this first, before the loader, so a FIFO named `model.pt2` must not block here."""
+    (UserError otherwise): `predict` and `serve` call this first, before the loader, so a FIFO named `model.pt2`
+    must not block here."""
     path = Path(path)
     if os.path.lexists(sidecar(path)):
         return read_sidecar(path)
     if not os.path.lexists(path):  # (a run's checkpoint before its first save)
         return None
-    with regular_path(path, what="artifact") as checked:  # (not a regular file: UserError, before any read)
-        try:  # the header under torchcls's bounds (8 MiB, counted before the parse), not the library's 100 MB
-            header = check_safetensors_header(checked, follow_symlinks=True)
-        except UserError:  # not safetensors, or its header was damaged: the hash check or the loader says which
-            return None
+    try:
+        with regular_path(path, what="artifact") as checked:  # (not a regular file: UserError, before any read)
+            try:  # the header under torchcls's bounds (8 MiB, counted before the parse), not the library's 100 MB
+                header = check_safetensors_header(checked, follow_symlinks=True)
+            except UserError:  # not safetensors, or its header was damaged: the hash check or the loader says which
+                return None
+    except OSError:  # unreadable (a dangling link, no permission): as before, the loader says why
+        return None
     raw = header.get(METADATA, {}).get(LINEAGE_KEY)
     found = parse_lineage(raw.encode(), f"{path}: {LINEAGE_KEY}") if raw else None
     return found if isinstance(found, dict) else None
