@@ -293,3 +293,134 @@ def test_a_parquet_file_declaring_more_than_it_may_decode_is_refused_before_read
         hf.open_hf(f"hf:{path}")
     monkeypatch.setattr(hf, "PARQUET_FLOOR", 8 << 20)
     assert len(hf.open_hf(f"hf:{path}")) == 1
+
+
+# --- sizes read from a data input, bounded before they are allocated (review: a 7.6 MiB CSV of ",\n" rows took
+# +1.16 GiB; an IDX header of (15, 2048, 2048) made 2048 px images; an HF cell was copied whole before the per-image
+# bound). Memory is measured here, never time. ------------------------------------------------------------------
+
+@contextmanager
+def peak_rss_growth(limit_mb: float):
+    """Fails if this process's peak RSS rises more than `limit_mb` above its RSS at the start of the block (the
+    peak is reset first, so earlier tests' peaks hide nothing)."""
+    from bounds_check import status_mb
+    Path("/proc/self/clear_refs").write_text("5")
+    start = status_mb("VmRSS")
+    yield
+    grew = status_mb("VmHWM") - start
+    assert grew < limit_mb, f"peak RSS grew {grew:.0f} MiB"
+
+
+def test_csv_rows_are_streamed_and_bad_ones_counted_not_kept(tmp_path: Path):
+    blank = tmp_path / "blank.csv"
+    blank.write_bytes(b"path,label\n" + b",\n" * 1_000_000)  # 2 MB (was ~250 MB of dicts and problem strings)
+    with address_space(1.0), peak_rss_growth(40), pytest.raises(UserError) as e:
+        open_source(str(blank), None, "train", 3, "error")
+    lines = str(e.value).splitlines()
+    assert lines[0].endswith("1,000,000 bad row(s):") and lines[1] == "  line 2: empty path or label"
+    assert len(lines) == 1 + 20 + 1 and lines[-1] == "  ... and 999,980 more"
+
+
+def test_csv_row_count_and_row_size_are_bounded_while_reading(tmp_path: Path, monkeypatch):
+    from torchcls.data import sources
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
+    monkeypatch.setattr(sources, "MAX_CSV_ROWS", 10)
+    many = write_csv(tmp_path / "many.csv", [("a.png", "x")] * 11, "label")
+    with pytest.raises(UserError, match="many.csv: more than 10 rows \\(torchcls.data.sources.MAX_CSV_ROWS"):
+        open_source(str(many), None, "all", 3, "error")
+    (tmp_path / "blank.csv").write_text("path,label\n" + "a.png,x\n\n" * 10)  # blank lines are no rows
+    assert len(open_source(str(tmp_path / "blank.csv"), None, "all", 3, "error")) == 10
+    # One row of 2 million fields (csv bounds a field, not a row): refused before csv splits it.
+    wide = tmp_path / "wide.csv"
+    wide.write_text("path,label\na.png,x," + "," * (2 << 20) + "\n")
+    with address_space(1.0), pytest.raises(UserError, match="wide.csv: line 2: a row of more than 1,048,576 char"):
+        open_source(str(wide), None, "all", 3, "error")
+    # ... and one row spread over many lines by quoted newlines, each field small
+    monkeypatch.setattr(sources, "MAX_CSV_ROW_CHARS", 1_000)
+    quoted = tmp_path / "quoted.csv"
+    quoted.write_text('path,label\na.png,x,' + '"\n",' * 400 + "\n")
+    with pytest.raises(UserError, match="quoted.csv: line [0-9]+: a row of more than 1,000 characters"):
+        open_source(str(quoted), None, "all", 3, "error")
+    split = write_csv(tmp_path / "split.csv", [("a.png", "x")], "label")  # and a normal manifest still loads
+    assert open_source(str(split), None, "all", 3, "error").classes == ["x"]
+
+
+def idx_gz(path: Path, dims: tuple[int, ...], payload: bytes | None = None, magic: int | None = None) -> Path:
+    """A gzipped IDX file: the magic (unsigned bytes, len(dims) dimensions unless given), `dims`, the payload (zeros
+    as many as `dims` say unless given)."""
+    import gzip
+    import math
+    import struct
+    head = struct.pack(">I", 0x0800 | len(dims) if magic is None else magic) + struct.pack(f">{len(dims)}I", *dims)
+    path.write_bytes(gzip.compress(head + (bytes(math.prod(dims)) if payload is None else payload)))
+    return path
+
+
+def test_fashion_mnist_idx_headers_are_checked_against_the_data_set_and_the_payload(tmp_path: Path):
+    def fashion(images: Path | None = None, labels: Path | None = None):
+        idx_gz(tmp_path / "train-images-idx3-ubyte.gz", (3, 28, 28)) if images is None else None
+        idx_gz(tmp_path / "train-labels-idx1-ubyte.gz", (3,), bytes([0, 9, 4])) if labels is None else None
+        return open_source("fashion-mnist", str(tmp_path), "train", None, "error")
+
+    good = fashion()
+    assert (len(good), good.side, good.targets.tolist()) == (3, 28, [0, 9, 4])
+    img, lbl = tmp_path / "train-images-idx3-ubyte.gz", tmp_path / "train-labels-idx1-ubyte.gz"
+    cases = [  # (which file, how it is made, what the error says)
+        (img, lambda p: idx_gz(p, (15, 2048, 2048), b""), "its header gives the shape 15 x 2048 x 2048; this file "
+                                                          "holds N x 28 x 28"),
+        (img, lambda p: idx_gz(p, (), b"", magic=0x08FF), "its header has 255 dimension\\(s\\) in 4 bytes"),
+        (img, lambda p: idx_gz(p, (3, 28), b""), "its header has 2 dimension\\(s\\)"),
+        (img, lambda p: p.write_bytes(__import__("gzip").compress(b"\x00\x00\x08\x03\x00\x00")),
+         "its header has 3 dimension\\(s\\) in 6 bytes"),
+        (img, lambda p: idx_gz(p, (3, 28, 28), bytes(100)), "shape 3 x 28 x 28, 2,352 bytes, but 100 bytes follow"),
+        (img, lambda p: idx_gz(p, (3, 28, 28), bytes(3000)), "2,352 bytes, but 3,000 bytes follow"),
+        (img, lambda p: p.write_bytes(idx_gz(p, (3, 28, 28)).read_bytes()[:-20]), "not a readable .gz file"),
+        (img, lambda p: p.write_bytes(b"plain"), "not a readable .gz file"),
+        (img, lambda p: idx_gz(p, (3, 28, 28), magic=0x0D03), "is not an unsigned-byte IDX file"),
+        (lbl, lambda p: idx_gz(p, (3, 1), bytes(3)), "its header has 2 dimension\\(s\\) .* this file holds N;"),
+        (lbl, lambda p: idx_gz(p, (2,), bytes(2)), "2 labels; they must be the two files of one split"),
+        (lbl, lambda p: idx_gz(p, (3,), bytes([0, 10, 1])), "label 10, but Fashion-MNIST has classes 0 to 9"),
+    ]
+    for target, make, reason in cases:
+        make(target)
+        with address_space(1.0), pytest.raises(UserError, match=f"{target.name}.*{reason}"):
+            fashion(images=img if target == img else None, labels=lbl if target == lbl else None)
+
+
+def saved_table(folder: Path, column) -> Path:
+    """A save_to_disk folder (as hf_saved reads it) whose image column is `column` and labels 0, 1, ..."""
+    import pyarrow as pa
+    folder.mkdir()
+    table = pa.table({"image": column, "label": pa.array(range(len(column)), pa.int64())})
+    with pa.OSFile(str(folder / "data-00000-of-00001.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    (folder / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["binary", "large_binary", "binary_view", "image struct"])
+def test_an_hf_cell_is_measured_in_the_table_before_it_is_copied(tmp_path: Path, monkeypatch, kind: str):
+    """The bound is lowered to 1 MiB, so a 32 MiB cell stands for a 600 MiB one: it was copied twice (a Scalar,
+    then as_py) before the bound refused it."""
+    import dataclasses
+
+    import pyarrow as pa
+
+    from torchcls.data import images
+    from torchcls.data.hf import open_hf
+    monkeypatch.setattr(images, "BOUNDS", dataclasses.replace(images.BOUNDS, max_file_bytes=1 << 20))
+    cells = [png_bytes(), bytes(32 << 20), png_bytes()]
+    if kind == "image struct":  # datasets' Image feature: {bytes, path}
+        column = pa.array([{"bytes": c, "path": None} for c in cells],
+                          pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
+    else:
+        column = pa.array(cells, getattr(pa, kind)())
+    ds = open_hf(str(saved_table(tmp_path / "ds", column)))
+    del column, cells
+    assert ds.load(0).shape == (3, 8, 8)
+    with peak_rss_growth(16):
+        for read in (ds.load, ds.encoded):
+            with pytest.raises(BadImage, match="row 1: too large to read: column 'image' holds 33,554,4[0-9]{2} bytes "
+                                               "here, .* at most 1,048,576 bytes"):
+                read(1)
+    assert ds.load(2).shape == (3, 8, 8) and ds.encoded(2)[1] == "png"

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -287,3 +289,128 @@ def test_val_fraction_holds_out_whole_shards(numbered_shards):
     facts = describe(numbered_shards)
     assert facts["num_samples"] == 300 and len(facts["index_sha256"]) == 64
     assert [s["sha256"] for s in facts["shards"]] == [s.sha256 for s in numbered_shards.shards]
+
+
+# --- tar headers are checked before tarfile parses them (review: a pax header of 32 KiB of digits took 1 s in
+# tarfile's regex, CVE-2024-6232, quadratic; a GNU long name declaring 2^40 bytes made tarfile read(2^40), a
+# MemoryError) -------------------------------------------------------------------------------------------------
+
+def tar_header(name: str, size: int, kind: bytes = tarfile.REGTYPE) -> bytes:
+    info = tarfile.TarInfo(name)
+    info.type, info.size = kind, size
+    return info.tobuf(tarfile.GNU_FORMAT if size >= 8**11 else tarfile.USTAR_FORMAT)  # (GNU: base-256 sizes)
+
+
+def tar_member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
+    return tar_header(name, len(data), kind) + data + bytes(-len(data) % 512)
+
+
+def pax(*records: tuple[str, str], kind: bytes = tarfile.XHDTYPE) -> bytes:
+    """A pax header ('x' or 'g') holding these records, each "LEN KEY=VALUE\\n" as tarfile writes them."""
+    data = b""
+    for key, value in records:
+        body = f" {key}={value}\n".encode()
+        n = len(body) + len(str(len(body)))
+        n += len(str(n)) - len(str(len(body)))
+        data += str(n).encode() + body
+    return tar_member("././@PaxHeader", data, kind)
+
+
+def png_member_bytes() -> bytes:
+    import io
+
+    from PIL import Image
+    buf = io.BytesIO()
+    Image.new("L", (8, 8), 90).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def sample(key: str, label: int) -> bytes:
+    return tar_member(f"{key}.png", png_member_bytes()) + tar_member(f"{key}.cls", str(label).encode())
+
+
+def shard_of(folder: Path, *parts: bytes) -> Path:
+    folder.mkdir()
+    (folder / "a.tar").write_bytes(b"".join(parts) + bytes(1024))
+    return folder / "a.tar"
+
+
+def test_tar_extension_headers_are_bounded_before_tarfile_parses_them(tmp_path: Path):
+    from torchcls.data.shards import MAX_TAR_EXTENSION_BYTES
+    good = sample("s0", 0) + sample("s1", 1)
+    cases = {  # name: (the bad header chain, what the error says)
+        "digits": (tar_member("././@PaxHeader", b"1" * (MAX_TAR_EXTENSION_BYTES + 1), tarfile.XHDTYPE),
+                   "pax extended header \\('x'\\) of 65,537 bytes, more than the 65,536 read"),
+        "digits_within": (tar_member("././@PaxHeader", b"1" * (32 << 10), tarfile.XHDTYPE),
+                          "a malformed record at byte 0"),
+        "digit_run": (pax(("path", "9" * 33 + ".png")), "a run of more than 32 digits"),
+        "split_pax": (b"".join(pax(("comment", "1" * 30 + "x")) for _ in range(9)),
+                      "more than 8 extension headers in a row"),
+        "long_name_2_40": (tar_header("././@LongLink", 1 << 40, tarfile.GNUTYPE_LONGNAME) + bytes(512),
+                           "\\(member '././@LongLink'\\) declares 1,099,511,627,776 bytes, past the end"),
+        "long_name_big": (tar_member("././@LongLink", b"n" * (MAX_TAR_EXTENSION_BYTES + 1), tarfile.GNUTYPE_LONGNAME),
+                          "GNU long-name header \\('L'\\) of 65,537 bytes"),
+        "sparse": (tar_member("s2.png", b"x", tarfile.GNUTYPE_SPARSE), "GNU sparse member \\('S'\\)"),
+        "pax_sparse": (pax(("GNU.sparse.major", "1"), ("GNU.sparse.minor", "0")), "GNU sparse keys"),
+        "records": (pax(*((f"k{i}", "v") for i in range(33))), "more than 32 records"),
+        "padding": (tar_member("././@PaxHeader", b"5 a=b\n", tarfile.XHDTYPE)[:-6] + b"1 a=b\n",
+                    "data in its padding"),
+        "global_later": (pax(("comment", "x"), kind=tarfile.XGLTYPE), "pax global header \\('g'\\) after the first"),
+        "member_past_end": (tar_header("s2.png", 1 << 30), "\\(member 's2.png'\\) declares 1,073,741,824 bytes"),
+    }
+    for name, (chain, reason) in cases.items():
+        for where, parts in (("first", (chain, good)), ("after a sample", (good, chain, sample("s2", 0)))):
+            if name == "global_later" and where == "first":
+                continue  # (allowed first: git archive writes one)
+            shard = shard_of(tmp_path / f"{name}-{where.split()[0]}", *parts)
+            at = 0 if where == "first" else len(good)
+            where = f"shard {re.escape(str(shard))}: the tar header at byte {at:,} "
+            with pytest.raises(UserError, match=f"{where}.*{reason}"):
+                open_shards(str(shard.parent))
+
+
+def test_tar_headers_of_real_writers_still_open_and_stream(tmp_path: Path):
+    import io
+    png = png_member_bytes()
+    (tmp_path / "wds").mkdir()  # webdataset's default: a float mtime, so a pax header before every member
+    write_tar(tmp_path / "wds" / "a.tar", [(f"{'k' * 120}/é{i:03d}", png, str(i % 2).encode()) for i in range(4)])
+    assert (tmp_path / "wds" / "a.tar").read_bytes().count(b" mtime=") >= 8
+    for fmt, extra in ((tarfile.GNU_FORMAT, None), (tarfile.PAX_FORMAT, {"comment": "made by tarfile"})):
+        folder = tmp_path / f"fmt{fmt}"
+        folder.mkdir()
+        with tarfile.open(folder / "a.tar", "w", format=fmt, pax_headers=extra) as tf:  # long names: 'L' or 'x'
+            for i in range(4):
+                for ext, data in (("png", png), ("cls", str(i % 2).encode())):
+                    info = tarfile.TarInfo(f"{'d' * 120}/{i:03d}.{ext}")
+                    info.size, info.mtime = len(data), 1.7e9 + 0.25
+                    tf.addfile(info, io.BytesIO(data))
+    for folder in ("wds", f"fmt{tarfile.GNU_FORMAT}", f"fmt{tarfile.PAX_FORMAT}"):
+        shardset = open_shards(str(tmp_path / folder))
+        labels = [int(y) for _, ys in shard_loader(shardset, 2, 0, seed=0, shuffle=False) for y in ys]
+        assert len(shardset) == 4 and labels == [0, 1, 0, 1], folder
+
+
+def test_a_shuffle_block_holds_at_most_max_block_bytes(numbered_shards, monkeypatch):
+    """Past MAX_BLOCK_BYTES a block's samples stay in their shard until used: the same batches, and the same resume."""
+    from torchcls.data import streaming
+
+    def run(**kw) -> list[list[int]]:
+        ld = shard_loader(numbered_shards, 16, 0, seed=3, block=100, **kw)
+        ld.set_epoch(1)
+        return [ids_of(b) for b in ld]
+
+    reference = run()
+    monkeypatch.setattr(streaming, "MAX_BLOCK_BYTES", 2_000)
+    stream = shard_loader(numbered_shards, 16, 0, seed=3, block=100).dataset
+    budget = [streaming.MAX_BLOCK_BYTES]
+    block = list(itertools.islice(stream._read(0, 300, budget), 100))
+    held = [f for _, _, f in block if isinstance(f, dict)]
+    assert sum(len(v) for f in held for v in f.values() if v) <= 2_000 and 0 < len(held) < 100
+    assert run() == reference
+    first = shard_loader(numbered_shards, 16, 0, seed=3, block=100)
+    first.set_epoch(1)
+    it = iter(first)
+    head = [ids_of(next(it)) for _ in range(9)]
+    resumed = shard_loader(numbered_shards, 16, 0, seed=3, block=100)
+    resumed.load_state_dict(first.state_dict())
+    assert head + [ids_of(b) for b in resumed] == reference

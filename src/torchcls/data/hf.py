@@ -67,9 +67,8 @@ class HFImageSet:
     def load(self, i: int) -> torch.Tensor:
         if self._column is None:
             self._column = _open_table(*self.location).column(self.image_column)
-        value = self._column[i].as_py()
         try:
-            data = _image_bytes(value, self.image_column)
+            data = _image_bytes(_cell(self._column, i, self.image_column), self.image_column)
             return image_files.decode_bytes(data, self.channels, self.min_side, self.max_pixels)
         except image_files.BadImage as e:
             raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
@@ -79,11 +78,48 @@ class HFImageSet:
         if self._column is None:
             self._column = _open_table(*self.location).column(self.image_column)
         try:
-            data = _image_bytes(self._column[i].as_py(), self.image_column)
+            data = _image_bytes(_cell(self._column, i, self.image_column), self.image_column)
             fmt = image_files.probe_bytes(data).format.lower()  # from the bytes, never Pillow
         except image_files.BadImage as e:
             raise image_files.BadImage(f"{self.name} row {i}: {e}") from None
         return data, {"jpeg": "jpg"}.get(fmt, fmt)
+
+
+# A cell is measured in the Arrow array before anything copies it: `column[i]` (a Scalar) already copies a binary
+# cell, and a 600 MiB cell (a sparse Arrow file: free on disk) was copied whole before the per-image bound refused
+# it. Beside the image's bytes a cell may hold its path (HF's Image struct) and Arrow's offsets and validity.
+MAX_CELL_EXTRA = 64 << 10
+
+
+def _cell(column: Any, i: int, name: str) -> Any:
+    """Row i of the image column as a Python value (bytes, a path, or HF's Image struct of both), copied out of the
+    memory-mapped table only once the bytes it references are counted (from the array's offsets, no copy) and
+    found within image_formats.Bounds.max_file_bytes; BadImage otherwise."""
+    cell = next((c for c in column.slice(i, 1).chunks if len(c)), None)  # a view of row i (zero-copy)
+    if cell is None:
+        raise IndexError(f"row {i} of a {len(column)}-row column")
+    size, limit = _referenced_bytes(cell), image_files.BOUNDS.max_file_bytes
+    if size > limit + MAX_CELL_EXTRA:
+        raise image_files.BadImage(f"too large to read: column '{name}' holds {size:,} bytes here, and an image is "
+                                   f"read whole to be decoded, at most {limit:,} bytes "
+                                   "(image_formats.Bounds.max_file_bytes)")
+    return cell[0].as_py()
+
+
+def _referenced_bytes(cell: Any) -> int:
+    """The bytes a one-row array references: Array.nbytes (which follows offsets: a binary or large_binary cell
+    counts its own bytes), except that a view type's would count every data buffer its chunk shares, so its length
+    is read from its 16-byte view (the Arrow format: an int32 length first)."""
+    import pyarrow.types as pat
+    kind = cell.type
+    if pat.is_struct(kind):
+        return sum(_referenced_bytes(child) for child in cell.flatten())  # (flatten follows the slice's offset)
+    if pat.is_binary_view(kind) or pat.is_string_view(kind):
+        if not cell.is_valid()[0].as_py():
+            return 0
+        view = cell.buffers()[1]
+        return int.from_bytes(view[16 * cell.offset:16 * cell.offset + 4].to_pybytes(), "little", signed=True)
+    return cell.nbytes
 
 
 def _image_bytes(value: Any, column: str) -> bytes:

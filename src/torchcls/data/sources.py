@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import csv
 import gzip
+import math
 import os
 import struct
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -29,7 +33,6 @@ from torchcls.data.splits import (
     SPLIT_NAMES,
     available_splits,
     check_same_classes,
-    csv_splits,
     split_folders,
 )
 from torchcls.errors import UserError
@@ -128,21 +131,43 @@ def _mnist_5k(channels: int | None) -> ImageSet:
     return ImageSet("mnist-5k", [str(d) for d in range(10)], targets, channels or 1, images=images, origin="mnist-5k")
 
 
-def _read_idx(path: Path) -> np.ndarray:
-    with open_regular(path, what="IDX file") as packed, gzip.open(packed, "rb") as f:
-        raw = f.read(MAX_IDX_BYTES + 1)  # bounded before it is all in memory: a gzip inflates ~1000-fold
+# The four official Fashion-MNIST (and MNIST) IDX files: unsigned bytes, images (N, 28, 28), labels (N,). The
+# header's dimensions are checked against these and against the payload before any is used: a (15, 2048, 2048)
+# header made the images 2048 px and the model's first input 2 GiB.
+MAX_IDX_BYTES = 64 << 20  # the largest Fashion-MNIST file (train images) inflates to 47,040,016 bytes
+IDX_SIDE = 28  # the documented image size of both data sets
+IDX_IMAGES, IDX_LABELS = (None, IDX_SIDE, IDX_SIDE), (None,)  # expected dims; None: any count
+IDX_FIX = "re-install them (apt-get install dataset-fashion-mnist, or put them in a directory given with --root)"
+
+
+def _read_idx(path: Path, dims: tuple[int | None, ...] = IDX_IMAGES) -> np.ndarray:
+    """An unsigned-byte IDX file whose header has len(dims) dimensions, each equal to its entry in `dims` (None:
+    any), and whose payload holds exactly as many bytes as they multiply to."""
+    fix = f"it is not one of the four official IDX files: {IDX_FIX}"
+    try:
+        with open_regular(path, what="IDX file") as packed, gzip.open(packed, "rb") as f:
+            raw = f.read(MAX_IDX_BYTES + 1)  # bounded before it is all in memory: a gzip inflates ~1000-fold
+    except (OSError, EOFError, zlib.error) as e:  # not gzip, cut short, a bad CRC
+        raise UserError(f"{path}: not a readable .gz file ({e}); {fix}") from None
     if len(raw) > MAX_IDX_BYTES:
         raise UserError(f"{path} inflates to more than {MAX_IDX_BYTES:,} bytes, more than any Fashion-MNIST file "
                         "(47,040,016): it is not one of the four official IDX files")
-    magic, = struct.unpack(">I", raw[:4])
-    ndim = magic & 0xFF
-    if magic >> 8 != 0x08:  # 0x08 = unsigned byte data
-        raise UserError(f"{path} is not an unsigned-byte IDX file (magic {magic:#x})")
-    shape = struct.unpack(">" + "I" * ndim, raw[4:4 + 4 * ndim])
-    return np.frombuffer(raw, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
-
-
-MAX_IDX_BYTES = 64 << 20  # the largest Fashion-MNIST file (train images) inflates to 47,040,016 bytes
+    head = 4 + 4 * len(dims)
+    magic = int.from_bytes(raw[:4], "big")
+    if len(raw) < 4 or magic >> 8 != 0x08:  # 0x08 = unsigned byte data
+        raise UserError(f"{path} is not an unsigned-byte IDX file (magic {raw[:4].hex() or 'missing'}); {fix}")
+    want = " x ".join("N" if d is None else str(d) for d in dims)
+    if magic & 0xFF != len(dims) or len(raw) < head:
+        raise UserError(f"{path}: its header has {magic & 0xFF} dimension(s) in {len(raw):,} bytes; this file holds "
+                        f"{want}; {fix}")
+    shape = struct.unpack(f">{len(dims)}I", raw[4:head])
+    if any(d is not None and got != d for d, got in zip(dims, shape)):
+        raise UserError(f"{path}: its header gives the shape {' x '.join(map(str, shape))}; this file holds {want}; "
+                        f"{fix}")
+    if len(raw) - head != math.prod(shape):  # (cut short, or more than the header says)
+        raise UserError(f"{path}: its header gives the shape {' x '.join(map(str, shape))}, {math.prod(shape):,} "
+                        f"bytes, but {len(raw) - head:,} bytes follow it; {fix}")
+    return np.frombuffer(raw, dtype=np.uint8, offset=head).reshape(shape)
 
 
 def _fashion_mnist(root: str | None, split: str, channels: int | None) -> ImageSet:
@@ -154,8 +179,14 @@ def _fashion_mnist(root: str | None, split: str, channels: int | None) -> ImageS
             f"fashion-mnist: {img_file.name} / {lbl_file.name} not found in {base}. Install the Debian package "
             "(apt-get install dataset-fashion-mnist) or put the four official IDX .gz files in a directory "
             "and pass it with --root DIR")
-    images = torch.from_numpy(_read_idx(img_file).copy())
-    targets = torch.from_numpy(_read_idx(lbl_file).astype(np.int64))
+    images, labels = _read_idx(img_file, IDX_IMAGES), _read_idx(lbl_file, IDX_LABELS)
+    if len(images) != len(labels):
+        raise UserError(f"{img_file} holds {len(images):,} images but {lbl_file} {len(labels):,} labels; they must "
+                        f"be the two files of one split: {IDX_FIX}")
+    if len(labels) and labels.max() >= len(FASHION_MNIST_CLASSES):
+        raise UserError(f"{lbl_file}: label {labels.max()}, but Fashion-MNIST has classes 0 to "
+                        f"{len(FASHION_MNIST_CLASSES) - 1}: {IDX_FIX}")
+    images, targets = torch.from_numpy(images.copy()), torch.from_numpy(labels.astype(np.int64))
     return ImageSet("fashion-mnist", list(FASHION_MNIST_CLASSES), targets, channels or 1,
                     images=images, origin=f"fashion-mnist {prefix}")
 
@@ -235,25 +266,114 @@ def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) 
     return _finish(str(root), str(root), classes, paths, labels, channels, on_bad_file, problems, max_pixels)
 
 
-def _csv_rows(csv_path: Path) -> tuple[list[dict[str, str]], bool, str]:
-    """The rows, whether there is a split column, and the label column: `label` (one per row) or
-    `labels` (multi-label: any number separated by ';', empty for none)."""
+# A manifest is read as a stream of rows, each bounded while it is read, and only the rows of the split asked
+# for are kept (as three strings): `list(csv.DictReader)` kept a dict per row, ~150 bytes for a 2-byte ",\n"
+# row, so a 7.6 MiB file took 1.16 GiB.
+MAX_CSV_ROWS = 20_000_000  # ImageNet-21k, the largest common image set, lists 14.2 million images
+# csv bounds each field (131,072 characters) but not a row: 1 GiB of commas is a list of 1 billion fields. A row
+# spans lines only inside quotes; a path, a label (or up to 1,000 of them) and a split are far below this.
+MAX_CSV_ROW_CHARS = 1 << 20
+MAX_ROW_PROBLEMS = 20  # bad rows listed in an error; the others are counted
+
+
+@dataclass
+class _Manifest:
+    """What a CSV manifest's rows give for one split: the split's rows (line, path, label cell), the classes of
+    every split (each name one string object, shared by the rows), the split values seen."""
+
+    has_split: bool
+    column: str  # `label` (one per row) or `labels` (multi-label: any number separated by ';', empty for none)
+    entries: list[tuple[int, str, str]] = field(default_factory=list)
+    classes: dict[str, str] = field(default_factory=dict)
+    splits: set[str] = field(default_factory=set)
+
+
+def _csv_lines(f: IO[str], csv_path: Path, used: list[int]) -> Iterator[str]:
+    """The manifest's lines for csv.reader; `used` counts the characters of the row being read (reset by the
+    caller after each row), refused past MAX_CSV_ROW_CHARS before csv splits them into fields."""
+    line = 1
+    while text := f.readline(MAX_CSV_ROW_CHARS + 1):
+        used[0] += len(text)
+        if used[0] > MAX_CSV_ROW_CHARS:
+            raise UserError(f"{csv_path}: line {line}: a row of more than {MAX_CSV_ROW_CHARS:,} characters "
+                            "(torchcls.data.sources.MAX_CSV_ROW_CHARS); a manifest row holds a path, a label and "
+                            "a split: is it a CSV manifest, with its quotes closed?")
+        line += text.endswith(("\n", "\r"))
+        yield text
+
+
+def _csv_header(csv_path: Path, header: list[str]) -> tuple[dict[str, int], bool, str]:
+    """Column name -> index (a repeated name: its last column, as csv.DictReader), split column?, label column."""
+    names = set(header)
+    if "path" not in names or not names & {"label", "labels"}:
+        raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels' for "
+                        f"multi-label data) (found: {', '.join(header) or 'nothing'})")
+    if {"label", "labels"} <= names:
+        raise UserError(f"{csv_path}: it has both a 'label' and a 'labels' column; keep 'label' (one class "
+                        "per image) or 'labels' (multi-label, separated by ';')")
+    return {n: i for i, n in enumerate(header)}, "split" in names, "labels" if "labels" in names else "label"
+
+
+def _read_manifest(csv_path: Path, split: str) -> _Manifest:
+    """Stream the rows: each checked as it is read (row count, row size, class count, labels per row); the rows of
+    `split` kept; at most MAX_ROW_PROBLEMS bad rows described."""
+    used, rows, bad, problems = [0], 0, 0, []
     with open_regular(csv_path, "r", newline="", what="CSV manifest", max_bytes=MAX_CSV_BYTES) as f:
-        reader = csv.DictReader(f)
+        reader = csv.reader(_csv_lines(f, csv_path, used))
         try:
-            names = set(reader.fieldnames or [])
-            if "path" not in names or not names & {"label", "labels"}:
-                raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels' for "
-                                f"multi-label data) (found: {', '.join(reader.fieldnames or []) or 'nothing'})")
-            if {"label", "labels"} <= names:
-                raise UserError(f"{csv_path}: it has both a 'label' and a 'labels' column; keep 'label' (one class "
-                                "per image) or 'labels' (multi-label, separated by ';')")
-            rows = list(reader)
+            at, has_split, column = _csv_header(csv_path, next(reader, []))
+            m, used[0] = _Manifest(has_split, column), 0
+            for row in reader:
+                used[0] = 0  # (the next row's characters are counted from here)
+                if not row:  # a blank line (csv.DictReader skips them too)
+                    continue
+                rows += 1
+                if rows > MAX_CSV_ROWS:
+                    raise UserError(f"{csv_path}: more than {MAX_CSV_ROWS:,} rows (torchcls.data.sources.MAX_CSV_ROWS"
+                                    "; ImageNet-21k lists 14.2 million images): is it the right file? Split a larger "
+                                    "set into several manifests and write each as shards (torchcls data shard)")
+                problem = _take_row(m, row, at, split, csv_path, reader.line_num)
+                if problem:
+                    bad += 1
+                    if len(problems) < MAX_ROW_PROBLEMS:
+                        problems.append(f"  line {reader.line_num}: {problem}")
         except csv.Error as e:  # a field over csv's 131,072-character limit, a NUL byte...
-            raise UserError(f"{csv_path}: line {reader.line_num + 1}: not a CSV row ({e})") from None
+            raise UserError(f"{csv_path}: line {reader.line_num}: not a CSV row ({e})") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{csv_path}: not UTF-8 text ({e.reason}); save the manifest as UTF-8") from None
     if not rows:
         raise UserError(f"{csv_path}: no rows below the header")
-    return rows, "split" in names, "labels" if "labels" in names else "label"
+    if problems:
+        more = f"\n  ... and {bad - len(problems):,} more" if bad > len(problems) else ""
+        raise UserError(f"{csv_path}: {bad:,} bad row(s):\n" + "\n".join(problems) + more)
+    return m
+
+
+def _take_row(m: _Manifest, row: list[str], at: dict[str, int], split: str, csv_path: Path, line: int) -> str:
+    """Add one row to `m` (its classes always, itself when it is of `split`); what is wrong with it, or ''."""
+    def cell(name: str) -> str:
+        i = at.get(name)
+        return row[i].strip() if i is not None and i < len(row) else ""
+
+    rel, label = cell("path"), cell(m.column)
+    row_split = cell("split") if m.has_split else "train"
+    multilabel = m.column == "labels"
+    if not rel or not (label or multilabel):  # an empty `labels` cell is an image with no label
+        return "empty path or label"
+    if row_split not in SPLIT_NAMES:
+        return f"split '{row_split}' is not one of {', '.join(SPLIT_NAMES)}"
+    m.splits.add(row_split)
+    known = len(m.classes)
+    if multilabel:
+        for name in _row_labels(label, csv_path, line):
+            m.classes.setdefault(name, name)
+    else:
+        label = m.classes.setdefault(label, label)  # one string object per class name, shared by its rows
+    if len(m.classes) != known:
+        check_class_count(len(m.classes), str(csv_path), "distinct labels")  # before a row more is kept
+    if row_split == split or split == "all":
+        m.entries.append((line, rel, label))
+    return ""
 
 
 def _row_labels(value: str | None, csv_path: Path, line: int) -> list[str]:
@@ -265,42 +385,19 @@ def _row_labels(value: str | None, csv_path: Path, line: int) -> list[str]:
     return labels
 
 
-def _csv_classes(csv_path: Path, rows: list[dict[str, str]], column: str) -> list[str]:
-    """The sorted class names of every row (all splits), their count and lengths bounded before the caller
-    builds anything per class."""
-    if column == "labels":
-        classes = sorted({c for line, row in enumerate(rows, start=2)
-                          for c in _row_labels(row[column], csv_path, line)})
-        if not classes:
-            raise UserError(f"{csv_path}: its 'labels' column names no label at all")
-    else:
-        classes = sorted({(row["label"] or "").strip() for row in rows})
-    check_class_count(len(classes), str(csv_path), "distinct labels")
-    check_class_names(classes, str(csv_path))
-    return classes
-
-
 def _csv_manifest(csv_path: Path, base: Path, channels: int, on_bad_file: str, split: str,
                   max_pixels: int) -> ImageSet:
-    rows, has_split, column = _csv_rows(csv_path)
-    multilabel = column == "labels"
-    classes = _csv_classes(csv_path, rows, column)
-    entries, problems = [], []
-    for line, row in enumerate(rows, start=2):
-        rel, label = (row["path"] or "").strip(), (row[column] or "").strip()
-        row_split = (row.get("split") or "").strip() if has_split else "train"
-        if not rel or not (label or multilabel):  # an empty `labels` cell is an image with no label
-            problems.append(f"  line {line}: empty path or label")
-        elif row_split not in SPLIT_NAMES:
-            problems.append(f"  line {line}: split '{row_split}' is not one of {', '.join(SPLIT_NAMES)}")
-        elif row_split == split or split == "all":
-            entries.append((Path(rel) if Path(rel).is_absolute() else base / rel,
-                            _row_labels(label, csv_path, line) if multilabel else label, line))
-    if problems:
-        raise UserError(f"{csv_path}: {len(problems)} bad row(s):\n" + "\n".join(problems[:20]))
+    m = _read_manifest(csv_path, split)
+    has_split, multilabel = m.has_split, m.column == "labels"
+    classes = sorted(m.classes)
+    if multilabel and not classes:
+        raise UserError(f"{csv_path}: its 'labels' column names no label at all")
+    check_class_names(classes, str(csv_path))
+    entries = [(Path(rel) if Path(rel).is_absolute() else base / rel,
+                _row_labels(label, csv_path, line) if multilabel else label, line) for line, rel, label in m.entries]
     origin = f"{csv_path} split={split}" if has_split else str(csv_path)
     if not entries:
-        held = f"its split column holds {', '.join(sorted(csv_splits(csv_path)))}" if has_split else \
+        held = f"its split column holds {', '.join(sorted(m.splits))}" if has_split else \
             "it has no split column: add one with train/val/test per row"
         raise UserError(f"{csv_path}: no rows with split '{split}' ({held})")
     if has_split and not multilabel:  # a multi-label split may well lack a rare label

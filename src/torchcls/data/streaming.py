@@ -34,8 +34,14 @@ from torchcls.data.images import decode_bytes
 from torchcls.data.shards import IMAGE_EXTS, MAX_CLS_BYTES, ShardSet, iter_members, open_tar
 from torchcls.data.worker_start import worker_context
 from torchcls.errors import UserError
+from torchcls.io_files import open_regular
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
+# A worker holds one shuffle block's raw bytes: `block` samples (1,000 by default) of up to 256 MiB each could be
+# 256 GiB. Past this many bytes, a block's further samples are held as where they lie in their shard and read again
+# when they are used: the order, and so a resume, stays the same. (1,000 ImageNet JPEGs are ~110 MB.)
+MAX_BLOCK_BYTES = 512 << 20
+Span = tuple[int, int, str]  # a member's data: offset in the shard, size, name
 
 
 class BadShardSample(Exception):
@@ -113,8 +119,10 @@ class ShardStream(IterableDataset):
 
     def _samples(self, lo: int, hi: int, start: int) -> Iterator[tuple[torch.Tensor, int]]:
         first = start // self.block * self.block
-        raw = self._read(lo + first, hi)
+        budget = [0]  # bytes the block being read may still hold (_read takes from it)
+        raw = self._read(lo + first, hi, budget)
         for b in range(lo + first, hi, self.block):
+            budget[0] = MAX_BLOCK_BYTES
             chunk = list(itertools.islice(raw, min(self.block, hi - b)))
             if len(chunk) < min(self.block, hi - b):
                 raise UserError(f"the shards of this data set hold fewer samples than their index records "
@@ -133,8 +141,9 @@ class ShardStream(IterableDataset):
         g = torch.Generator().manual_seed(mix_seed(self.seed, self.epoch, block_start))
         return torch.randperm(n, generator=g).tolist()
 
-    def _read(self, pos: int, hi: int) -> Iterator[tuple[str, str, dict[str, bytes]]]:
-        """Raw samples (shard, key, {ext: bytes}) from stream position `pos` on, reading only what is used."""
+    def _read(self, pos: int, hi: int, budget: list[int]) -> Iterator[tuple[str, str, dict[str, bytes] | Later]]:
+        """Raw samples (shard, key, {ext: bytes}) from stream position `pos` on, reading only what is used; a
+        sample whose bytes would take `budget` below zero is left in its shard (Later), read when it is used."""
         order = epoch_order(len(self.files), self.seed, self.epoch, self.shuffle)
         base = 0
         for s in order:
@@ -151,14 +160,22 @@ class ShardStream(IterableDataset):
                     if n >= count:
                         break
                     if n >= skip:  # before: headers read to find the way, data never touched
-                        yield path, key, _sample_fields(tf, members, path)
+                        spans = _sample_spans(members)
+                        size = sum(span[1] for span in spans.values() if span)
+                        if size > budget[0]:
+                            yield path, key, Later(spans)
+                            continue
+                        budget[0] -= size
+                        yield path, key, _read_spans(tf.fileobj, spans, path)
             if seen != count:
                 raise UserError(f"shard {path} does not hold the {count} samples its index records; "
                                 "re-write the shards, or remove the stale index.json to have them counted")
             base += count
 
-    def _make(self, raw: tuple[str, str, dict[str, bytes]], position: int) -> tuple[torch.Tensor, int] | None:
+    def _make(self, raw: tuple[str, str, dict[str, bytes] | Later], position: int) -> tuple[torch.Tensor, int] | None:
         shard, key, fields = raw
+        if isinstance(fields, Later):
+            fields = fields.read(shard)
         try:
             image, label = self._decode(fields)
         except (image_files.BadImage, ValueError) as e:
@@ -199,23 +216,39 @@ def _image_ext(fields: dict) -> str | None:
     return next((e for e in fields if e.lower() in IMAGE_EXTS), None)
 
 
-def _sample_fields(tf: tarfile.TarFile, members: dict[str, tarfile.TarInfo], shard: str) -> dict[str, bytes | None]:
-    """{ext: bytes} of the two members a sample is decoded from (its image and its .cls), each read only when
-    within its bound; every other member (and one over its bound) is named with None, never read."""
+def _sample_spans(members: dict[str, tarfile.TarInfo]) -> dict[str, Span | None]:
+    """{ext: where its data lies} of the two members a sample is decoded from (its image and its .cls), each only
+    when within its bound; every other member (and one over its bound) is named with None, never read."""
     image, limits = _image_ext(members), {"cls": MAX_CLS_BYTES}
     if image is not None:
         limits[image] = image_files.BOUNDS.max_file_bytes
-    return {ext: _member_bytes(tf, m, shard) if m.size <= limits.get(ext, -1) else None
+    return {ext: (m.offset_data, m.size, m.name) if m.size <= limits.get(ext, -1) else None
             for ext, m in members.items()}
 
 
-def _member_bytes(tf: tarfile.TarFile, member: tarfile.TarInfo, shard: str) -> bytes:
+def _read_spans(f: Any, spans: dict[str, Span | None], shard: str) -> dict[str, bytes | None]:
+    return {ext: _read_span(f, span, shard) if span is not None else None for ext, span in spans.items()}
+
+
+def _read_span(f: Any, span: Span, shard: str) -> bytes:
     # A plain seek + read: tarfile's extractfile wrapper costs more than the read of a small image.
-    tf.fileobj.seek(member.offset_data)
-    data = tf.fileobj.read(member.size)
-    if len(data) != member.size:
-        raise UserError(f"shard {shard} is truncated inside member {member.name}; re-copy or re-write it")
+    offset, size, name = span
+    f.seek(offset)
+    data = f.read(size)
+    if len(data) != size:
+        raise UserError(f"shard {shard} is truncated inside member {name}; re-copy or re-write it")
     return data
+
+
+class Later:
+    """A sample read past its block's MAX_BLOCK_BYTES: where its members lie, read from the shard when used."""
+
+    def __init__(self, spans: dict[str, Span | None]):
+        self.spans = spans
+
+    def read(self, shard: str) -> dict[str, bytes | None]:
+        with open_regular(shard, what="shard") as f:
+            return _read_spans(f, self.spans, shard)
 
 
 def _clean_message(e: BaseException) -> str:
