@@ -305,6 +305,14 @@ def tar_member(name: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> bytes:
     return tar_header(name, len(data), kind) + data + bytes(-len(data) % 512)
 
 
+def negative_size_header(name: str) -> bytes:
+    """A header whose size field is GNU base-256 for -5 (as tarfile reads it), its checksum recomputed."""
+    header = bytearray(tar_header(name, 0))
+    header[124:136], header[148:156] = b"\xff" * 11 + b"\xfb", b" " * 8
+    header[148:156] = b"%06o\0 " % sum(header)
+    return bytes(header)
+
+
 def pax(*records: tuple[str, str], kind: bytes = tarfile.XHDTYPE) -> bytes:
     """A pax header ('x' or 'g') holding these records, each "LEN KEY=VALUE\\n" as tarfile writes them."""
     data = b""
@@ -357,6 +365,7 @@ def test_tar_extension_headers_are_bounded_before_tarfile_parses_them(tmp_path: 
                     "data in its padding"),
         "global_later": (pax(("comment", "x"), kind=tarfile.XGLTYPE), "pax global header \\('g'\\) after the first"),
         "member_past_end": (tar_header("s2.png", 1 << 30), "\\(member 's2.png'\\) declares 1,073,741,824 bytes"),
+        "negative_size": (negative_size_header("s2.png"), "\\(member 's2.png'\\) declares -5 bytes, a negative size"),
     }
     for name, (chain, reason) in cases.items():
         for where, parts in (("first", (chain, good)), ("after a sample", (good, chain, sample("s2", 0)))):

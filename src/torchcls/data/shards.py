@@ -252,8 +252,9 @@ def check_member_headers(f: BinaryIO, offset: int, file_size: int, shard: Path |
         kind, where = header[156:157], f"shard {shard}: the tar header at byte {offset:,}"
         if size < 0 or offset + _BLOCK + size > file_size:
             name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
-            raise UserError(f"{where} (member {name!r}) declares {size:,} bytes, past the end of the {file_size:,}-byte "
-                            "file: it is truncated or not a shard. Re-copy or re-write it (torchcls data shard)")
+            beyond = "a negative size" if size < 0 else f"past the end of the {file_size:,}-byte file"
+            raise UserError(f"{where} (member {name!r}) declares {size:,} bytes, {beyond}: it is truncated or not a "
+                            "shard. Re-copy or re-write it (torchcls data shard)")
         if kind == b"S":
             raise UserError(f"{where} is a GNU sparse member ('S'), which no shard writer makes and tarfile would "
                             "follow through chained blocks; re-write the shard (torchcls data shard)")
