@@ -112,6 +112,24 @@ def test_brace_pattern_and_folder_without_index(numbered_shards, tmp_path: Path)
     assert len(scanned) == 300 and scanned.classes == ["0", "1", "2"] and scanned.index is None
 
 
+
+@pytest.mark.parametrize("pattern", ["a-{000..009}.tar", "x{a,b,{c,d}}y{1..3}", "s{1..10..2}", "{9..0}", "{a..e..2}",
+                                     "{{1..400},{1..400}}", "{abc}", "{a,b{1..3}c,d}", "x\\{1..9\\}", "plain.tar"])
+def test_a_brace_pattern_is_counted_as_braceexpand_expands_it(pattern: str):
+    from braceexpand import braceexpand
+
+    from torchcls.data.shards import brace_names_bound
+
+    assert brace_names_bound(pattern) == sum(1 for _ in braceexpand(pattern))
+
+
+@pytest.mark.parametrize("pattern", ["train-{0..999999999}.tar", "{a..z}{a..z}{a..z}{a..z}",
+                                     "{{1..400},{1..400}}{1..400}"])
+def test_a_pattern_naming_too_many_shards_is_refused_before_it_is_expanded(pattern: str, tmp_path: Path):
+    # braceexpand builds a range in full before its first name: 10^9 strings for the first
+    with pytest.raises(UserError, match="may name more than 100,000 shard files"):
+        open_shards(str(tmp_path / pattern))
+
 def epoch_ids(shardset, rank: int, world: int, workers: int, epoch: int) -> list[list[int]]:
     loader = shard_loader(shardset, 16, workers, seed=3, rank=rank, world=world)
     loader.set_epoch(epoch)

@@ -406,8 +406,42 @@ def is_shard_source(source: str) -> bool:
     return bool(entries) and all(p.is_file() and p.suffix == ".tar" for p in entries)
 
 
+MAX_SHARD_FILES = 100_000  # files one --data pattern may name (100,000 shards of 1 GB: 100 TB)
+_BRACE_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?|([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?")
+
+
+def brace_names_bound(pattern: str) -> int:
+    """How many names braceexpand(pattern) yields (capped at MAX_SHARD_FILES + 1), counted without expanding:
+    braceexpand builds each range in full before its first name ({0..999999999}: 10^9 strings). A group's
+    count is the sum over its alternatives of the product of the groups in each (a range: its length)."""
+    cap, frames, i = MAX_SHARD_FILES + 1, [[0, 0, 1, False]], 0  # per level: start, sum, product, comma seen
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\":
+            i += 1
+        elif c == "{":
+            frames.append([i, 0, 1, False])
+        elif c == "," and len(frames) > 1:
+            frame = frames[-1]
+            frame[1], frame[2], frame[3] = min(frame[1] + frame[2], cap), 1, True
+        elif c == "}" and len(frames) > 1:
+            start, total, product, comma = frames.pop()
+            m = None if comma else _BRACE_RANGE.fullmatch(pattern[start + 1:i])
+            if m is None:
+                size = total + product
+            else:
+                a, b = (int(m[1][:19]), int(m[2][:19])) if m[1] else (ord(m[4]), ord(m[5]))
+                size = abs(b - a) // (abs(int((m[3] or m[6] or "1")[:19])) or 1) + 1
+            frames[-1][2] = min(frames[-1][2] * size, cap)
+        i += 1
+    return frames[0][2]
+
+
 def _expand(source: str) -> list[Path]:
     from braceexpand import braceexpand
+    if brace_names_bound(source) > MAX_SHARD_FILES:
+        raise UserError(f"--data {source}: the pattern may name more than {MAX_SHARD_FILES:,} shard files "
+                        "(shards.MAX_SHARD_FILES): refused before expanding it; name fewer, or a folder of shards")
     paths = [Path(p) for p in braceexpand(source)]
     missing = [str(p) for p in paths if not p.exists()]  # (anything else is refused when opened: a FIFO...)
     if missing:
