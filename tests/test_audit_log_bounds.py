@@ -109,7 +109,7 @@ def test_a_log_that_changes_between_verify_passes_is_noticed(tmp_path: Path) -> 
         assert second_pass(f, first, {1}, None)[2]
     log.write_bytes(b"\n".join(_chain([{"n": i} for i in range(4)])) + b"\n")
     with log.open("rb") as f:
-        pinned, _, same = second_pass(f, first, {1}, None)
+        pinned, _, same, _ = second_pass(f, first, {1}, None)
     assert not same and pinned[0]["seq"] == 1
 
 

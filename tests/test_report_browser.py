@@ -49,10 +49,14 @@ def full_report(trained_run, tmp_path_factory) -> Path:
 
 
 def test_report_fits_a_1280_px_viewport(full_report, tmp_path):
+    from torchcls.report.html import CSP
+
     html = full_report.read_text()
     assert "image::decode_jpegs_cuda" in html and "What to fix" in html  # the wide content is there
     probe = full_report.with_name("measured.html")
-    probe.write_text(html.replace("</body>", MEASURE + "</body>"))
+    probe.write_text(html.replace("</body>", MEASURE + "</body>"))  # the page's own policy: the script never runs
+    assert 'data-measured="' not in chromium(tmp_path, "--dump-dom", probe.as_uri()).stdout
+    probe.write_text(html.replace(CSP, "").replace("</body>", MEASURE + "</body>"))  # measured without it
     r = chromium(tmp_path, "--dump-dom", probe.as_uri())
     found = re.search(r'data-measured="([^"]+)"', r.stdout)
     assert found, f"no measurement in the DOM:\n{r.stderr[-2000:]}"
