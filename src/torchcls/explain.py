@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
+from torchcls.checkpoint.files import load_model, output_dir_of, resolve_checkpoint
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
@@ -54,7 +54,7 @@ def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.m
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)  # (the user's folder: a link there is theirs)
     else:
-        out = sub_dir((run_dir_of(path) or path.parent) / "explain", "the explain folder")
+        out = sub_dir(output_dir_of(path) / "explain", "the explain folder")
     transform = build_transform(meta.preprocess, train=False)
     results = []
     for f in expand_inputs(images):

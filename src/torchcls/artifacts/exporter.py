@@ -32,7 +32,14 @@ from torchcls.artifacts.parity import DEFAULT_MIN_AGREEMENT, compare, held_out_i
 from torchcls.artifacts.placement import cpu_only, portable_device
 from torchcls.artifacts.targets import BY_SUFFIX, get_target
 from torchcls.artifacts.targets.base import MAX_BATCH, ArtifactInfo, ExportRequest, LoadedArtifact, Plan
-from torchcls.checkpoint.files import CheckpointMeta, atomic_write, load_model, resolve_checkpoint, run_dir_of
+from torchcls.checkpoint.files import (
+    CheckpointMeta,
+    atomic_write,
+    load_model,
+    output_dir_of,
+    resolve_checkpoint,
+    run_dir_of,
+)
 from torchcls.console import console, phase
 from torchcls.devices import BuildDevice
 from torchcls.errors import UserError
@@ -149,7 +156,7 @@ def _export_target(source: _Source, target: str, asked: ExportRequest, out: str 
         req, choice = _check_request(tgt, replace(req, early_exit=True), choice)
     ckpt = source.ckpt
     # A bad --out, or a link on the way to it in the run dir, is refused before any work
-    _artifact_path(out, run_dir_of(ckpt) or ckpt.parent, tgt.suffix, target, req.precision)
+    _artifact_path(out, output_dir_of(ckpt), tgt.suffix, target, req.precision)
     # Parity images before compiling (fail fast), read once for every attempt (auto: bf16, then fp32).
     images, labels, selection = source.parity_set
     job = _Job(tgt, target, model, meta, ckpt, dev, out, min_agreement, images, labels, selection)
@@ -189,7 +196,7 @@ def _export_as(job: _Job, req: ExportRequest, choice: PrecisionChoice,
     plan = job.tgt.plan(req, job.meta)
     min_agreement = job.min_agreement if job.min_agreement is not None else (
         plan.min_agreement if plan.min_agreement is not None else DEFAULT_MIN_AGREEMENT[precision])
-    path = _artifact_path(job.out, run_dir_of(job.ckpt) or job.ckpt.parent, job.tgt.suffix, job.target, plan.label)
+    path = _artifact_path(job.out, output_dir_of(job.ckpt), job.tgt.suffix, job.target, plan.label)
     with attempt_folder(path.parent):
         result = _build_check_publish(job, req, choice, plan, path, min_agreement, fallback_from)
     # governance, subscribed, registers it in the audit log when the checkpoint's run has lineage

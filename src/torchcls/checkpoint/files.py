@@ -184,3 +184,11 @@ def run_dir_of(checkpoint: Path) -> Path | None:
     if parent.name == CHECKPOINTS and (parent.parent / "config.toml").is_file():
         return parent.parent
     return None
+
+
+def output_dir_of(checkpoint: Path) -> Path:
+    """Where evaluate, export and explain put what they make from `checkpoint` by default: the folder that holds
+    its `checkpoints/` (a run dir, or one that lacks its config.toml), else the folder it lies in. Never the
+    `checkpoints/` folder itself: in a received run dir it may be a link to another run's."""
+    parent = Path(os.path.abspath(checkpoint)).parent
+    return parent.parent if parent.name == CHECKPOINTS else parent

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from torchcls.checkpoint.files import load_model, resolve_checkpoint, run_dir_of
+from torchcls.checkpoint.files import load_model, output_dir_of, resolve_checkpoint
 from torchcls.config import Config, DataConfig
 from torchcls.data import eval_dataset, make_loader, read_skips
 from torchcls.data.skips import skip_log_path
@@ -116,7 +116,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     if skipped:
         result["skipped_files"] = [{"file": f, "reason": r} for f, r in skipped]
 
-    out = Path(out_dir) if out_dir else (run_dir_of(path) or path.parent)
+    out = Path(out_dir) if out_dir else output_dir_of(path)
     out.mkdir(parents=True, exist_ok=True)
     if exits is not None:  # early-exit models: exits taken, FLOPs, latency, accuracy-vs-compute curve
         from torchcls.evaluation.exit_sweep import exit_report
