@@ -191,6 +191,19 @@ def test_a_run_dirs_recorded_config_names_no_audit_log_or_key_file(tmp_path: Pat
     assert cfg.governance.audit_log == str(tmp_path / "mine.jsonl") and cfg.governance.signing_key_file is None
 
 
+def test_a_run_dirs_recorded_config_continues_the_run_dir_it_is_in(tmp_path: Path, capsys):
+    """bob's config.toml names the run dir `prod` of elsewhere: --resume continues bob (whose audit log, beside
+    it, takes the record), not prod; --out-dir / --name still choose."""
+    config = _received_run(tmp_path, "bob", names="prod")
+    config.write_text(config.read_text().replace(str(tmp_path / "runs"), str(tmp_path / "home" / "runs")))
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(config), "--resume"]))
+    assert (cfg.run.out_dir, cfg.run.name) == (str(tmp_path / "runs"), "bob")
+    assert f"names the run dir {tmp_path / 'home' / 'runs' / 'prod'}; continuing the one it is in" in \
+        " ".join(capsys.readouterr().out.split())
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(config), "--resume", "--name", "x"]))
+    assert (cfg.run.out_dir, cfg.run.name) == (str(tmp_path / "runs"), "x")
+
+
 def test_the_resume_hint_gives_on_the_command_line_what_config_toml_does_not_set(tmp_path: Path):
     from torchcls.config import resume_command
 

@@ -362,7 +362,26 @@ def config_from_args(args: argparse.Namespace) -> Config:
             given.add((section, key))
     if args.config and is_recorded_config(args.config, cfg):
         _note_ignored(args.config, keep_local(cfg, local, frozenset(given)))
+        _run_dir_it_is_in(args.config, cfg, given)
     return cfg
+
+
+def _run_dir_it_is_in(path: str, cfg: Config, given: set[tuple[str, str]]) -> None:
+    """A run dir's config.toml continues the run dir it lies in, not the one it names: a received one could name
+    the user's own runs/prod (whose checkpoints --resume would continue and whose audit log, beside it, would
+    take the record). --out-dir / --name on the command line still choose."""
+    import os
+    from pathlib import Path
+
+    here = Path(os.path.abspath(path)).parent
+    named = (cfg.run.out_dir, cfg.run.name)
+    cfg.run.out_dir = cfg.run.out_dir if ("run", "out_dir") in given else str(here.parent)
+    cfg.run.name = cfg.run.name if ("run", "name") in given else here.name
+    if Path(os.path.abspath(named[0])) / str(named[1]) != here and not {("run", "out_dir"), ("run", "name")} & given:
+        from torchcls.console import console
+
+        console.print(f"[yellow]note: {path} names the run dir {Path(named[0]) / str(named[1])}; continuing the one "
+                      f"it is in, {here}[/]", highlight=False, soft_wrap=True)
 
 
 def _note_ignored(path: str, ignored: list[tuple[str, str, Any]]) -> None:
