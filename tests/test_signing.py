@@ -424,3 +424,35 @@ def test_the_record_count_is_bounded(keys, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(records, "MAX_RECORDS", 3)
     code, out = verify_log(capsys, log, "--public-key", str(keys["pub"]))
     assert code == 1 and "more than 3 lines, the most torchcls reads" in out
+
+
+def test_a_users_key_signs_an_export_only_under_a_run_record_that_key_signed(tmp_path):
+    """A received run dir can ship its own audit log whose run record lists the received checkpoint: export
+    appends to that log (it is the sender's), but the user's key does not sign an export whose run record it
+    did not sign."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import save_file
+
+    from torchcls.governance.artifacts import register_artifact
+    from torchcls.provenance.sidecars import LINEAGE_KEY
+
+    private, _, _ = keygen(tmp_path / "keys")
+    log = tmp_path / "recv" / "_governance" / "audit.jsonl"
+    ckpt = tmp_path / "recv" / "x" / "checkpoints" / "best.safetensors"
+    ckpt.parent.mkdir(parents=True)
+    save_file({"w": torch.zeros(1)}, str(ckpt), metadata={LINEAGE_KEY: json.dumps({"run_id": "a" * 32,
+                                                                                   "audit_log": str(log)})})
+    listed = {"run_id": "a" * 32, "artifacts": [{"path": str(ckpt), "sha256": hashlib.sha256(ckpt.read_bytes())
+                                                 .hexdigest(), "artifact_kind": "checkpoint"}]}
+    AuditLog(log).append("run", listed)  # the sender's, unsigned
+    model = tmp_path / "model.pt2"
+    model.write_bytes(b"built from the received checkpoint")
+    with pytest.raises(UserError, match="is not signed by the key that would sign this export"):
+        register_artifact(model, ckpt, signing_key_file=str(private))
+    assert not (tmp_path / "model.pt2.intoto.jsonl").exists()
+    register_artifact(model, ckpt)  # unsigned: recorded in the sender's own log, as the sender's
+    AuditLog(log, signer=load_signer(private)).append("run", listed)  # a run record this key signed
+    register_artifact(model, ckpt, signing_key_file=str(private))
+    assert (tmp_path / "model.pt2.intoto.jsonl").exists()

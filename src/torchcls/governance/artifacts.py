@@ -21,7 +21,8 @@ from torchcls.provenance.digest import sha256_file
 from torchcls.provenance.keys import load_key
 from torchcls.provenance.lineage import AuditLog
 from torchcls.provenance.sidecars import read_lineage, sidecar
-from torchcls.provenance.signing import signer_from
+from torchcls.provenance.signatures import Trusted, check_signatures
+from torchcls.provenance.signing import Signer, short, signer_from
 from torchcls.run_files import write_text_atomic
 
 
@@ -49,8 +50,8 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     artifact_id = uuid.uuid4().hex
     log_path = Path(parent["audit_log"])
     parent_sha256 = sha256_file(source_checkpoint)
-    backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint)
     signer = signer_from(signing_key_file, near=[log_path.parent])
+    backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint, signer)
     log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]), signer)
     digest = sha256 or sha256_file(path)
     record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
@@ -73,17 +74,27 @@ class UnbackedLineage(UserError):
     """A checkpoint's lineage names a run whose record does not list that checkpoint."""
 
 
-def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, checkpoint: Path) -> None:
-    """Refuse (UserError) unless a record of the run that `parent` (a checkpoint's lineage) names lists a file
-    with `parent_sha256` among the run's artifacts (any of its records: a resumed run records itself again)."""
-    runs = [r for _, r, _ in log.records() if r and r["kind"] == "run" and r.get("run_id") == parent.get("run_id")]
-    if not runs:
-        raise UnbackedLineage(f"{checkpoint} names run {parent.get('run_id')} of {log.path}, which has no record "
-                              "of it (a run still training records itself when it ends: export again after that)")
-    if not any(a["sha256"] == parent_sha256 for r in runs for a in artifacts_of(r)):
+def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, checkpoint: Path,
+                  signer: Signer | None = None) -> None:
+    """Refuse (UnbackedLineage) unless `log` is an intact chain in which a record of the run that `parent` (a
+    checkpoint's lineage) names lists a file with `parent_sha256` among the run's artifacts (any of its records:
+    a resumed run records itself again); and, when the export is to be signed with `signer`, that record is
+    signed by that very key. The log is the one the checkpoint names, so it may have come with it: a log
+    shipped beside a received run dir could list anything, and a user's key signs only what the user's key
+    recorded."""
+    broken = [p for p in log.check_chain() if not p.torn]
+    if broken:
+        raise UnbackedLineage(f"{checkpoint} names the audit log {log.path}, which is not an intact chain ({broken[0]})")
+    backing = [e for e in log.entries() if e.record and e.record["kind"] == "run"
+               and e.record.get("run_id") == parent.get("run_id")
+               and any(a["sha256"] == parent_sha256 for a in artifacts_of(e.record))]
+    if not backing:
         raise UnbackedLineage(f"{checkpoint} (sha256 {parent_sha256[:16]}…) names run {parent.get('run_id')} of "
                               f"{log.path}, which recorded no such checkpoint: its lineage is a claim the log does "
-                              "not back")
+                              "not back (a run still training records itself when it ends: export again after that)")
+    if signer is not None and check_signatures(backing[-1:], Trusted(ids=frozenset({signer.keyid}))).problems:
+        raise UnbackedLineage(f"{checkpoint}: the record of run {parent.get('run_id')} in {log.path} is not signed by "
+                              f"the key that would sign this export ({short(signer.keyid)}…): it was not this key's run")
 
 
 def _run_manifests(log: AuditLog, parent: dict[str, Any]) -> list[dict[str, Any]]:
