@@ -420,3 +420,36 @@ def test_builtin_manifest_hashes_every_sample(tmp_path, capsys):
         assert m["tc:records"][i]["sha256"] == hashlib.sha256(images[i].numpy().tobytes()).hexdigest()
     assert m["distribution"][0]["sha256"] and m["conformsTo"][0].startswith("http://mlcommons.org/croissant")
     assert main(["data", "manifest", "mnist-5k", "--out", str(tmp_path / "x.json"), "--expires", "soon"]) == 2
+
+
+def test_a_runs_record_lists_only_the_checkpoints_its_trainer_wrote(tmp_path):
+    """A resumed run dir may hold files its trainer never wrote (a received one: checkpoints/zz-planted.safetensors):
+    the run's audit record, and so every export registered or signed under it, vouches only for result.written."""
+    import types
+
+    import torch
+    from safetensors.torch import save_file
+
+    from torchcls.config import Config
+    from torchcls.governance.artifacts import UnbackedLineage, backed_parent
+    from torchcls.governance.run import Governance
+    from torchcls.provenance.digest import sha256_file
+    from torchcls.provenance.lineage import AuditLog
+
+    run = tmp_path / "runs" / "recv"
+    (run / "checkpoints").mkdir(parents=True)
+    written, planted = run / "checkpoints" / "last.safetensors", run / "checkpoints" / "zz-planted.safetensors"
+    save_file({"w": torch.ones(2)}, str(written))
+    save_file({"w": torch.full((2,), 7.0)}, str(planted))
+    planted_bytes = planted.read_bytes()
+    log = AuditLog(tmp_path / "runs" / "_governance" / "audit.jsonl")
+    cfg = Config()
+    lineage = {"run_id": "r" * 32, "audit_log": str(log.path), "outputs": {}, "chain_head": log.head()}
+    governed = types.SimpleNamespace(run_path=run, cfg=cfg, run_id="r" * 32, lineage=lineage, audit=log, policy=None)
+    result = types.SimpleNamespace(steps=1, val_top1=0.5, written=(written,))
+    record = Governance._record_run(governed, result, {"manifest": {}, "hooks": []})
+    assert [Path(a["path"]).name for a in record["artifacts"]] == ["last.safetensors"]
+    assert planted.read_bytes() == planted_bytes  # not stamped as this run's either
+    backed_parent(log, {"run_id": "r" * 32}, sha256_file(written), written)
+    with pytest.raises(UnbackedLineage, match="recorded no such checkpoint"):
+        backed_parent(log, {"run_id": "r" * 32}, sha256_file(planted), planted)

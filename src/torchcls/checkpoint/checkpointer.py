@@ -86,6 +86,8 @@ class Checkpointer:
         self.extras = extras or {}  # more stateful parts of the run (state_dict/load_state_dict), e.g. the EMA
         self._group = None
         self._pending: list[tuple[Any, str]] = []  # background saves not yet committed
+        # The files this process wrote: what the run's audit record lists (a resumed run dir may hold others)
+        self.written: set[Path] = set()
 
     last_weights = property(lambda self: self.directory / LAST)
     best_weights = property(lambda self: self.directory / BEST)
@@ -150,6 +152,7 @@ class Checkpointer:
         if self.ranks.active:
             return self._save_sharded(model, optimizer, scheduler, progress, meta)
         self.save_weights(self.last_weights, model, meta)
+        self.written.add(self.last_state)
         # The state file carries the weights too: one atomic file is one commit, so a kill between
         # this write and last.safetensors' can never resume new weights with old optimizer state.
         save_training_state(self.last_state, {
@@ -185,6 +188,7 @@ class Checkpointer:
         state = dcp.full_model_state(model, self.ranks)
         if self.ranks.is_main:
             write_weights(path, state, meta, self.lineage)
+            self.written.add(path)
 
     def save_best(self, model: nn.Module, meta: CheckpointMeta) -> None:
         self.save_weights(self.best_weights, model, meta)

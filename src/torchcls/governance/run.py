@@ -251,12 +251,14 @@ class Governance:
     def _record_run(self, result, summary: dict[str, Any]) -> dict[str, Any]:
         run, cfg = self.run_path, self.cfg
         artifacts = []
-        for path in sorted(run.joinpath("checkpoints").glob("*")):
+        # Only the files this run's trainer wrote (result.written): a resumed run dir may hold others, which a
+        # record of this run (and a signature over it) must not vouch for.
+        for path in sorted(Path(p) for p in getattr(result, "written", ())):
             # Saved by a trainer that did not stamp it at save time. A stamp of this run from an earlier
             # attempt (another chain head) is kept: checkpoints are not rewritten after training.
             if path.suffix == ".safetensors" and (read_lineage(path) or {}).get("run_id") != self.run_id:
                 stamp_checkpoint(path, self.lineage)
-            if path.is_file() and not path.name.startswith("."):
+            if run_files.is_file(path) and not path.name.startswith("."):
                 kind = "checkpoint" if path.suffix == ".safetensors" else "training-state"
                 artifacts.append({"path": str(path.resolve()), "sha256": sha256_file(path),
                                   "artifact_kind": kind})

@@ -51,6 +51,7 @@ class TrainResult:
     val_top1: float | None
     steps: int
     interrupted: bool = False
+    written: tuple[Path, ...] = ()  # the checkpoint files this run wrote (not those a resumed run dir held)
 
 
 # -- the run ----------------------------------------------------------------------------------
@@ -342,7 +343,8 @@ class Trainer:
         p, ckpt = self.progress, self.checkpointer
         best = ckpt.best_weights
         return TrainResult(self.run.path, best if best.exists() else ckpt.last_weights, ckpt.last_weights,
-                           p.best_top1 if p.best_top1 >= 0 else None, p.step, interrupted)
+                           p.best_top1 if p.best_top1 >= 0 else None, p.step, interrupted,
+                           tuple(sorted(ckpt.written)))
 
 
 def epoch_score(record: dict[str, Any], prefix: str = "") -> float:
