@@ -78,3 +78,26 @@ def test_a_schedule_that_never_reaches_the_full_size_or_upsamples_is_refused() -
         check_schedule("16:2,20:1", 3, 28)
     with pytest.raises(UserError, match="32 px is not smaller than --img-size 28"):
         check_schedule("32:1", 4, 28)
+
+
+@pytest.mark.parametrize(("spec", "reason"), [
+    ("40000:1", "SIZE 40,000 px \\(in '40000:1'\\) is outside the allowed range 4 to 2,048 px"),
+    ("16:1,2049:1", "SIZE 2,049 px \\(in '2049:1'\\) is outside the allowed range 4 to 2,048 px"),
+    ("9" * 40 + ":1", "SIZE of 40 digits px"),
+    ("16:1000001", "its EPOCHS add up to 1,000,001 or more, outside the allowed range 1 to 1,000,000"),
+    ("16:600000,20:600000", "its EPOCHS add up to 1,200,000 or more, outside the allowed range 1 to 1,000,000"),
+])
+def test_schedule_sizes_and_epochs_are_bounded_when_parsed(spec: str, reason: str) -> None:
+    """Second review: '40000:1' passed (SIZE >= 4 only, and --img-size, None by default, was compared with nothing):
+    the first epoch resized each batch to 40000 px, 763 GiB."""
+    from torchcls.training.resize import check_schedule
+
+    with pytest.raises(UserError, match=f"--resize-schedule '{spec[:20]}.*{reason}"):
+        parse_schedule(spec)
+    with pytest.raises(UserError, match=reason):
+        check_schedule(spec, 2_000_000, None)  # (with no --img-size to compare with)
+
+
+def test_schedule_sizes_up_to_the_largest_model_input_still_parse() -> None:
+    assert parse_schedule("4:1,2048:999998") == [(4, 1), (2048, 999_998)]
+    assert size_at(parse_schedule("2048:1"), 0) == 2048

@@ -16,23 +16,45 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from torchcls.config import INT_RANGES
 from torchcls.errors import UserError
+from torchcls.models.registry import MAX_IMG_SIZE
 
 FLAG = "--resize-schedule"
+# Bounds of each part, checked as the option is parsed (a config file's resize_schedule too): a size is a training
+# image side like --img-size (its bound, models/registry.MAX_IMG_SIZE: 40000 px made each batch 763 GiB whatever
+# --img-size, which is None by default and then compared with nothing), and the epochs, one part's and all parts'
+# together, a number of epochs like --epochs (config.INT_RANGES).
+MIN_SIZE = 4  # px: what a network's stem can still downsample
+MAX_EPOCHS = INT_RANGES[("train", "epochs")][1]
 
 
 def parse_schedule(spec: str) -> list[tuple[int, int]]:
-    """'SIZE:EPOCHS,...' as [(size, epochs), ...] in order; '' = no schedule."""
+    """'SIZE:EPOCHS,...' as [(size, epochs), ...] in order; '' = no schedule. SIZE within MIN_SIZE..MAX_IMG_SIZE,
+    EPOCHS >= 1 and all of them together within --epochs' range: a UserError naming the option, value and range."""
     stages: list[tuple[int, int]] = []
+    total = 0
     for part in filter(None, (p.strip() for p in spec.split(","))):
         size, sep, epochs = part.partition(":")
         try:
             stage = (int(size), int(epochs))
         except ValueError:
             stage = (0, 0)
-        if not sep or stage[0] < 4 or stage[1] < 1:
-            raise UserError(f"{FLAG} {spec!r}: each part is SIZE:EPOCHS with SIZE >= 4 px and EPOCHS >= 1, got "
-                            f"{part!r} (e.g. '16:4,20:2': 4 epochs at 16 px, 2 at 20 px, the rest at --img-size)")
+        shown = spec if len(spec) <= 200 else f"{spec[:200]}... ({len(spec):,} characters)"
+        if not sep or stage[1] < 1 or stage[0] < 1:
+            raise UserError(f"{FLAG} {shown!r}: each part is SIZE:EPOCHS with SIZE {MIN_SIZE} to {MAX_IMG_SIZE:,} px "
+                            f"and EPOCHS >= 1, got {part[:60]!r} (e.g. '16:4,20:2': 4 epochs at 16 px, 2 at 20 px, "
+                            "the rest at --img-size)")
+        if not MIN_SIZE <= stage[0] <= MAX_IMG_SIZE:
+            value = f"{stage[0]:,}" if stage[0] < 10**12 else f"of {len(str(stage[0]))} digits"
+            raise UserError(f"{FLAG} {shown!r}: SIZE {value} px (in {part[:60]!r}) is outside the allowed range "
+                            f"{MIN_SIZE} to {MAX_IMG_SIZE:,} px (models/registry.MAX_IMG_SIZE, as --img-size); each "
+                            "part is SIZE:EPOCHS, e.g. '16:4,20:2'")
+        total += stage[1]
+        if total > MAX_EPOCHS:
+            raise UserError(f"{FLAG} {shown!r}: its EPOCHS add up to {total:,} or more, outside the allowed range 1 "
+                            f"to {MAX_EPOCHS:,} (that of --epochs, config.INT_RANGES); each part is SIZE:EPOCHS, "
+                            "e.g. '16:4,20:2'")
         stages.append(stage)
     return stages
 
