@@ -322,11 +322,11 @@ def test_csv_rows_are_streamed_and_bad_ones_counted_not_kept(tmp_path: Path):
 
 
 def test_csv_row_count_and_row_size_are_bounded_while_reading(tmp_path: Path, monkeypatch):
-    from torchcls.data import sources
+    from torchcls.data import splits  # (the one CSV reader and its bounds: splits.csv_rows)
     Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
-    monkeypatch.setattr(sources, "MAX_CSV_ROWS", 10)
+    monkeypatch.setattr(splits, "MAX_CSV_ROWS", 10)
     many = write_csv(tmp_path / "many.csv", [("a.png", "x")] * 11, "label")
-    with pytest.raises(UserError, match="many.csv: more than 10 rows \\(torchcls.data.sources.MAX_CSV_ROWS"):
+    with pytest.raises(UserError, match="many.csv: more than 10 rows \\(torchcls.data.splits.MAX_CSV_ROWS"):
         open_source(str(many), None, "all", 3, "error")
     (tmp_path / "blank.csv").write_text("path,label\n" + "a.png,x\n\n" * 10)  # blank lines are no rows
     assert len(open_source(str(tmp_path / "blank.csv"), None, "all", 3, "error")) == 10
@@ -336,13 +336,77 @@ def test_csv_row_count_and_row_size_are_bounded_while_reading(tmp_path: Path, mo
     with address_space(1.0), pytest.raises(UserError, match="wide.csv: line 2: a row of more than 1,048,576 char"):
         open_source(str(wide), None, "all", 3, "error")
     # ... and one row spread over many lines by quoted newlines, each field small
-    monkeypatch.setattr(sources, "MAX_CSV_ROW_CHARS", 1_000)
+    monkeypatch.setattr(splits, "MAX_CSV_ROW_CHARS", 1_000)
     quoted = tmp_path / "quoted.csv"
     quoted.write_text('path,label\na.png,x,' + '"\n",' * 400 + "\n")
     with pytest.raises(UserError, match="quoted.csv: line [0-9]+: a row of more than 1,000 characters"):
         open_source(str(quoted), None, "all", 3, "error")
     split = write_csv(tmp_path / "split.csv", [("a.png", "x")], "label")  # and a normal manifest still loads
     assert open_source(str(split), None, "all", 3, "error").classes == ["x"]
+
+
+# --- every read of a CSV manifest goes through one bounded reader (second review: splits.csv_splits, which runs
+# first, read with csv.DictReader under the 1 GiB bound only and kept every distinct split value, ~7 bytes held per
+# file byte; governance's csv_columns read with no bound at all) -------------------------------------------------
+
+def split_csv(path: Path, rows: list[tuple[str, str, str]]) -> Path:
+    with path.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["path", "label", "split"])
+        w.writerows(rows)
+    return path
+
+
+def test_the_split_column_is_read_bounded_and_its_distinct_values_are_few(tmp_path: Path, monkeypatch):
+    from torchcls.data import splits
+    from torchcls.data.splits import available_splits
+    for name in ("a.png", "b.png"):
+        Image.new("RGB", (8, 8)).save(tmp_path / name)
+    rows = [("a.png", "x", "train"), ("b.png", "y", "train"), ("a.png", "x", "val"), ("b.png", "y", "val"),
+            ("a.png", "x", "test"), ("b.png", "y", "test")]
+    normal = split_csv(tmp_path / "normal.csv", rows)
+    assert available_splits(str(normal)) == {"train", "val", "test"}
+    assert len(open_source(str(normal), None, "val", 3, "error")) == 2
+    # Distinct split values: refused past MAX_CSV_SPLITS as they are read (a million of them were all kept)
+    many = split_csv(tmp_path / "many.csv", [("a.png", "x", f"{i:08x}") for i in range(100_000)])
+    with peak_rss_growth(40), pytest.raises(UserError, match="many.csv: line 18: its split column holds more than 16 "
+                                                              "distinct values .*MAX_CSV_SPLITS"):
+        available_splits(str(many))  # (what train, evaluate and the governance commands ask first)
+    with peak_rss_growth(40), pytest.raises(UserError, match="many.csv: 100,000 bad row\\(s\\)"):
+        open_source(str(many), None, "train", 3, "error")  # (the rows' own read: a bad split is a bad row)
+    # ... while a misspelt split is still named by the row check
+    valid = split_csv(tmp_path / "valid.csv", rows + [("a.png", "x", "valid")])
+    with pytest.raises(UserError, match="line 8: split 'valid' is not one of train, val, test"):
+        open_source(str(valid), None, "train", 3, "error")
+    # The row count and row size bounds hold for this read too (it runs before the rows are read for a split)
+    monkeypatch.setattr(splits, "MAX_CSV_ROWS", 10)
+    long = split_csv(tmp_path / "long.csv", rows * 2)
+    with pytest.raises(UserError, match="long.csv: more than 10 rows \\(torchcls.data.splits.MAX_CSV_ROWS"):
+        available_splits(str(long))
+    monkeypatch.setattr(splits, "MAX_CSV_ROW_CHARS", 1_000)
+    wide = tmp_path / "wide.csv"
+    wide.write_text("path,label,split\na.png,x,train\na.png,x,train" + "," * 2_000 + "\n")
+    with pytest.raises(UserError, match="wide.csv: line 3: a row of more than 1,000 characters"):
+        available_splits(str(wide))
+
+
+def test_governance_reads_a_csv_manifest_through_the_same_bounded_reader(tmp_path: Path, monkeypatch):
+    from torchcls.data import splits
+    from torchcls.governance.manifest import csv_columns
+    manifest = tmp_path / "m.csv"
+    manifest.write_text("path,label,split,tags,jurisdiction\na.png,x,train,faces; minors,DE\n\nb.png,y\n")
+    columns = csv_columns(manifest, tmp_path)
+    assert columns == {str((tmp_path / "a.png").resolve()): ("x", {"tags": ["faces", "minors"],
+                                                                  "dpv:hasJurisdiction": "DE", "split": "train"}),
+                       str((tmp_path / "b.png").resolve()): ("y", {})}
+    monkeypatch.setattr(splits, "MAX_CSV_ROWS", 10)
+    many = write_csv(tmp_path / "many.csv", [("a.png", "x")] * 11, "label")
+    with pytest.raises(UserError, match="many.csv: more than 10 rows"):
+        csv_columns(many, tmp_path)
+    wide = tmp_path / "wide.csv"
+    wide.write_text("path,label\na.png,x," + "," * (2 << 20) + "\n")
+    with address_space(1.0), pytest.raises(UserError, match="wide.csv: line 2: a row of more than 1,048,576 char"):
+        csv_columns(wide, tmp_path)
 
 
 def idx_gz(path: Path, dims: tuple[int, ...], payload: bytes | None = None, magic: int | None = None) -> Path:

@@ -9,17 +9,15 @@ loader per --on-bad-file.
 
 from __future__ import annotations
 
-import csv
 import gzip
 import math
 import os
 import struct
 import zlib
-from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import IO
 
 import numpy as np
 import torch
@@ -29,10 +27,10 @@ from torchcls.data.label_bounds import MAX_LABELS_PER_ROW, check_class_count, ch
 from torchcls.data.refusals import refuse
 from torchcls.data.scan import list_files, scan_headers
 from torchcls.data.splits import (
-    MAX_CSV_BYTES,
     SPLIT_NAMES,
     available_splits,
     check_same_classes,
+    csv_rows,
     split_folders,
 )
 from torchcls.errors import UserError
@@ -266,13 +264,9 @@ def _image_folder(root: Path, channels: int, on_bad_file: str, max_pixels: int) 
     return _finish(str(root), str(root), classes, paths, labels, channels, on_bad_file, problems, max_pixels)
 
 
-# A manifest is read as a stream of rows, each bounded while it is read, and only the rows of the split asked
+# A manifest is read as a stream of rows (splits.csv_rows, which bounds each), and only the rows of the split asked
 # for are kept (as three strings): `list(csv.DictReader)` kept a dict per row, ~150 bytes for a 2-byte ",\n"
 # row, so a 7.6 MiB file took 1.16 GiB.
-MAX_CSV_ROWS = 20_000_000  # ImageNet-21k, the largest common image set, lists 14.2 million images
-# csv bounds each field (131,072 characters) but not a row: 1 GiB of commas is a list of 1 billion fields. A row
-# spans lines only inside quotes; a path, a label (or up to 1,000 of them) and a split are far below this.
-MAX_CSV_ROW_CHARS = 1 << 20
 MAX_ROW_PROBLEMS = 20  # bad rows listed in an error; the others are counted
 
 
@@ -288,20 +282,6 @@ class _Manifest:
     splits: set[str] = field(default_factory=set)
 
 
-def _csv_lines(f: IO[str], csv_path: Path, used: list[int]) -> Iterator[str]:
-    """The manifest's lines for csv.reader; `used` counts the characters of the row being read (reset by the
-    caller after each row), refused past MAX_CSV_ROW_CHARS before csv splits them into fields."""
-    line = 1
-    while text := f.readline(MAX_CSV_ROW_CHARS + 1):
-        used[0] += len(text)
-        if used[0] > MAX_CSV_ROW_CHARS:
-            raise UserError(f"{csv_path}: line {line}: a row of more than {MAX_CSV_ROW_CHARS:,} characters "
-                            "(torchcls.data.sources.MAX_CSV_ROW_CHARS); a manifest row holds a path, a label and "
-                            "a split: is it a CSV manifest, with its quotes closed?")
-        line += text.endswith(("\n", "\r"))
-        yield text
-
-
 def _csv_header(csv_path: Path, header: list[str]) -> tuple[dict[str, int], bool, str]:
     """Column name -> index (a repeated name: its last column, as csv.DictReader), split column?, label column."""
     names = set(header)
@@ -315,32 +295,19 @@ def _csv_header(csv_path: Path, header: list[str]) -> tuple[dict[str, int], bool
 
 
 def _read_manifest(csv_path: Path, split: str) -> _Manifest:
-    """Stream the rows: each checked as it is read (row count, row size, class count, labels per row); the rows of
-    `split` kept; at most MAX_ROW_PROBLEMS bad rows described."""
-    used, rows, bad, problems = [0], 0, 0, []
-    with open_regular(csv_path, "r", newline="", what="CSV manifest", max_bytes=MAX_CSV_BYTES) as f:
-        reader = csv.reader(_csv_lines(f, csv_path, used))
-        try:
-            at, has_split, column = _csv_header(csv_path, next(reader, []))
-            m, used[0] = _Manifest(has_split, column), 0
-            for row in reader:
-                used[0] = 0  # (the next row's characters are counted from here)
-                if not row:  # a blank line (csv.DictReader skips them too)
-                    continue
-                rows += 1
-                if rows > MAX_CSV_ROWS:
-                    raise UserError(f"{csv_path}: more than {MAX_CSV_ROWS:,} rows (torchcls.data.sources.MAX_CSV_ROWS"
-                                    "; ImageNet-21k lists 14.2 million images): is it the right file? Split a larger "
-                                    "set into several manifests and write each as shards (torchcls data shard)")
-                problem = _take_row(m, row, at, split, csv_path, reader.line_num)
-                if problem:
-                    bad += 1
-                    if len(problems) < MAX_ROW_PROBLEMS:
-                        problems.append(f"  line {reader.line_num}: {problem}")
-        except csv.Error as e:  # a field over csv's 131,072-character limit, a NUL byte...
-            raise UserError(f"{csv_path}: line {reader.line_num}: not a CSV row ({e})") from None
-        except UnicodeDecodeError as e:
-            raise UserError(f"{csv_path}: not UTF-8 text ({e.reason}); save the manifest as UTF-8") from None
+    """Stream the rows (splits.csv_rows: row count and row size bounded as they are read): each checked as it is
+    read (class count, labels per row); the rows of `split` kept; at most MAX_ROW_PROBLEMS bad rows described."""
+    rows, bad, problems = 0, 0, []
+    with closing(csv_rows(csv_path)) as lines:
+        at, has_split, column = _csv_header(csv_path, next(lines)[1])
+        m = _Manifest(has_split, column)
+        for line, row in lines:
+            rows += 1
+            problem = _take_row(m, row, at, split, csv_path, line)
+            if problem:
+                bad += 1
+                if len(problems) < MAX_ROW_PROBLEMS:
+                    problems.append(f"  line {line}: {problem}")
     if not rows:
         raise UserError(f"{csv_path}: no rows below the header")
     if problems:

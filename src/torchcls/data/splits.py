@@ -10,14 +10,26 @@ from __future__ import annotations
 
 import csv
 import os
+from collections.abc import Iterator
+from contextlib import closing
 from pathlib import Path
+from typing import IO
 
 from torchcls.data.label_bounds import MAX_CLASSES, check_class_count
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
 
 SPLIT_NAMES = ("train", "val", "test")
-MAX_CSV_BYTES = 1 << 30  # a CSV manifest is parsed whole into rows (~15 million rows of ~70 bytes)
+# Every read of a CSV manifest (its splits here, its rows in sources, its extra columns in governance) goes through
+# csv_rows: a stream of rows, each bounded while it is read. Its bounds, in one place:
+MAX_CSV_BYTES = 1 << 30  # a CSV manifest's file (~15 million rows of ~70 bytes)
+MAX_CSV_ROWS = 20_000_000  # ImageNet-21k, the largest common image set, lists 14.2 million images
+# csv bounds each field (131,072 characters) but not a row: 1 GiB of commas is a list of 1 billion fields. A row
+# spans lines only inside quotes; a path, a label (or up to 1,000 of them) and a split are far below this.
+MAX_CSV_ROW_CHARS = 1 << 20
+# Distinct values of a `split` column kept while reading it: the splits are train, val and test (a few more are kept
+# so that a misspelt one is named by the row check); a column of a million distinct values held them all.
+MAX_CSV_SPLITS = 16
 
 
 def _visible(folder: Path) -> list[Path]:
@@ -78,16 +90,66 @@ def check_same_classes(expected: list[str], found: list[str], where: str, expect
                         f"({_difference(expected, found)}); a validation or test set needs the same classes")
 
 
-def csv_splits(path: Path) -> set[str]:
-    """The values of a CSV manifest's `split` column ({'train'} when it has none)."""
-    with open_regular(path, "r", newline="", what="CSV manifest", max_bytes=MAX_CSV_BYTES) as f:
-        reader = csv.DictReader(f)
+def _csv_lines(f: IO[str], csv_path: Path, used: list[int]) -> Iterator[str]:
+    """The manifest's lines for csv.reader; `used` counts the characters of the row being read (reset by the
+    caller after each row), refused past MAX_CSV_ROW_CHARS before csv splits them into fields."""
+    line = 1
+    while text := f.readline(MAX_CSV_ROW_CHARS + 1):
+        used[0] += len(text)
+        if used[0] > MAX_CSV_ROW_CHARS:
+            raise UserError(f"{csv_path}: line {line}: a row of more than {MAX_CSV_ROW_CHARS:,} characters "
+                            "(torchcls.data.splits.MAX_CSV_ROW_CHARS); a manifest row holds a path, a label and "
+                            "a split: is it a CSV manifest, with its quotes closed?")
+        line += text.endswith(("\n", "\r"))
+        yield text
+
+
+def csv_rows(csv_path: Path) -> Iterator[tuple[int, list[str]]]:
+    """A CSV manifest as (line, cells): its header first (line 1; [] for an empty file), then each row that is not
+    blank, with the line it ends on. Read as a stream under MAX_CSV_BYTES, MAX_CSV_ROWS and MAX_CSV_ROW_CHARS (each
+    row refused before csv splits it); UserError for a row past them, a malformed row or text that is not UTF-8.
+    Close it (contextlib.closing) when stopping early: it holds the file open."""
+    used, rows = [0], 0
+    with open_regular(csv_path, "r", newline="", what="CSV manifest", max_bytes=MAX_CSV_BYTES) as f:
+        reader = csv.reader(_csv_lines(f, csv_path, used))
         try:
-            if not reader.fieldnames or "split" not in reader.fieldnames:
-                return {"train"}
-            return {(row.get("split") or "").strip() for row in reader}
+            header = next(reader, [])
+            used[0] = 0
+            yield reader.line_num, header
+            for row in reader:
+                used[0] = 0  # (the next row's characters are counted from here)
+                if not row:  # a blank line (csv.DictReader skips them too)
+                    continue
+                rows += 1
+                if rows > MAX_CSV_ROWS:
+                    raise UserError(f"{csv_path}: more than {MAX_CSV_ROWS:,} rows (torchcls.data.splits.MAX_CSV_ROWS"
+                                    "; ImageNet-21k lists 14.2 million images): is it the right file? Split a larger "
+                                    "set into several manifests and write each as shards (torchcls data shard)")
+                yield reader.line_num, row
         except csv.Error as e:  # a field over csv's 131,072-character limit, a NUL byte...
-            raise UserError(f"{path}: line {reader.line_num + 1}: not a CSV row ({e})") from None
+            raise UserError(f"{csv_path}: line {reader.line_num}: not a CSV row ({e})") from None
+        except UnicodeDecodeError as e:
+            raise UserError(f"{csv_path}: not UTF-8 text ({e.reason}); save the manifest as UTF-8") from None
+
+
+def csv_splits(path: Path) -> set[str]:
+    """The values of a CSV manifest's `split` column ({'train'} when it has none), read through csv_rows; more
+    than MAX_CSV_SPLITS distinct values are refused as they are read."""
+    with closing(csv_rows(path)) as rows:
+        header = next(rows)[1]
+        if "split" not in header:
+            return {"train"}
+        at, found = len(header) - 1 - header[::-1].index("split"), set()  # (a repeated name: its last column)
+        for line, row in rows:
+            value = row[at].strip() if at < len(row) else ""
+            if value not in found:
+                if len(found) >= MAX_CSV_SPLITS:
+                    seen = ", ".join(repr(v[:20]) for v in sorted(found)[:5])
+                    raise UserError(f"{path}: line {line}: its split column holds more than {MAX_CSV_SPLITS} distinct "
+                                    f"values ({seen}, ...; torchcls.data.splits.MAX_CSV_SPLITS); each row's split is "
+                                    f"one of {', '.join(SPLIT_NAMES)}")
+                found.add(value)
+    return found
 
 
 def available_splits(source: str) -> set[str]:

@@ -9,11 +9,11 @@ searches its records.
 
 from __future__ import annotations
 
-import csv
 import datetime as dt
 import json
 import os
 import tempfile
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.governance.hashcache import HashCache
 from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_basis_term
-from torchcls.io_files import open_regular, read_bytes
+from torchcls.io_files import read_bytes
 from torchcls.provenance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.suggest import data_names, did_you_mean
 
@@ -247,24 +247,32 @@ def _folder_class(f: Path, base: Path) -> str | None:
 
 def csv_columns(csv_path: Path, base: Path) -> dict[str, tuple[str, dict[str, Any]]]:
     """{resolved file: (label, extra)} from a CSV; optional columns `tags` (separated by ;) and
-    `jurisdiction`. Paths resolve as open_source resolves them (absolute, or relative to `base`)."""
-    with open_regular(csv_path, "r", newline="", what="CSV manifest") as f:
-        reader = csv.DictReader(f)
-        names = set(reader.fieldnames or [])
-        if "path" not in names or not names & {"label", "labels"}:
+    `jurisdiction`. Paths resolve as open_source resolves them (absolute, or relative to `base`). Read through
+    data.splits.csv_rows, the one CSV manifest reader: file size, row count and row size bounded as it reads."""
+    from torchcls.data.splits import csv_rows  # (torchcls.data imports torch: loaded when a CSV is read)
+
+    with closing(csv_rows(csv_path)) as lines:
+        header = next(lines)[1]
+        at = {name: i for i, name in enumerate(header)}  # (a repeated name: its last column, as csv.DictReader)
+        if "path" not in at or not at.keys() & {"label", "labels"}:
             raise UserError(f"{csv_path}: the header must name the columns 'path' and 'label' (or 'labels')")
+
+        def cell(row: list[str], name: str) -> str:  # (a short row: its missing cells are empty)
+            i = at.get(name)
+            return row[i].strip() if i is not None and i < len(row) else ""
+
         rows = {}
-        for line, row in enumerate(reader, start=2):
-            rel, label = (row.get("path") or "").strip(), (row.get("label") or row.get("labels") or "").strip()
+        for line, row in lines:
+            rel, label = cell(row, "path"), cell(row, "label") or cell(row, "labels")
             p = Path(rel) if Path(rel).is_absolute() else base / rel
             extra: dict[str, Any] = {}
-            tags = [t.strip() for t in (row.get("tags") or "").split(";") if t.strip()]
+            tags = [t.strip() for t in cell(row, "tags").split(";") if t.strip()]
             if tags:
                 extra["tags"] = check_tags(tags, f"{csv_path} line {line}")
-            if (row.get("jurisdiction") or "").strip():
-                extra["dpv:hasJurisdiction"] = row["jurisdiction"].strip()
-            if (row.get("split") or "").strip():
-                extra["split"] = row["split"].strip()
+            if cell(row, "jurisdiction"):
+                extra["dpv:hasJurisdiction"] = cell(row, "jurisdiction")
+            if cell(row, "split"):
+                extra["split"] = cell(row, "split")
             rows[str(p.resolve())] = (label, extra)
     return rows
 
