@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import io
 import itertools
 import json
 import os
@@ -21,6 +22,8 @@ from torchvision.transforms import v2
 from conftest import make_image_folder
 from torchcls.data.shards import (
     INDEX,
+    Shard,
+    ShardSet,
     describe,
     is_shard_source,
     open_shards,
@@ -415,6 +418,89 @@ def test_tar_headers_of_real_writers_still_open_and_stream(tmp_path: Path):
         shardset = open_shards(str(tmp_path / folder))
         labels = [int(y) for _, ys in shard_loader(shardset, 2, 0, seed=0, shuffle=False) for y in ys]
         assert len(shardset) == 4 and labels == [0, 1, 0, 1], folder
+
+
+# --- a pax 'size' record replaces the member's header size, and tarfile moves its offset by it (second review:
+# size=-1536 sent tarfile back to the same header, so iter_members parsed one member forever while TarFile.members
+# grew; size=-1 passed the 256 MiB bound and f.read(-1) read the rest of the shard) --------------------------------
+
+@pytest.mark.timeout(120)  # (a refusal, never a hang: it looped before)
+def test_a_pax_size_record_is_held_to_the_header_size_checks(tmp_path: Path):
+    good = sample("s0", 0) + sample("s1", 1)
+    cases = {  # name: (the pax header before the next member, what the error says)
+        "negative": (pax(("size", "-1536")), "with a 'size' record of '-1536', not a non-negative decimal of at most 20"),
+        "minus_one": (pax(("size", "-1")), "a 'size' record of '-1'"),
+        "plus": (pax(("size", "+5")), "a 'size' record of '\\+5'"),  # (int() takes these; a tar writer never)
+        "underscore": (pax(("size", "1_0")), "a 'size' record of '1_0'"),
+        "space": (pax(("size", " 5")), "a 'size' record of ' 5'"),
+        "empty": (pax(("size", "")), "a 'size' record of ''"),
+        "digits": (pax(("size", "1" * 21)), "a 'size' record of '1{21}'"),
+        "second_record": (pax(("path", "s9.png"), ("size", "-1536")), "a 'size' record of '-1536'"),
+        "past_end": (pax(("size", "999999")), "pax extended header \\('x'\\) whose 'size' record gives member "
+                                              "'s[02].png' \\(at byte [0-9,]+\\) 999,999 bytes, past the end of the"),
+        "global_first": (pax(("size", "4"), kind=tarfile.XGLTYPE), "pax global header \\('g'\\) with a 'size' record"),
+    }
+    for name, (chain, reason) in cases.items():
+        for where, parts in (("first", (chain, good)), ("after a sample", (good, chain, sample("s2", 0)))):
+            if name == "global_first" and where != "first":
+                continue  # (a global header after the first member is refused as such)
+            shard = shard_of(tmp_path / f"{name}-{where.split()[0]}", *parts)
+            at = 0 if where == "first" else len(good)
+            with pytest.raises(UserError, match=f"shard {re.escape(str(shard))}: the tar header at byte {at:,} .*{reason}"):
+                open_shards(str(shard.parent))
+            if where == "first":
+                continue
+            shardset = ShardSet("x", ["0", "1"], [Shard(shard, 3, shard.stat().st_size, None)])
+            with pytest.raises(UserError, match=reason):  # the streaming reader checks each header chain too
+                list(shard_loader(shardset, 2, 0, seed=0, shuffle=False))
+
+
+@pytest.mark.timeout(120)
+def test_members_that_do_not_move_forward_are_refused_even_past_the_header_check(tmp_path: Path, monkeypatch):
+    """iter_members' own check, with check_member_headers switched off: a negative size, or a member that does not
+    lie after the one before, ends the read with an error (it re-parsed the same member forever)."""
+    from torchcls.data import shards
+    from torchcls.data.streaming import _read_span, _sample_spans
+    monkeypatch.setattr(shards, "check_member_headers", lambda *args: None)
+    for size in ("-1536", "-1"):
+        shard = shard_of(tmp_path / size, sample("s0", 0), pax(("size", size)), sample("s1", 1))
+        with pytest.raises(UserError, match=f"member 's1.png' has a size of {int(size):,} bytes"):
+            open_shards(str(shard.parent))
+    member = tarfile.TarInfo("s0.cls")
+    member.size, member.offset_data = -1, 512
+    assert _sample_spans({"cls": member}) == {"cls": None}  # (never read: read(-1) is the rest of the file)
+    with pytest.raises(UserError, match="negative size"):
+        _read_span(io.BytesIO(b"x" * 4096), (512, -1, "s0.cls"), "a.tar")
+
+
+def test_a_well_formed_pax_size_record_still_reads(tmp_path: Path):
+    """A pax 'size' (tarfile writes one for a member over 8 GiB, with 0 in the header) that fits the file is used."""
+    png = png_member_bytes()
+    member = tar_header("s0.png", 0) + png + bytes(-len(png) % 512)
+    shard = shard_of(tmp_path / "ok", pax(("size", str(len(png)))), member, tar_member("s0.cls", b"1"), sample("s1", 0))
+    shardset = open_shards(str(shard.parent))
+    labels = [int(y) for _, ys in shard_loader(shardset, 2, 0, seed=0, shuffle=False) for y in ys]
+    assert len(shardset) == 2 and labels == [1, 0]
+
+
+# --- a brace pattern's names each carry the pattern's text (second review: a 250 KB pattern naming 100,000 files
+# was ~23 GiB of names): names x pattern length is bounded before braceexpand runs -------------------------------
+
+def test_a_pattern_whose_names_would_be_too_many_characters_is_refused_before_it_is_expanded(tmp_path: Path,
+                                                                                               monkeypatch):
+    from torchcls.data import shards
+    long = str(tmp_path / ("d" * 250_000 + "-{00000..99999}.tar"))  # (~25 GB of names)
+    with pytest.raises(UserError, match="may name 100,000 shard files of up to 250,[0-9]{3} characters each, more "
+                                        "than 67,108,864 characters in all \\(shards.MAX_PATTERN_CHARS\\)") as e:
+        open_shards(long)
+    assert len(str(e.value)) < 1_000  # (the pattern is shortened in the message)
+    monkeypatch.setattr(shards, "MAX_PATTERN_CHARS", 1_000)  # the bound is names x length, not names alone
+    for i in range(3):
+        tar_with_one_sample = shard_of(tmp_path / f"f{i}", sample("s0", i % 2))
+        tar_with_one_sample.rename(tmp_path / f"t-{i}.tar")
+    assert len(open_shards(str(tmp_path / "t-{0..2}.tar"))) == 3
+    with pytest.raises(UserError, match="may name 1,000 shard files of up to"):
+        open_shards(str(tmp_path / "t-{000..999}.tar"))
 
 
 def test_a_shuffle_block_holds_at_most_max_block_bytes(numbered_shards, monkeypatch):

@@ -231,6 +231,14 @@ MAX_PAX_DIGITS = 32  # the longest run of digits in a pax header (its numbers ha
 # global ones ('g', allowed only as the archive's first header, as git archive writes it) to every member after.
 # Real ones hold a path, times, ids, names and a few xattrs.
 MAX_PAX_RECORDS = 32
+# A pax 'size' record replaces the member's header size, and tarfile moves its offset by it (int(value): '-1536'
+# moved it back to byte 0, so the same member was parsed forever; '-1' made a reader's f.read(-1) read the rest of
+# the shard). Of the pax keys tarfile applies (path, linkpath, size, mtime, uid, gid, uname, gname), only `size`
+# moves an offset or sizes a read (the GNU.sparse.* keys do too: refused above). Its value is held to what a
+# header's size field is: a non-negative decimal integer of at most MAX_PAX_SIZE_DIGITS digits, the member's data
+# inside the file.
+MAX_PAX_SIZE_DIGITS = 20  # 2^64 has 20 digits
+_PAX_SIZE = re.compile(rb"\d{1,%d}" % MAX_PAX_SIZE_DIGITS)
 _EXTENSIONS = {b"x": "pax extended header ('x')", b"X": "Solaris pax header ('X')", b"g": "pax global header ('g')",
                b"L": "GNU long-name header ('L')", b"K": "GNU long-link-name header ('K')"}
 _PAX_DIGIT_RUN = re.compile(rb"\d{%d}" % (MAX_PAX_DIGITS + 1))
@@ -242,7 +250,7 @@ def check_member_headers(f: BinaryIO, offset: int, file_size: int, shard: Path |
     it, without tarfile: every declared size within the file, extension headers few and small and pax records
     well formed, no sparse member. UserError naming the shard and the header's byte otherwise; the file's
     position is left anywhere (tarfile seeks to where it reads)."""
-    start = offset
+    start, pax_sizes = offset, []  # (a pax header's byte and kind, the size its 'size' record gives the member)
     for _ in range(MAX_TAR_EXTENSIONS + 1):
         f.seek(offset)
         header = f.read(_BLOCK)
@@ -250,8 +258,8 @@ def check_member_headers(f: BinaryIO, offset: int, file_size: int, shard: Path |
         if size is None:  # no header here: the end-of-archive zeros, a cut, or a block tarfile refuses itself
             return
         kind, where = header[156:157], f"shard {shard}: the tar header at byte {offset:,}"
+        name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
         if size < 0 or offset + _BLOCK + size > file_size:
-            name = header[:100].split(b"\0", 1)[0].decode("utf-8", "replace")
             beyond = "a negative size" if size < 0 else f"past the end of the {file_size:,}-byte file"
             raise UserError(f"{where} (member {name!r}) declares {size:,} bytes, {beyond}: it is truncated or not a "
                             "shard. Re-copy or re-write it (torchcls data shard)")
@@ -259,6 +267,12 @@ def check_member_headers(f: BinaryIO, offset: int, file_size: int, shard: Path |
             raise UserError(f"{where} is a GNU sparse member ('S'), which no shard writer makes and tarfile would "
                             "follow through chained blocks; re-write the shard (torchcls data shard)")
         if kind not in _EXTENSIONS:
+            for at, pax_kind, pax_size in pax_sizes:  # tarfile gives the member the size of its pax header(s)
+                if offset + _BLOCK + pax_size > file_size:
+                    raise UserError(f"shard {shard}: the tar header at byte {at:,} is a {_EXTENSIONS[pax_kind]} whose "
+                                    f"'size' record gives member {name!r} (at byte {offset:,}) {pax_size:,} bytes, "
+                                    f"past the end of the {file_size:,}-byte file: it is truncated or not a shard. "
+                                    "Re-copy or re-write it (torchcls data shard)")
             return
         if size > MAX_TAR_EXTENSION_BYTES:
             raise UserError(f"{where} is a {_EXTENSIONS[kind]} of {size:,} bytes, more than the "
@@ -269,11 +283,14 @@ def check_member_headers(f: BinaryIO, offset: int, file_size: int, shard: Path |
                             "every member after it; writers put one first, if any); re-write the shard "
                             "(torchcls data shard)")
         if kind in b"xXg":
-            padded = -(-size // _BLOCK) * _BLOCK
-            problem = _pax_problem(f.read(padded), size)
+            padded, sizes = -(-size // _BLOCK) * _BLOCK, []
+            problem = _pax_problem(f.read(padded), size, sizes)
+            if not problem and sizes and kind == b"g":
+                problem = "a 'size' record (tarfile would give every member after it that size)"
             if problem:
                 raise UserError(f"{where} is a {_EXTENSIONS[kind]} with {problem}; tar writers make none such. "
                                 "Re-write the shard (torchcls data shard)")
+            pax_sizes += [(offset, kind, n) for n in sizes]
         offset += _BLOCK + -(-size // _BLOCK) * _BLOCK
     raise UserError(f"shard {shard}: the tar header at byte {start:,} begins more than {MAX_TAR_EXTENSIONS} "
                     "extension headers in a row (shards.MAX_TAR_EXTENSIONS; tar writers put at most 3 before a "
@@ -305,10 +322,11 @@ def _tar_number(field: bytes) -> int | None:
         return None
 
 
-def _pax_problem(block: bytes, size: int) -> str:
+def _pax_problem(block: bytes, size: int, sizes: list[int]) -> str:
     """What is wrong with a pax header's data ('' if nothing), in one linear pass: its records ("LEN KEY=VALUE\\n")
     must tile its size exactly, be at most MAX_PAX_RECORDS, and its padding be zeros (tarfile parses on into the
-    padding); no GNU sparse keys, and no run of digits longer than MAX_PAX_DIGITS."""
+    padding); no GNU sparse keys, no run of digits longer than MAX_PAX_DIGITS, and a `size` record's value a
+    non-negative decimal of at most MAX_PAX_SIZE_DIGITS digits (appended to `sizes`)."""
     data, pos, records = block[:size], 0, 0
     if block[size:].strip(b"\0"):
         return "data in its padding"
@@ -325,6 +343,13 @@ def _pax_problem(block: bytes, size: int) -> str:
             return f"a malformed record at byte {pos:,} of its data"
         if data[space + 1:equals].startswith(b"GNU.sparse."):
             return "GNU sparse keys (no shard writer makes a sparse member)"
+        if data[space + 1:equals] == b"size":
+            value = data[equals + 1:end - 1]
+            if not _PAX_SIZE.fullmatch(value):
+                shown = value[:24].decode("ascii", "replace") + ("..." if len(value) > 24 else "")
+                return (f"a 'size' record of {shown!r}, not a non-negative decimal of at most {MAX_PAX_SIZE_DIGITS} "
+                        "digits (shards.MAX_PAX_SIZE_DIGITS)")
+            sizes.append(int(value))
         pos = end
     if _PAX_DIGIT_RUN.search(data):
         return f"a run of more than {MAX_PAX_DIGITS} digits"
@@ -335,9 +360,11 @@ def iter_members(tf: tarfile.TarFile, shard: Path, file_size: int) -> Iterator[t
     """Group a tar's members into samples (key, {ext: member}) reading headers only, each header chain checked
     (check_member_headers) before tarfile parses it.
 
-    A member whose data would end past the end of the file means the shard was cut short.
+    A member whose data would end past the end of the file means the shard was cut short. Every member must have a
+    size >= 0 and lie after the one before (its header, and where tarfile reads the next, strictly further on): a
+    size tarfile took from elsewhere that moved it backwards would parse the same members forever.
     """
-    key, fields, checked = None, {}, 0  # (open_tar checked the headers at byte 0)
+    key, fields, checked, last = None, {}, 0, -1  # (open_tar checked the headers at byte 0)
     while True:
         if tf.offset != checked:
             check_member_headers(tf.fileobj, tf.offset, file_size, shard)  # before tarfile parses them
@@ -350,6 +377,13 @@ def iter_members(tf: tarfile.TarFile, shard: Path, file_size: int) -> Iterator[t
         if m is None:
             _check_end(tf, shard)
             break
+        if m.size < 0 or m.offset <= last or tf.offset <= m.offset:
+            problem = f"a size of {m.size:,} bytes" if m.size < 0 else \
+                f"the next header at byte {tf.offset:,}, not after it" if m.offset > last else \
+                f"a header at byte {m.offset:,}, not after the member before it (at byte {last:,})"
+            raise UserError(f"shard {shard}: member {m.name!r} has {problem}: tar members follow one another. It is "
+                            "corrupt or not a shard; re-write it (torchcls data shard)")
+        last = m.offset
         if m.offset_data + m.size > file_size:
             raise UserError(f"shard {shard} is truncated: member {m.name} ends at byte "
                             f"{m.offset_data + m.size:,} of a {file_size:,}-byte file. Re-copy or re-write it")
@@ -407,6 +441,10 @@ def is_shard_source(source: str) -> bool:
 
 
 MAX_SHARD_FILES = 100_000  # files one --data pattern may name (100,000 shards of 1 GB: 100 TB)
+# ... and the characters of those names in all, bounded as names x the pattern's length (no name is longer than its
+# pattern: a range's names are no wider than its end points): each name carries the pattern's literal text, so a
+# 250 KB pattern naming 100,000 files was 25 GB of names. 64 Mi characters: 100,000 names of 671 characters.
+MAX_PATTERN_CHARS = 64 << 20
 _BRACE_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?|([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?")
 
 
@@ -439,14 +477,28 @@ def brace_names_bound(pattern: str) -> int:
 
 def _expand(source: str) -> list[Path]:
     from braceexpand import braceexpand
-    if brace_names_bound(source) > MAX_SHARD_FILES:
-        raise UserError(f"--data {source}: the pattern may name more than {MAX_SHARD_FILES:,} shard files "
+    names = brace_names_bound(source)
+    shown = source if len(source) <= 200 else f"{source[:100]}...{source[-60:]} ({len(source):,} characters)"
+    if names > MAX_SHARD_FILES:
+        raise UserError(f"--data {shown}: the pattern may name more than {MAX_SHARD_FILES:,} shard files "
                         "(shards.MAX_SHARD_FILES): refused before expanding it; name fewer, or a folder of shards")
+    if names * len(source) > MAX_PATTERN_CHARS:
+        raise UserError(f"--data {shown}: the pattern may name {names:,} shard files of up to {len(source):,} "
+                        f"characters each, more than {MAX_PATTERN_CHARS:,} characters in all "
+                        "(shards.MAX_PATTERN_CHARS): refused before expanding it; shorten the path (a folder of "
+                        "shards), or name fewer")
     paths = [Path(p) for p in braceexpand(source)]
-    missing = [str(p) for p in paths if not p.exists()]  # (anything else is refused when opened: a FIFO...)
+    missing = [str(p) for p in paths if not _exists(p)]  # (anything else is refused when opened: a FIFO...)
     if missing:
         raise UserError(f"--data {source}: {len(missing)} of {len(paths)} shard(s) not found, e.g. {missing[0]}")
     return paths
+
+
+def _exists(path: Path) -> bool:
+    try:
+        return path.exists()
+    except OSError:  # a name too long for the file system (ENAMETOOLONG): no such shard
+        return False
 
 
 def _read_index(path: Path) -> dict:
@@ -468,7 +520,11 @@ def open_shards(source: str, verify: bool = False) -> ShardSet:
     Without one, every shard's headers are read to count its samples (labels become class names '0'..).
     """
     path = Path(source)
-    if path.is_dir():
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name too long for the file system (a long pattern): not a folder; _expand bounds it
+        is_dir = False
+    if is_dir:
         folder, chosen = path, None
         if not (path / INDEX).is_file():
             chosen = sorted(p for p in path.iterdir() if p.suffix == ".tar" and not p.name.startswith("."))
@@ -561,7 +617,7 @@ def _scan(source: str, paths: list[Path]) -> ShardSet:
             n = 0
             for key, fields in iter_members(tf, p, size):
                 n += 1
-                if "cls" in fields and fields["cls"].size <= MAX_CLS_BYTES:  # (a longer one is no label)
+                if "cls" in fields and 0 <= fields["cls"].size <= MAX_CLS_BYTES:  # (a longer one is no label)
                     raw = tf.extractfile(fields["cls"]).read(MAX_CLS_BYTES)
                     top = max(top, int(raw)) if raw.strip().isdigit() else top
                     check_label_index(top, f"shard {p}: sample {key}")  # before a name is made for each class

@@ -218,11 +218,12 @@ def _image_ext(fields: dict) -> str | None:
 
 def _sample_spans(members: dict[str, tarfile.TarInfo]) -> dict[str, Span | None]:
     """{ext: where its data lies} of the two members a sample is decoded from (its image and its .cls), each only
-    when within its bound; every other member (and one over its bound) is named with None, never read."""
+    when within its bound (0 to the bound: a negative size would be read(-1), the rest of the shard); every other
+    member (and one outside its bound) is named with None, never read."""
     image, limits = _image_ext(members), {"cls": MAX_CLS_BYTES}
     if image is not None:
         limits[image] = image_files.BOUNDS.max_file_bytes
-    return {ext: (m.offset_data, m.size, m.name) if m.size <= limits.get(ext, -1) else None
+    return {ext: (m.offset_data, m.size, m.name) if 0 <= m.size <= limits.get(ext, -1) else None
             for ext, m in members.items()}
 
 
@@ -233,6 +234,8 @@ def _read_spans(f: Any, spans: dict[str, Span | None], shard: str) -> dict[str, 
 def _read_span(f: Any, span: Span, shard: str) -> bytes:
     # A plain seek + read: tarfile's extractfile wrapper costs more than the read of a small image.
     offset, size, name = span
+    if size < 0:  # (iter_members refuses such a member; read(-1) would read the rest of the shard)
+        raise UserError(f"shard {shard}: member {name} has a negative size ({size:,}); re-write the shard")
     f.seek(offset)
     data = f.read(size)
     if len(data) != size:
