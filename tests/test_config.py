@@ -157,7 +157,7 @@ def test_a_run_dirs_recorded_config_neither_raises_bounds_nor_sends_data_elsewhe
         assert (cfg.data.max_pixels, cfg.data.memory_limit_mb) == (default.data.max_pixels, default.data.memory_limit_mb)
         assert cfg.optim.lr == 0.25 and cfg.data.img_size == 32 and cfg.run.resume  # how the model trains: taken
         note = " ".join(capsys.readouterr().out.split())
-        assert f"{config} is a run dir's recorded config" in note and "'http://attacker.example' not taken" in note
+        assert f"{config} is taken as a run's recorded config" in note and "'http://attacker.example' not taken" in note
         assert "give --max-pixels --memory-limit-mb --tracking --tracking-uri" in note
 
 
@@ -202,6 +202,23 @@ def test_a_run_dirs_recorded_config_continues_the_run_dir_it_is_in(tmp_path: Pat
         " ".join(capsys.readouterr().out.split())
     cfg = config_from_args(build_parser().parse_args(["train", "--config", str(config), "--resume", "--name", "x"]))
     assert (cfg.run.out_dir, cfg.run.name) == (str(tmp_path / "runs"), "x")
+
+
+@pytest.mark.parametrize("name", ["config.toml", "settings.toml"])
+def test_any_config_given_to_resume_is_taken_as_a_recorded_one(tmp_path: Path, name: str, capsys):
+    """A config with no run dir's files beside it (or renamed) given with --resume: what it may not set (tracking,
+    bounds, audit files) stays as the command line says; the run it names is the one continued (one's own
+    experiments/r18.toml names its run)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / name).write_text(f'[run]\nout_dir = "{tmp_path / "runs"}"\nname = "prod"\n'
+                               '[train]\ntracking = "mlflow"\ntracking_uri = "http://attacker.example"\n')
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(shared / name), "--resume"]))
+    assert (cfg.run.out_dir, cfg.run.name) == (str(tmp_path / "runs"), "prod")
+    assert (cfg.train.tracking, cfg.train.tracking_uri) == ("none", None)
+    assert "'http://attacker.example' not taken" in " ".join(capsys.readouterr().out.split())
+    cfg = config_from_args(build_parser().parse_args(["train", "--config", str(shared / name)]))  # a new run: as given
+    assert (cfg.run.name, cfg.train.tracking_uri) == ("prod", "http://attacker.example")
 
 
 def test_the_resume_hint_gives_on_the_command_line_what_config_toml_does_not_set(tmp_path: Path):

@@ -360,8 +360,13 @@ def config_from_args(args: argparse.Namespace) -> Config:
             section, key = dest.split(".", 1)
             set_option(cfg, section, key, value, origin="command line")
             given.add((section, key))
-    if args.config and is_recorded_config(args.config, cfg):
+    # With --resume any config is taken as the record of the run it continues, whatever its name and neighbours
+    # (a shared one with no run dir's files beside it, or renamed settings.toml, could send the run elsewhere):
+    # what bounds input, sends data out or names the audit files comes from the command line
+    recorded = bool(args.config) and is_recorded_config(args.config, cfg)
+    if recorded or (args.config and cfg.run.resume):
         _note_ignored(args.config, keep_local(cfg, local, frozenset(given)))
+    if recorded:  # a run dir's own config.toml: the run dir it is in is the one continued
         _run_dir_it_is_in(args.config, cfg, given)
     return cfg
 
@@ -392,7 +397,8 @@ def _note_ignored(path: str, ignored: list[tuple[str, str, Any]]) -> None:
 
     values = ", ".join(f"{key} = {value!r}" for _, key, value in ignored)
     flags = " ".join(f"--{key.replace('_', '-')}" for _, key, _ in ignored)
-    console.print(f"[yellow]note: {path} is a run dir's recorded config: its {values} not taken (what bounds input "
+    console.print(f"[yellow]note: {path} is taken as a run's recorded config (a run dir's, or given to --resume): "
+                  f"its {values} not taken (what bounds input "
                   f"costs, sends data elsewhere or names the audit log and its keys comes from the command line: "
                   f"give {flags} to keep them)[/]",
                   highlight=False, soft_wrap=True)
