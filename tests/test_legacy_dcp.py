@@ -220,3 +220,49 @@ def test_a_metadata_over_its_size_bound_is_not_read(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(dcp_metadata, "MAX_METADATA_BYTES", _metadata(run).stat().st_size - 1)
     with pytest.raises(UserError, match=r"\.metadata.*at most \d+ bytes"):
         safe_dcp.SafeReader(str(run / "checkpoints" / "last.dcp")).read_metadata()
+
+
+def _one_tensor_metadata(size: list[int], chunks: list[tuple[list[int], list[int]]], spans: list[tuple[int, int]]):
+    """Metadata of one float64 tensor 'epoch_sums' of `size`, its chunks (offsets, sizes) stored at `spans` of d.distcp."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+
+    listed = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in chunks]
+    storage = {MetadataIndex("epoch_sums", torch.Size(o)): _StorageInfo("d.distcp", off, n)
+               for (o, _), (off, n) in zip(chunks, spans)}
+    entry = TensorStorageMetadata(TensorProperties(dtype=torch.float64), torch.Size(size), listed)
+    return Metadata(state_dict_metadata={"epoch_sums": entry}, storage_data=storage)
+
+
+@pytest.mark.parametrize("size, chunks, spans, message", [
+    # the review's reproducer, small: one 64-byte chunk listed 1,000 times "covered" 8,000 elements
+    ([8 * 1000], [([0], [8])] * 1000, [(0, 64)], "more than once"),
+    # chunks [0:6] and [4:10] of 10 elements add up to 12 >= 10 and leave nothing out by count
+    ([10], [([0], [6]), ([4], [6])], [(0, 48), (48, 48)], "overlaps"),
+    # 2-D: two 2x2 chunks at distinct offsets overlapping in one cell, a gap elsewhere
+    ([3, 3], [([0, 0], [2, 2]), ([1, 1], [2, 2]), ([0, 2], [1, 1]), ([2, 0], [1, 1])],
+     [(0, 32), (32, 32), (64, 8), (72, 8)], "overlaps"),
+    # distinct chunks, each its size in bytes, but all claiming the same bytes of the file
+    ([4 * 8], [([i * 8], [8]) for i in range(4)], [(0, 64)] * 4, "same bytes"),
+    # a tensor bigger than its chunks reach
+    ([20], [([0], [10])], [(0, 80)], "not covered"),
+], ids=["repeated-chunk", "overlap-1d", "overlap-2d", "shared-bytes", "short"])
+def test_chunks_must_tile_their_tensor_exactly_in_bytes_of_their_own(tmp_path: Path, size, chunks, spans,
+                                                                      message) -> None:
+    """Review 3, finding 1: `covered` summed each chunk's elements, so a repeated chunk made an 8 KiB file
+    pass as a 1.02e9-element epoch_sums (legacy_dcp allocates torch.zeros of it). The chunks must now tile
+    the tensor exactly (hf_dcp.check_cover) and no two entries may share stored bytes."""
+    from torchcls.checkpoint.dcp_metadata import check_layout
+
+    (tmp_path / "d.distcp").write_bytes(b"\0" * 128)
+    with pytest.raises(UserError, match=message):
+        check_layout(_one_tensor_metadata(size, chunks, spans), tmp_path)
+
+
+def test_an_exact_tiling_in_distinct_bytes_passes(tmp_path: Path) -> None:
+    from torchcls.checkpoint.dcp_metadata import check_layout
+
+    (tmp_path / "d.distcp").write_bytes(b"\0" * 128)
+    grid = [([r, c], [2, 2]) for r in (0, 2) for c in (0, 2)]  # a 4x4 tensor in four 2x2 chunks (a 2-D mesh)
+    check_layout(_one_tensor_metadata([4, 4], grid, [(i * 32, 32) for i in range(4)]), tmp_path)
+    check_layout(_one_tensor_metadata([0, 4], [], []), tmp_path)  # an empty tensor needs no chunk

@@ -5,7 +5,9 @@ DCP's metadata types only, under the unpickling bounds below; `check_layout` the
 as a schema, iteratively: each field of the expected type, each container within its bound, every
 rank and dimension bounded before any product is taken (a product of a thousand dims of 2**62 is
 quadratic in their digits: the 17 s file of issue 30), every entry naming a file of the checkpoint
-dir itself and a byte range inside it, and every tensor stored in as many bytes as its size needs.
+dir itself and a byte range inside it that no other entry claims, and every tensor tiled exactly by
+its chunks (hf_dcp.check_cover: none repeated or overlapping) and stored in as many bytes as its size
+needs. A tensor's size is then bounded by the checkpoint files' bytes.
 Nothing unexpected can be nested anywhere in what DCP is then handed.
 """
 
@@ -28,7 +30,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from torchcls.checkpoint.safetensors_bounds import bounded_numel
+from torchcls.checkpoint.hf_dcp import SavedTensor, check_cover
+from torchcls.checkpoint.safetensors_bounds import SafetensorsBounds, bounded_numel
 from torchcls.errors import UserError
 
 # Unpickling (checked while the pickle is read, before the object they bound exists).
@@ -45,6 +48,7 @@ MAX_NDIM = 16  # dims of a tensor
 MAX_DIM = 2**48  # one dimension or offset
 MAX_NUMEL = 2**48  # elements of one tensor or chunk
 MAX_NAME = 4096  # characters of a tensor name or file name
+_COVER_BOUNDS = SafetensorsBounds(max_dim=MAX_DIM, max_numel=MAX_NUMEL)  # check_cover reads max_numel
 
 
 def is_shape(value: Any) -> bool:
@@ -74,10 +78,13 @@ def check_layout(md: Any, root: Path) -> None:
         raise _refuse(where, f"more than {MAX_ENTRIES} entries")
     _check_extras(md, where)
     sizes: dict[str, int] = {}
+    spans: dict[str, list[tuple[int, int]]] = {}
     for index, info in md.storage_data.items():
         if not is_index(index) or type(info) is not _StorageInfo:
             raise _refuse(where, "an entry of its storage table is not DCP metadata")
         _check_entry(index.fqn, info, root, sizes, where)
+        spans.setdefault(info.relative_path, []).append((info.offset, info.length))
+    _check_spans(spans, where)
     for fqn, entry in md.state_dict_metadata.items():
         if type(fqn) is str and type(entry) is BytesStorageMetadata and MetadataIndex(fqn) in md.storage_data:
             continue
@@ -134,19 +141,40 @@ def _check_tensor(fqn: str, entry: TensorStorageMetadata, storage: dict, where: 
     total = bounded_numel(list(size), MAX_NUMEL)
     if total is None:
         raise UserError(f"{where}: tensor {fqn[:80]!r} has more than {MAX_NUMEL} elements: refused")
-    covered = 0
+    tiles: dict[tuple[int, ...], tuple[int, ...]] = {}
     for chunk in chunks:
         if (type(chunk) is not ChunkStorageMetadata or not is_shape(chunk.offsets) or not is_shape(chunk.sizes)
                 or not len(chunk.offsets) == len(chunk.sizes) == len(size)
                 or any(o + n > d for o, n, d in zip(chunk.offsets, chunk.sizes, size))):
             raise UserError(f"{where}: tensor {fqn[:80]!r} has a chunk outside its size {list(size)}: refused")
+        if tuple(chunk.offsets) in tiles:  # one stored chunk listed again would count its elements again
+            raise UserError(f"{where}: tensor {fqn[:80]!r} lists its chunk at {list(chunk.offsets)} more than once: "
+                            "refused (damaged or crafted)")
         info = storage.get(MetadataIndex(fqn, chunk.offsets))
         numel = bounded_numel(list(chunk.sizes), total)  # inside the tensor: at most its elements
         need = (numel or 0) * props.dtype.itemsize
         if info is None or need > info.length:
             raise UserError(f"{where}: tensor {fqn[:80]!r}: a chunk of {list(chunk.sizes)} {props.dtype} needs {need} "
                             "bytes, more than stored for it: refused (damaged or crafted)")
-        covered += numel or 0
-    if covered < total:
+        tiles[tuple(chunk.offsets)] = tuple(chunk.sizes)
+    if not total:
+        return
+    saved = SavedTensor(str(props.dtype), len(size), tiles)
+    if saved.size != tuple(size):
         raise UserError(f"{where}: tensor {fqn[:80]!r} of size {list(size)} is not covered by its stored chunks: "
                         "refused")
+    # The sharded format's exact-tiling check: overlapping chunks are refused, so the elements covered
+    # (and allocated from this size by legacy_dcp) are elements stored.
+    check_cover(fqn, saved, Path(where), _COVER_BOUNDS)
+
+
+def _check_spans(spans: dict[str, list[tuple[int, int]]], where: str) -> None:
+    """No two entries share bytes of a file: each chunk is backed by bytes of its own, so what the
+    metadata says is stored is bounded by the files' sizes (DCP writes each item after the last)."""
+    for name, ranges in spans.items():
+        end = 0
+        for offset, length in sorted(ranges):
+            if offset < end:
+                raise UserError(f"{where}: two entries claim the same bytes of {name[:200]!r} (at {offset}): "
+                                "refused (damaged or crafted)")
+            end = offset + length
