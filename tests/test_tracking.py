@@ -118,3 +118,23 @@ def test_unreachable_store_is_refused_before_training(tmp_path, shapes_dir, uri)
     assert time.perf_counter() - t0 < 30, "a dead store must fail in seconds, not after retries"
     assert uri in str(e.value)
     assert not (tmp_path / "runs" / "dead").exists()  # the failed start left no run dir
+
+
+def test_a_linked_best_checkpoint_is_not_uploaded(tmp_path, store):
+    """A resumed received run dir whose best.safetensors is a link (to ~/.ssh/id_ed25519, say), never rewritten
+    when its recorded best_top1 stays unbeaten: finish uploads the run's files, not what the link points at."""
+    import types
+
+    from torchcls.config import Config
+    from torchcls.training.tracking import open_tracker
+
+    run = tmp_path / "runs" / "recv"
+    (run / "checkpoints").mkdir(parents=True)
+    (tmp_path / "id_ed25519").write_text("-----BEGIN OPENSSH PRIVATE KEY-----")
+    (run / "checkpoints" / "best.safetensors").symlink_to(tmp_path / "id_ed25519")
+    (run / "metrics.jsonl").write_text("")
+    cfg = Config()
+    cfg.train.tracking, cfg.train.tracking_uri = "mlflow", str(store)
+    tracker = open_tracker(cfg, run)
+    tracker.finish(types.SimpleNamespace(best_checkpoint=run / "checkpoints" / "best.safetensors"))
+    assert _artifacts(_client(f"sqlite:///{store / 'mlflow.db'}"), tracker.run_id) == {"metrics.jsonl"}

@@ -234,8 +234,10 @@ class Tracker:
         for name in ARTIFACTS:
             if run_files.is_file(self.run_dir / name):  # (a link would upload whatever it points at)
                 self._call(lambda n=name: self.client.log_artifact(self.run_id, str(self.run_dir / n)))
+        # Never through a link: a resumed received run dir's best.safetensors, never rewritten when its recorded
+        # best_top1 stays unbeaten, could be a link to any file of the user's (~/.ssh/id_ed25519)
         ckpt = Path(result.best_checkpoint)
-        if ckpt.is_file():
+        if run_files.is_file(ckpt):
             self._call(lambda: self.client.log_artifact(self.run_id, str(ckpt), artifact_path="checkpoints"))
         self._end("FINISHED")
 
