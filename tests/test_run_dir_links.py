@@ -287,3 +287,21 @@ def test_a_linked_temporary_checkpoint_dir_is_replaced_not_written_through(tmp_p
 
     dcp.start_save(checkpoints / "last.dcp", {"model": {"w": torch.ones(2)}}, One())
     assert list(elsewhere.iterdir()) == [] and not (checkpoints / ".last.dcp.tmp").is_symlink()
+
+
+def test_consolidate_does_not_write_into_a_linked_checkpoints_folder(tmp_path: Path) -> None:
+    """received/checkpoints -> the user's runs/prod/checkpoints: the default output, checkpoints/
+    consolidated.safetensors, would replace prod's; refused before the checkpoint is read."""
+    from torchcls.checkpoint import dcp
+    from torchcls.checkpoint.consolidate import consolidate
+
+    prod = tmp_path / "runs" / "prod" / "checkpoints"
+    (prod / "last.dcp").mkdir(parents=True)
+    for name in (dcp.STATE, dcp.META):
+        (prod / "last.dcp" / name).write_text("{}")
+    received = tmp_path / "received"
+    received.mkdir()
+    (received / "checkpoints").symlink_to(prod)
+    with pytest.raises(UserError, match="checkpoints: a folder in a run dir is a symbolic link"):
+        consolidate(received)
+    assert sorted(p.name for p in prod.iterdir()) == ["last.dcp"]

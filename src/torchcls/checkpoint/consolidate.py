@@ -15,6 +15,7 @@ from torchcls.checkpoint import dcp, hf_dcp, legacy_dcp
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, model_state, write_weights
 from torchcls.checkpoint.fit import fitted_model
 from torchcls.errors import UserError
+from torchcls.run_files import refuse_links_below
 
 MODEL = "model."  # the prefix of the model's tensors in the training state
 
@@ -33,6 +34,8 @@ def consolidate(source: str | Path, out: str | Path | None = None, *, unsafe_unp
     `unsafe_unpickle`: a checkpoint in torch's older pickle format is read (restricted unpickler), else refused."""
     source = Path(source)
     path = checkpoint_dir(source)
+    out = Path(out) if out else path.parent / "consolidated.safetensors"
+    refuse_links_below(source, out)  # a received run dir's checkpoints -> ~/runs/prod/checkpoints: not written into
     legacy = dcp.is_legacy(path)
     if legacy and not unsafe_unpickle:
         dcp.refuse_legacy(path)
@@ -45,6 +48,5 @@ def consolidate(source: str | Path, out: str | Path | None = None, *, unsafe_unp
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
         (legacy_dcp.load_model_tensors if legacy else hf_dcp.load)(state, path)
     model.load_state_dict(state["model"])
-    out = Path(out) if out else path.parent / "consolidated.safetensors"
     write_weights(out, model_state(model), meta)
     return out
