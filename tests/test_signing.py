@@ -452,6 +452,10 @@ def test_a_users_key_signs_an_export_only_under_a_run_record_that_key_signed(tmp
     with pytest.raises(UserError, match="is not signed by the key that would sign this export"):
         register_artifact(model, ckpt, signing_key_file=str(private))
     assert not (tmp_path / "model.pt2.intoto.jsonl").exists()
+    audit_key = tmp_path / "keys" / "audit.key"
+    audit_key.write_text("k" * 64)  # the legacy HMAC key: the same rule
+    with pytest.raises(UserError, match="is not signed by the audit key that would sign this export"):
+        register_artifact(model, ckpt, key_file=str(audit_key))
     register_artifact(model, ckpt)  # unsigned: recorded in the sender's own log, as the sender's
     AuditLog(log, signer=load_signer(private)).append("run", listed)  # a run record this key signed
     register_artifact(model, ckpt, signing_key_file=str(private))

@@ -51,8 +51,9 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     log_path = Path(parent["audit_log"])
     parent_sha256 = sha256_file(source_checkpoint)
     signer = signer_from(signing_key_file, near=[log_path.parent])
-    backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint, signer)
-    log = AuditLog(log_path, load_key(key_file, near=[log_path.parent]), signer)
+    key = load_key(key_file, near=[log_path.parent])
+    backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint, signer, key)
+    log = AuditLog(log_path, key, signer)
     digest = sha256 or sha256_file(path)
     record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
                                      "parent_sha256": parent_sha256, "path": str(path.resolve()),
@@ -75,11 +76,11 @@ class UnbackedLineage(UserError):
 
 
 def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, checkpoint: Path,
-                  signer: Signer | None = None) -> None:
+                  signer: Signer | None = None, hmac_key: bytes | None = None) -> None:
     """Refuse (UnbackedLineage) unless `log` is an intact chain in which a record of the run that `parent` (a
     checkpoint's lineage) names lists a file with `parent_sha256` among the run's artifacts (any of its records:
-    a resumed run records itself again); and, when the export is to be signed with `signer`, that record is
-    signed by that very key. The log is the one the checkpoint names, so it may have come with it: a log
+    a resumed run records itself again); and, when the export is to be signed with `signer` (or the legacy
+    `hmac_key`), that record is signed by that very key. The log is the one the checkpoint names, so it may have come with it: a log
     shipped beside a received run dir could list anything, and a user's key signs only what the user's key
     recorded."""
     broken = [p for p in log.check_chain() if not p.torn]
@@ -95,6 +96,9 @@ def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, che
     if signer is not None and check_signatures(backing[-1:], Trusted(ids=frozenset({signer.keyid}))).problems:
         raise UnbackedLineage(f"{checkpoint}: the record of run {parent.get('run_id')} in {log.path} is not signed by "
                               f"the key that would sign this export ({short(signer.keyid)}…): it was not this key's run")
+    if hmac_key is not None and check_signatures(backing[-1:], Trusted(hmac=hmac_key)).problems:
+        raise UnbackedLineage(f"{checkpoint}: the record of run {parent.get('run_id')} in {log.path} is not signed by "
+                              "the audit key that would sign this export: it was not this key's run")
 
 
 def _run_manifests(log: AuditLog, parent: dict[str, Any]) -> list[dict[str, Any]]:
