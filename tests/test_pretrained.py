@@ -69,6 +69,39 @@ def test_timm_state_dict_pth_and_hub_folder(tmp_path: Path) -> None:
         assert all(torch.equal(state[k], v) for k, v in original.items() if not k.startswith("fc."))
 
 
+@pytest.mark.parametrize("pretrained_cfg, field", [
+    ({"input_size": [3, 224, 224], "crop_pct": 0.001}, "crop_pct"),  # resize side 224,000 px
+    ({"input_size": [3, 224, 224], "crop_pct": -1}, "crop_pct"),  # a negative resize side
+    ({"input_size": [3, 40000, 40000]}, "input_size"),
+    ({"input_size": [3, 224, 40000]}, "input_size width"),
+    ({"input_size": [10**6, 224, 224], "mean": [0.5] * 3, "std": [0.5] * 3}, "input_size channels"),
+    ({"input_size": "224"}, "input_size"),
+    ({"mean": [0.5, 0.5]}, "mean and std"),
+    ({"std": [0.5, 0.0, 0.5]}, "mean and std"),
+    ({"mean": [1e300] * 3}, "mean and std"),
+], ids=["crop-tiny", "crop-negative", "side-40000", "width-40000", "channels", "not-a-list", "mean-2", "std-0", "mean-huge"])
+def test_a_hub_folders_config_is_held_to_the_checkpoint_bounds(tmp_path: Path, pretrained_cfg, field) -> None:
+    """Review 3, finding 2: a hub folder's (or hub repository's) config.json set crop_pct and input_size
+    unchecked (crop_pct 0.001: each image resized to 224,000 px). The same bounds as checkpoint metadata
+    (data/preprocess.check_input) now hold, with an error naming the folder and the field."""
+    import json
+
+    from torchcls.checkpoint.pretrained import resolve_pretrained
+
+    folder = tmp_path / "hubfolder"
+    folder.mkdir()
+    save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "resnet18", "pretrained_cfg": pretrained_cfg}))
+    with pytest.raises(UserError, match=f"--pretrained {folder}: its pretrained config's {field} must") as refused:
+        resolve_pretrained(str(folder), "smallnet")
+    assert "\n" not in str(refused.value)
+    (folder / "config.json").write_text(json.dumps({"architecture": "resnet18", "pretrained_cfg": {
+        "input_size": [3, 40, 48], "crop_pct": 0.8, "interpolation": "lanczos", "mean": [0.3] * 3, "std": [0.2] * 3}}))
+    given = resolve_pretrained(str(folder), "smallnet").input  # a config in the bounds reads as before
+    assert (given.img_size, given.crop_pct, given.mean, given.std, given.interpolation) == (
+        48, 0.8, (0.3,) * 3, (0.2,) * 3, "lanczos")
+
+
 def test_timm_model_from_a_torchcls_checkpoint_keeps_or_renews_its_head(tmp_path: Path) -> None:
     """A torchcls checkpoint of a timm model goes through timm too: same classes keep the trained head (all
     tensors the file's), other classes of the same count get a new one (timm's reset_classifier)."""

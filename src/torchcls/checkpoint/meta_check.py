@@ -16,9 +16,9 @@ import math
 from typing import Any
 
 from torchcls.bounded_json import JsonBounds, load_bounded
-from torchcls.data.preprocess import INTERPOLATIONS, Preprocess
+from torchcls.data.preprocess import INTERPOLATIONS, Preprocess, check_input
 from torchcls.errors import UserError
-from torchcls.models.registry import MAX_CLASSES, MAX_IMG_SIZE, MAX_IN_CHANS, spec_from_dict
+from torchcls.models.registry import MAX_CLASSES, spec_from_dict
 from torchcls.tasks import MULTICLASS, MULTILABEL
 
 # The metadata's JSON: 8 MiB, the bound on a whole safetensors header (safetensors_bounds.py), holds
@@ -27,7 +27,6 @@ from torchcls.tasks import MULTICLASS, MULTILABEL
 META_BOUNDS = JsonBounds(max_bytes=8 * 2**20, max_values=4 * MAX_CLASSES + 100_000, max_depth=8, max_str=4096)
 MAX_CLASS_NAME = 1024  # characters of one class name (a folder name is at most 255 bytes on most file systems)
 MAX_COUNTER = 10**12  # epochs and optimizer steps
-CROP_PCT = (0.5, 2.0)  # the resize side is img_size / crop_pct: at most twice the input (timm's range: 0.875-1.15)
 
 
 def meta_fields(text: str | bytes, where: str) -> dict[str, Any]:
@@ -61,22 +60,14 @@ def check_classes(value: Any, num_classes: int | None, where: str) -> list[str]:
 
 
 def check_preprocess(value: Any, in_chans: int | None, where: str) -> Preprocess:
-    """The preprocessing, each value in its range; `in_chans` None: any channel count up to MAX_IN_CHANS."""
+    """The preprocessing, each value in its range (data/preprocess.check_input, the bounds a pretrained config
+    is held to as well); `in_chans` None: any channel count up to MAX_IN_CHANS."""
     if not isinstance(value, dict):
         raise UserError(f"{where}: the checkpoint's preprocess must be a JSON object")
     value = {"interpolation": "bilinear", "crop_pct": 1.0} | value  # older checkpoints lack these two
-    size, channels = value.get("img_size"), value.get("channels")
-    if (not _int_in(size, 1, MAX_IMG_SIZE) or not _int_in(channels, 1, MAX_IN_CHANS)
-            or channels != (in_chans or channels)):
-        raise UserError(f"{where}: preprocess img_size must be an integer in [1, {MAX_IMG_SIZE}] and channels the "
-                        f"model's {in_chans or f'1 to {MAX_IN_CHANS}'} input channels")
-    mean, std = value.get("mean"), value.get("std")
-    if not (_numbers(mean, channels) and _numbers(std, channels) and all(s > 0 for s in std)):
-        raise UserError(f"{where}: preprocess mean and std must hold {channels} finite number(s) each, std > 0")
+    check_input(value, in_chans, f"{where}: preprocess")
     if value["interpolation"] not in INTERPOLATIONS:
         raise UserError(f"{where}: preprocess interpolation must be one of {', '.join(INTERPOLATIONS)}")
-    if not _number_in(value["crop_pct"], *CROP_PCT):
-        raise UserError(f"{where}: preprocess crop_pct must be a number in [{CROP_PCT[0]}, {CROP_PCT[1]}]")
     return Preprocess.from_dict(value)
 
 
@@ -111,6 +102,3 @@ def _number_in(value: Any, low: float, high: float) -> bool:
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and low <= value <= high)
 
-
-def _numbers(value: Any, n: int) -> bool:
-    return isinstance(value, list) and len(value) == n and all(_number_in(v, -1e6, 1e6) for v in value)

@@ -102,8 +102,10 @@ def _arch(name: str) -> str:
 
 
 def _pretrained_input(label: str, pretrained_cfg: dict[str, Any]) -> PretrainedInput | None:
-    """timm's data config of the weights, or None when their config says nothing of the input."""
-    if not any(k in pretrained_cfg for k in ("input_size", "mean", "interpolation", "crop_pct")):
+    """timm's data config of the weights, or None when their config says nothing of the input. Its values
+    come from a hub repository's or a folder's config.json: from_timm holds them to the bounds of checkpoint
+    metadata (data/preprocess.check_input) and names `label` and the field of one out of them."""
+    if not any(k in pretrained_cfg for k in ("input_size", "mean", "std", "interpolation", "crop_pct")):
         return None
     from timm.data import resolve_data_config
 

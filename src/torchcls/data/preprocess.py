@@ -7,7 +7,9 @@ the backbone was trained with: size, mean/std, interpolation and crop ratio. Fla
 (--img-size, --channels) win over both; `resolve_preprocess` says which source won for each part.
 
 `Preprocess` travels inside checkpoints and exported artifacts; fields added later have defaults
-that reproduce what older checkpoints were trained with (bilinear, no crop margin).
+that reproduce what older checkpoints were trained with (bilinear, no crop margin). Whatever file it
+comes from (checkpoint or artifact metadata, a pretrained backbone's config.json), its values are held
+to the bounds below by one check, `check_input`, before anything is sized by them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,12 @@ from torchcls.errors import UserError
 
 # Resize modes that torchvision runs on uint8 tensors; timm's others (lanczos, random) map to bicubic.
 INTERPOLATIONS = ("bilinear", "bicubic", "nearest")
+# Bounds on a model's input (models/registry.py bounds every ModelSpec with the first two). Each image is
+# decoded and resized to img_size / crop_pct px a side: a config's crop_pct of 0.001 made that 224,000 px.
+MAX_IN_CHANS = 64  # grey, RGB, multispectral (Sentinel-2 has 13 bands) with room to spare
+MAX_IMG_SIZE = 2048  # input side in pixels; timm's largest pretrained input is 1024
+CROP_PCT = (0.5, 2.0)  # the resize side is img_size / crop_pct: at most twice the input (timm's range: 0.875-1.15)
+MAX_STAT = 1e6  # |mean| and std of pixel values in [0, 1] (or [0, 255])
 
 
 @dataclass(frozen=True)
@@ -61,10 +69,59 @@ class PretrainedInput:
 
     @classmethod
     def from_timm(cls, source: str, data_config: dict[str, Any]) -> PretrainedInput:
-        """From timm.data.resolve_data_config's dict (input_size, mean, std, interpolation, crop_pct)."""
-        return cls(source, int(data_config["input_size"][-1]), tuple(map(float, data_config["mean"])),
-                   tuple(map(float, data_config["std"])), str(data_config.get("interpolation", "bilinear")),
-                   float(data_config.get("crop_pct") or 1.0))
+        """From timm.data.resolve_data_config's dict (input_size, mean, std, interpolation, crop_pct), each
+        value held to the bounds of checkpoint metadata (`check_input`): they come from a hub repository's
+        or a folder's config.json, as anyone wrote it. `source`: the hub name or folder, for the message."""
+        where = f"--pretrained {source}: its pretrained config's"
+        size, interpolation = data_config.get("input_size"), data_config.get("interpolation", "bilinear")
+        if not (isinstance(size, (list, tuple)) and len(size) == 3 and _int_in(size[1], 1, MAX_IMG_SIZE)):
+            raise UserError(f"{where} input_size must be [channels, height, width] with each side an integer in "
+                            f"[1, {MAX_IMG_SIZE}], got {_shown(size)}: refused before anything was built")
+        if not isinstance(interpolation, str):
+            raise UserError(f"{where} interpolation must be a name (e.g. bicubic), got {_shown(interpolation)}")
+        crop_pct = data_config.get("crop_pct")
+        value = {"channels": size[0], "img_size": size[2], "mean": data_config.get("mean"),
+                 "std": data_config.get("std"), "crop_pct": 1.0 if crop_pct is None else crop_pct}
+        check_input(value, None, where, names={"channels": "input_size channels", "img_size": "input_size width"})
+        return cls(source, size[2], tuple(map(float, value["mean"])), tuple(map(float, value["std"])),
+                   interpolation, float(value["crop_pct"]))
+
+
+def check_input(value: dict[str, Any], in_chans: int | None, where: str, names: dict[str, str] | None = None) -> None:
+    """img_size, channels, mean, std and crop_pct of `value` each in its range (the bounds above), checked
+    before anything is sized by them; `in_chans` None: any channel count up to MAX_IN_CHANS. `where`
+    starts the message (the file or source); `names`: what the source calls a field, if not its own name."""
+    name = {"img_size": "img_size", "channels": "channels", **(names or {})}
+    size, channels, mean, std = (value.get(k) for k in ("img_size", "channels", "mean", "std"))
+    if not _int_in(size, 1, MAX_IMG_SIZE):
+        raise UserError(f"{where} {name['img_size']} must be an integer in [1, {MAX_IMG_SIZE}], got {_shown(size)}")
+    if not _int_in(channels, 1, MAX_IN_CHANS) or channels != (in_chans or channels):
+        raise UserError(f"{where} {name['channels']} must be the model's {in_chans or f'1 to {MAX_IN_CHANS}'} input "
+                        f"channels, got {_shown(channels)}")
+    if not (_numbers(mean, channels) and _numbers(std, channels) and all(s > 0 for s in std)):
+        raise UserError(f"{where} mean and std must hold {channels} finite number(s) each in [-{MAX_STAT:g}, "
+                        f"{MAX_STAT:g}], std > 0, got {_shown(mean)} and {_shown(std)}")
+    if not _number_in(value.get("crop_pct"), *CROP_PCT):
+        raise UserError(f"{where} crop_pct must be a number in [{CROP_PCT[0]}, {CROP_PCT[1]}] (the image is resized "
+                        f"to img_size / crop_pct), got {_shown(value.get('crop_pct'))}")
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _number_in(value: Any, low: float, high: float) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and low <= value <= high)
+
+
+def _numbers(value: Any, n: int) -> bool:
+    return (isinstance(value, (list, tuple)) and len(value) == n
+            and all(_number_in(v, -MAX_STAT, MAX_STAT) for v in value))
+
+
+def _shown(value: Any) -> str:
+    return repr(value)[:80]
 
 
 def resolve_preprocess(cfg: DataConfig, images: Any,

@@ -15,6 +15,7 @@ from typing import Any
 from torch import nn
 
 from torchcls.data.label_bounds import MAX_CLASSES  # the class count a data source may declare
+from torchcls.data.preprocess import MAX_IMG_SIZE, MAX_IN_CHANS  # the input's bounds, wherever it is read from
 from torchcls.errors import UserError
 from torchcls.models.fastnet import BLOCKS as FASTNET_BLOCKS
 from torchcls.models.fastnet import WIDTHS as FASTNET_WIDTHS
@@ -27,8 +28,6 @@ EARLY_EXIT_PREFIX = "ee/"
 # Bounds on every ModelSpec, checked before a model is built (`check_spec`): a spec read from a file
 # (checkpoint metadata, a DCP dir's meta.json) must not size an allocation with a number nobody bounded.
 # Training checks the same bounds, so every checkpoint torchcls writes is one it reads back.
-MAX_IN_CHANS = 64  # grey, RGB, multispectral (Sentinel-2 has 13 bands) with room to spare
-MAX_IMG_SIZE = 2048  # input side in pixels; timm's largest pretrained input is 1024
 MAX_EXITS = 16  # early exits; a backbone offers at most one per stage boundary (a ResNet has 3)
 MAX_NAME = 256  # characters of a model name (timm's longest is under 80)
 
