@@ -57,3 +57,42 @@ def test_predict_files_and_folders(tmp_path, trained_run):
     for p in preds.items:
         assert len(p["top"]) == 2 and abs(sum(t["prob"] for t in p["top"]) - 1) < 1e-4
     assert preds.skipped[0]["file"].endswith("bad.jpg")
+
+
+def test_confusion_matrix_left_out_past_its_class_bound_every_other_metric_kept(monkeypatch, tmp_path):
+    """Review 3, finding 3: a checkpoint of up to 100,000 classes made a k x k matrix (80 GB), listed it in
+    eval.json and drew 2 x 10^5 ticks. Past CONFUSION_MAX_CLASSES (here made 3, the input kept small) it is
+    left out and eval.json says why; the other metrics are those of a run within the bound."""
+    from torchcls.evaluation import evaluator
+    from torchcls.report import sections
+
+    torch.manual_seed(0)
+    classes = [f"c{i}" for i in range(5)]
+    logits, targets = torch.randn(40, 5), torch.arange(40) % 5
+    within = evaluator.classification_metrics(logits, targets, classes)
+    assert len(within["confusion_matrix"]) == 5 and "confusion_matrix_omitted" not in within
+    monkeypatch.setattr(evaluator, "CONFUSION_MAX_CLASSES", 3)
+    past = evaluator.classification_metrics(logits, targets, classes)
+    assert "confusion_matrix" not in past
+    assert past["confusion_matrix_omitted"]["classes"] == 5 and past["confusion_matrix_omitted"]["max_classes"] == 3
+    assert "5 classes" in past["confusion_matrix_omitted"]["reason"]
+    assert {k: v for k, v in past.items() if k != "confusion_matrix_omitted"} == {
+        k: v for k, v in within.items() if k != "confusion_matrix"}
+    (tmp_path / "eval.json").write_text(json.dumps({"data": "d", "split": "val", **past}))
+    html = sections.evaluation(tmp_path)
+    assert "confusion matrix left out: 5 classes" in html and "c4" in html  # per-class table kept
+
+
+def test_confusion_plot_names_classes_only_when_few(monkeypatch, tmp_path):
+    from torchcls.report import plots
+
+    figures = []
+    monkeypatch.setattr(plots, "save_figure", lambda fig, path, dpi: figures.append(fig))
+    for n in (3, plots.MAX_TICK_LABELS + 1):
+        classes = [f"class{i}" for i in range(n)]
+        plots.confusion_matrix([[1] * n for _ in range(n)], classes, tmp_path / "c.png")
+    few, many = ({t.get_text() for t in fig.axes[0].get_xticklabels()} for fig in figures)
+    assert few == {"class0", "class1", "class2"}
+    assert not any(t.startswith("class") for t in many) and len(figures[1].axes[0].get_xticks()) < 20
+    for fig in figures:
+        plots.plt.close(fig)

@@ -14,6 +14,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 from torchcls import run_files
 from torchcls.io_files import SMALL_JSON_BYTES
 
+MAX_TICK_LABELS = 60  # class names on a confusion matrix's axes: at 14 in, more overlap
+MAX_CELL_COUNTS = 30  # counts written in its cells
+
 
 def save_figure(fig, path: Path, dpi: int) -> None:
     """Save and close `fig` as `path`, a run dir's file: the name is replaced, never written through a link."""
@@ -68,14 +71,20 @@ def training_curves(records: list[dict[str, Any]], path: Path, classes: int | No
 
 
 def confusion_matrix(matrix: list[list[int]], classes: list[str], path: Path) -> None:
+    """The matrix as an image; class names on its axes only up to MAX_TICK_LABELS classes (more would
+    overlap into a black band), counts in its cells only up to MAX_CELL_COUNTS."""
     n = len(classes)
     size = min(14, 2.5 + 0.45 * n)
     fig, ax = plt.subplots(figsize=(size, size))
     im = ax.imshow(matrix, cmap="Blues")
-    ax.set(xticks=range(n), yticks=range(n), xlabel="predicted", ylabel="true", title="Confusion matrix")
-    ax.set_xticklabels(classes, rotation=45, ha="right")
-    ax.set_yticklabels(classes)
-    if n <= 30:
+    ax.set(xlabel="predicted", ylabel="true", title="Confusion matrix")
+    if n <= MAX_TICK_LABELS:
+        ax.set(xticks=range(n), yticks=range(n))
+        ax.set_xticklabels(classes, rotation=45, ha="right")
+        ax.set_yticklabels(classes)
+    else:  # matplotlib's few numeric ticks: class indices
+        ax.set(xlabel="predicted (class index)", ylabel="true (class index)")
+    if n <= MAX_CELL_COUNTS:
         top = max(max(row) for row in matrix) or 1
         for i in range(n):
             for j in range(n):

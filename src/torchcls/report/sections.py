@@ -88,6 +88,8 @@ def evaluation(run_dir: Path) -> str | None:
     parts.append(table(["class", "precision", "recall", "F1", "support"], rows))
     if os.path.lexists(run_dir / "confusion_matrix.png"):  # (a link is refused by img, not skipped)
         parts.append(img(run_dir / "confusion_matrix.png"))
+    if isinstance(ev.get("confusion_matrix_omitted"), dict):  # too many classes (evaluator.CONFUSION_MAX_CLASSES)
+        parts.append(f"<p>confusion matrix left out: {esc(str(ev['confusion_matrix_omitted'].get('reason')))}</p>")
     parts.append(_skipped(run_dir / "eval.json", "Skipped evaluation files"))
     return "".join(parts)
 
