@@ -141,6 +141,59 @@ def test_curves_leave_out_what_draws_nothing():
     assert loss[0]["label"] == "step loss" and accuracy[-1]["label"] == "val top-5"
 
 
+def _drawn(monkeypatch) -> list:
+    """The figures report.plots saves from now on, each as (width px, height px, bars, title)."""
+    from torchcls.report import plots
+
+    drawn, save = [], plots.save_figure
+
+    def keep(fig, path, dpi):
+        save(fig, path, dpi)
+        ax = fig.axes[0]
+        drawn.append((*(fig.get_size_inches() * dpi).round(), len(ax.patches), ax.get_title()))
+
+    monkeypatch.setattr(plots, "save_figure", keep)
+    return drawn
+
+
+def test_bar_figures_are_not_sized_by_the_records_a_file_lists(tmp_path, monkeypatch):
+    """Review 3, finding 4: a figure 1.1 in per bar of a received bench_compile.json (76,000 rows, 6 MB) was a
+    12.7 GB canvas. A bar chart draws the first MAX_BARS records, its title saying how many of all, and no
+    figure exceeds MAX_FIGURE_INCHES; a few records draw as before."""
+    import matplotlib.image
+
+    from torchcls.report import plots
+
+    drawn = _drawn(monkeypatch)
+    many = 5 * plots.MAX_BARS
+    row = {"model": "m", "batch": 1, "precision": "fp32", "mode": "default", "speedup": 1.5}
+    assert plots.compile_speedups([row] * many, tmp_path / "c.png")
+    ranks = [{"rank": i, "param_bytes": 2**20, "grad_bytes": 2**20, "optimizer_bytes": 2**20,
+              "expected_state_bytes": 3 * 2**20} for i in range(many)]
+    assert plots.rank_memory_bars([{"parallel": "fsdp2", "world": many, "status": "ok", "ranks": ranks}],
+                                  tmp_path / "m.png")
+    assert plots.compile_speedups([row] * 3, tmp_path / "few.png")
+    limit = [v * 100 for v in plots.MAX_FIGURE_INCHES]  # both draw at 100 dpi
+    (cw, ch, cbars, ctitle), (mw, mh, mbars, mtitle), (fw, fh, fbars, ftitle) = drawn
+    assert cbars == plots.MAX_BARS and f"first {plots.MAX_BARS} of {many:,} configurations" in ctitle
+    assert mbars == 3 * plots.MAX_BARS and f"first {plots.MAX_BARS} of {many:,} ranks" in mtitle  # 3 stacked
+    assert cw <= limit[0] and ch <= limit[1] and mw <= limit[0] and mh <= limit[1]
+    assert matplotlib.image.imread(tmp_path / "c.png").shape[1] <= limit[0]  # the file saved, too
+    assert (fw, fbars, ftitle) == (600, 3, "torch.compile gains")  # 6 in at 100 dpi, as before
+
+
+def test_save_figure_clamps_a_figure_made_elsewhere(tmp_path):
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+
+    from torchcls.report import plots
+
+    fig, _ = plt.subplots(figsize=(500, 300))  # not through plots.subplots
+    plots.save_figure(fig, tmp_path / "big.png", dpi=10)
+    height, width = matplotlib.image.imread(tmp_path / "big.png").shape[:2]
+    assert (width, height) == tuple(10 * v for v in plots.MAX_FIGURE_INCHES)
+
+
 def test_governance_values_read_as_text(tmp_path):
     from torchcls.report import write_report
 

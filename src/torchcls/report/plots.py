@@ -16,11 +16,37 @@ from torchcls.io_files import SMALL_JSON_BYTES
 
 MAX_TICK_LABELS = 60  # class names on a confusion matrix's axes: at 14 in, more overlap
 MAX_CELL_COUNTS = 30  # counts written in its cells
+# No count of records read from a file sizes a canvas: a received bench_compile.json of 76,000 rows (6 MB)
+# sized a 1.1 in-per-bar figure into a 12.7 GB canvas. A bar chart draws the first MAX_BARS records (its
+# title says how many of all; the section's table lists every one), and every figure is clamped to
+# MAX_FIGURE_INCHES, where it is made (`subplots`: tight_layout renders at that size) and where it is saved.
+MAX_BARS = 100
+MAX_FIGURE_INCHES = (40.0, 20.0)  # width, height: at most 4,400 x 2,200 px at the report's 110 dpi
+
+
+def subplots(width: float, height: float, **kwargs):
+    """plt.subplots with figsize (width, height) held to MAX_FIGURE_INCHES: every figure here is made by it."""
+    return plt.subplots(figsize=_clamped(width, height), **kwargs)
+
+
+def _clamped(width: float, height: float) -> tuple[float, float]:
+    return min(float(width), MAX_FIGURE_INCHES[0]), min(float(height), MAX_FIGURE_INCHES[1])
+
+
+def _bars(records: list, what: str) -> tuple[list, str]:
+    """The records a bar chart draws (the first MAX_BARS), and a note for its title when some are left out."""
+    if len(records) <= MAX_BARS:
+        return records, ""
+    return records[:MAX_BARS], f" (first {MAX_BARS} of {len(records):,} {what}; all in the table)"
 
 
 def save_figure(fig, path: Path, dpi: int) -> None:
-    """Save and close `fig` as `path`, a run dir's file: the name is replaced, never written through a link."""
+    """Save and close `fig` as `path`, a run dir's file: the name is replaced, never written through a link.
+    A figure made elsewhere than `subplots` is held to MAX_FIGURE_INCHES here all the same."""
     try:
+        size = tuple(fig.get_size_inches())
+        if _clamped(*size) != size:
+            fig.set_size_inches(*_clamped(*size))
         run_files.replace_file(path, lambda tmp: fig.savefig(tmp, dpi=dpi))
     finally:
         plt.close(fig)
@@ -55,7 +81,7 @@ def training_curves(records: list[dict[str, Any]], path: Path, classes: int | No
     loss, accuracy = curve_lines(records, classes)
     if not loss and not accuracy:
         return False
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.8))
+    fig, (ax_loss, ax_acc) = subplots(10, 3.8, nrows=1, ncols=2)
     for ax, lines in ((ax_loss, loss), (ax_acc, accuracy)):
         for line in lines:
             ax.plot(line["x"], line["y"], label=line["label"], **line["style"])
@@ -75,7 +101,7 @@ def confusion_matrix(matrix: list[list[int]], classes: list[str], path: Path) ->
     overlap into a black band), counts in its cells only up to MAX_CELL_COUNTS."""
     n = len(classes)
     size = min(14, 2.5 + 0.45 * n)
-    fig, ax = plt.subplots(figsize=(size, size))
+    fig, ax = subplots(size, size)
     im = ax.imshow(matrix, cmap="Blues")
     ax.set(xlabel="predicted", ylabel="true", title="Confusion matrix")
     if n <= MAX_TICK_LABELS:
@@ -103,7 +129,7 @@ def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
         timeline = run_files.inside(run_dir, name, "memory timeline") if name is not None else None
         if timeline is None or not os.path.lexists(timeline):
             return False
-    fig, ax = plt.subplots(figsize=(9, 3.6))
+    fig, ax = subplots(9, 3.6)
     if cuda:
         s = report["samples"]
         for key in ("allocated", "reserved", "inactive_split"):
@@ -131,16 +157,16 @@ def memory_curves(report: dict[str, Any], run_dir: Path, path: Path) -> bool:
 
 def compile_speedups(results: list[dict[str, Any]], path: Path) -> bool:
     """Compiled-vs-eager speedup per configuration (bars), 1× marked."""
-    ok = [r for r in results if r.get("speedup")]
+    ok, left_out = _bars([r for r in results if r.get("speedup")], "configurations")
     if not ok:
         return False
     labels = [f"{r['model']}\nb{r['batch']} {r['precision']} {r['mode']}" for r in ok]
-    fig, ax = plt.subplots(figsize=(max(6, 1.1 * len(ok)), 3.8))
+    fig, ax = subplots(max(6, 1.1 * len(ok)), 3.8)
     ax.bar(range(len(ok)), [r["speedup"] for r in ok], color=["#2a7" if r["speedup"] >= 1 else "#c44" for r in ok])
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(range(len(ok)))
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set(ylabel="speedup (eager / compiled latency)", title="torch.compile gains")
+    ax.set(ylabel="speedup (eager / compiled latency)", title="torch.compile gains" + left_out)
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
     return True
@@ -149,11 +175,11 @@ def compile_speedups(results: list[dict[str, Any]], path: Path) -> bool:
 def rank_memory_bars(results: list[dict[str, Any]], path: Path) -> bool:
     """Per-rank parameter / gradient / optimizer bytes per (parallel, world) job (stacked bars), with
     the analytic expectation marked: FSDP2's bars should shrink as 1/world, DDP's stay level."""
-    bars = [(f"{r['parallel']}×{r['world']}\nrank {k['rank']}", k) for r in results if r["status"] == "ok"
-            for k in r["ranks"]]
+    bars, left_out = _bars([(f"{r['parallel']}×{r['world']}\nrank {k['rank']}", k) for r in results
+                            if r["status"] == "ok" for k in r["ranks"]], "ranks")
     if not bars:
         return False
-    fig, ax = plt.subplots(figsize=(max(6, 0.7 * len(bars)), 3.8))
+    fig, ax = subplots(max(6, 0.7 * len(bars)), 3.8)
     xs, bottom = range(len(bars)), [0.0] * len(bars)
     for key, label in (("param_bytes", "parameters"), ("grad_bytes", "gradients"), ("optimizer_bytes", "optimizer")):
         heights = [k[key] / 2**20 for _, k in bars]
@@ -163,7 +189,7 @@ def rank_memory_bars(results: list[dict[str, Any]], path: Path) -> bool:
                label="analytic", zorder=3)
     ax.set_xticks(list(xs))
     ax.set_xticklabels([label for label, _ in bars], fontsize=7)
-    ax.set(ylabel="MiB per rank", title="Training state per rank")
+    ax.set(ylabel="MiB per rank", title="Training state per rank" + left_out)
     ax.legend(fontsize=7)
     fig.tight_layout()
     save_figure(fig, path, dpi=100)
