@@ -66,8 +66,13 @@ def _unicode(text: str, what: str, where: str) -> None:
         raise UserError(f"{where}: a {what} that is not Unicode text (a lone surrogate escape): refused") from None
 
 
+class NotJson(UserError):
+    """The bytes are not JSON at all (a write cut short, another format), as against JSON past a bound: readers
+    that take a damaged record as absent catch this one only."""
+
+
 def load_bounded(text: str | bytes, bounds: JsonBounds, where: str) -> Any:
-    """Parse `text` (the JSON of `where`) under `bounds`."""
+    """Parse `text` (the JSON of `where`) under `bounds`: NotJson when it does not parse, UserError past a bound."""
     raw = text.encode() if isinstance(text, str) else bytes(text)
     if len(raw) > bounds.max_bytes:
         raise UserError(f"{where}: {len(raw)} bytes of JSON, over the bound of {bounds.max_bytes}: refused")
@@ -80,8 +85,9 @@ def load_bounded(text: str | bytes, bounds: JsonBounds, where: str) -> Any:
                            parse_constant=None if bounds.allow_nonfinite else _no_constant(where),
                            parse_float=None if bounds.allow_nonfinite else _finite(where))
     except (ValueError, RecursionError) as e:  # also UnicodeDecodeError and ints over Python's digit limit
-        raise UserError(f"{where}: not valid JSON within bounds ({type(e).__name__}: "
-                        f"{repr(str(e)[:160])[1:-1]}): refused") from None
+        error = NotJson if isinstance(e, ValueError) else UserError  # (nested past the interpreter's depth)
+        raise error(f"{where}: not valid JSON within bounds ({type(e).__name__}: "
+                    f"{repr(str(e)[:160])[1:-1]}): refused") from None
     _check_shape(value, where, bounds)
     return value
 

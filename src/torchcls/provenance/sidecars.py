@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, NotJson, load_bounded
 from torchcls.checkpoint.files import atomic_write, resolve_checkpoint
 from torchcls.checkpoint.safetensors_bounds import METADATA, check_safetensors_header
 from torchcls.errors import UserError
@@ -90,10 +90,8 @@ def parse_lineage(data: bytes, where: str) -> Any:
     past a bound (values, nesting, string length) a UserError naming `where`."""
     try:
         return load_bounded(data, LINEAGE_BOUNDS, where)
-    except UserError as e:
-        if isinstance(e.__context__, ValueError):  # (load_bounded raises `from None`: the parse's own error)
-            return None
-        raise
+    except NotJson:
+        return None
 
 
 def refuse_forbidden_predictions(artifact: str | Path, command: str) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds, NotJson, load_bounded
 from torchcls.checkpoint.checkpointer import Checkpointer
 from torchcls.checkpoint.files import CHECKPOINTS, LAST_DCP, LAST_STATE, atomic_write
 from torchcls.config import Config
@@ -166,10 +166,8 @@ def parse_record(data: bytes, where: str, bounds: JsonBounds = RUN_RECORD) -> An
     naming `where` when it is past a bound (values, nesting, string length)."""
     try:
         return load_bounded(data, bounds, where)
-    except UserError as e:
-        if isinstance(e.__context__, ValueError):  # (load_bounded raises `from None`: the parse's own error)
-            return None
-        raise
+    except NotJson:
+        return None
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
