@@ -365,7 +365,7 @@ def shard_of(folder: Path, *parts: bytes) -> Path:
 
 
 def test_tar_extension_headers_are_bounded_before_tarfile_parses_them(tmp_path: Path):
-    from torchcls.data.shards import MAX_TAR_EXTENSION_BYTES
+    from torchcls.data.tar_headers import MAX_TAR_EXTENSION_BYTES
     good = sample("s0", 0) + sample("s1", 1)
     cases = {  # name: (the bad header chain, what the error says)
         "digits": (tar_member("././@PaxHeader", b"1" * (MAX_TAR_EXTENSION_BYTES + 1), tarfile.XHDTYPE),
