@@ -170,8 +170,9 @@ def test_lineage_id_is_known_at_begin_and_finish_rewrites_no_stamped_checkpoint(
     save_file({"w": torch.zeros(2)}, ckpts / "last.safetensors", metadata=gov.checkpoint_metadata())
     save_file({"w": torch.ones(2)}, ckpts / "best.safetensors")  # a trainer that does not stamp
     inode = (ckpts / "last.safetensors").stat().st_ino
-    # as the trainer ends a run: governance's record, then the report (torchcls.consumers)
-    events.publish(events.RunFinished(cfg, run, SimpleNamespace(steps=0, val_top1=None), True, gov))
+    # as the trainer ends a run (result.written: the files it wrote): governance's record, then the report
+    written = (ckpts / "best.safetensors", ckpts / "last.safetensors")
+    events.publish(events.RunFinished(cfg, run, SimpleNamespace(steps=0, val_top1=None, written=written), True, gov))
     assert (ckpts / "last.safetensors").stat().st_ino == inode  # not rewritten
     assert read_lineage(ckpts / "last.safetensors") == gov.lineage == read_lineage(ckpts / "best.safetensors")
     assert "4 read, 0 unchanged since hashed" in (run / "report.html").read_text()  # new files: all read
@@ -234,7 +235,7 @@ def test_val_data_is_hashed_recorded_and_verified(tmp_path, capsys):
     (run / "checkpoints").mkdir(parents=True)
     ckpt = run / "checkpoints" / "best.safetensors"
     save_file({"w": torch.zeros(2)}, ckpt, metadata=gov.checkpoint_metadata())
-    summary = gov.finish(SimpleNamespace(steps=0, val_top1=None))
+    summary = gov.finish(SimpleNamespace(steps=0, val_top1=None, written=(ckpt,)))
     assert summary["val_manifest"]["records"] == 2
     assert main(["verify", str(ckpt)]) == 3  # intact; unverified: no trusted key given
     assert capsys.readouterr().out.count("PASS  data") == 2

@@ -310,5 +310,5 @@ def test_a_resumed_run_keeps_the_stamps_of_its_earlier_attempt(tmp_path):
     second = governance.begin(cfg, run)
     assert second.lineage_id == first.lineage_id and second.lineage["chain_head"]["seq"] == 0
     before = last.read_bytes()
-    second.finish(SimpleNamespace(steps=0, val_top1=None))
+    second.finish(SimpleNamespace(steps=0, val_top1=None, written=(last,)))
     assert last.read_bytes() == before
