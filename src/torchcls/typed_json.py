@@ -1,0 +1,50 @@
+"""Values parsed from a file, checked against a declared schema before any of them is used.
+
+`bounded_json` bounds what a parse may build (bytes, values, nesting, strings); it says nothing of
+each value's type. A reader that then indexes, hashes, compares or does arithmetic on a value of
+the wrong type (`"outputs": []`, `"dtype": ["F32"]`, `"seq": [1]`) ends in a TypeError, KeyError or
+worse deep inside a command. So every file kind a reader takes from a received run dir, checkpoint
+or artifact states its shape once, as a `typing_extensions.TypedDict` (pydantic's strict mode: no coercion, a bool is
+not an int, a string not a number), and `check` refuses a value that does not match with a
+UserError naming the file, the field and what it should be. Readers keep the dict they parsed (the
+check builds nothing they use), so keys a schema does not name pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Annotated, Any
+
+from torchcls.errors import UserError
+
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
+
+
+def sha256_type() -> Any:
+    """A lowercase hex SHA-256 digest, as a schema field type."""
+    from pydantic import StringConstraints
+
+    return Annotated[str, StringConstraints(pattern=SHA256_PATTERN)]
+
+
+@functools.cache
+def _adapter(schema: Any):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(schema)
+
+
+def check(value: Any, schema: Any, where: str, hint: str = "") -> Any:
+    """`value` itself when it matches `schema` (a TypedDict, or any type pydantic can validate), else a
+    UserError: "`where`: field a.b: what it should be (got T)", then `hint` (the fix), when given."""
+    from pydantic import ValidationError
+
+    try:
+        _adapter(schema).validate_python(value, strict=True)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in first["loc"]) or "the top level"
+        got = type(first.get("input")).__name__ if first["type"] != "missing" else "nothing"
+        raise UserError(f"{where}: {field}: {first['msg'].lower()} (got {got}), so it was not written by "
+                        f"torchcls or was damaged{'; ' + hint if hint else ''}") from None
+    return value
