@@ -20,6 +20,7 @@ from torchcls.governance.log_search import artifacts_of
 from torchcls.provenance.digest import sha256_file
 from torchcls.provenance.keys import load_key
 from torchcls.provenance.lineage import AuditLog
+from torchcls.provenance.records import ChainCheck
 from torchcls.provenance.sidecars import read_lineage, sidecar
 from torchcls.provenance.signatures import Trusted, check_signatures
 from torchcls.provenance.signing import Signer, short, signer_from
@@ -52,7 +53,7 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     parent_sha256 = sha256_file(source_checkpoint)
     signer = signer_from(signing_key_file, near=[log_path.parent])
     key = load_key(key_file, near=[log_path.parent])
-    backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint, signer, key)
+    backing = backed_parent(AuditLog(log_path), parent, parent_sha256, source_checkpoint, signer, key)
     log = AuditLog(log_path, key, signer)
     digest = sha256 or sha256_file(path)
     record = log.append("artifact", {"artifact_id": artifact_id, "parent_run_id": parent["run_id"],
@@ -61,8 +62,8 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     if signer is not None:
         from torchcls.provenance.attestation import statement, write_attestation
 
-        write_attestation(path, statement(path, digest, source_checkpoint, parent_sha256, _run_manifests(log, parent),
-                                          kind, details or {}, artifact_id), signer)
+        write_attestation(path, statement(path, digest, source_checkpoint, parent_sha256, _manifests(backing), kind,
+                                          details or {}, artifact_id), signer)
     lineage = {"run_id": parent["run_id"], "artifact_id": artifact_id, "audit_log": parent["audit_log"],
                "outputs": parent.get("outputs", {}), "chain_head": {"seq": record["seq"], "hash": record["hash"]},
                **{k: parent[k] for k in ("policy", "key_id", "signer") if k in parent},
@@ -76,36 +77,42 @@ class UnbackedLineage(UserError):
 
 
 def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, checkpoint: Path,
-                  signer: Signer | None = None, hmac_key: bytes | None = None) -> None:
-    """Refuse (UnbackedLineage) unless `log` is an intact chain in which a record of the run that `parent` (a
-    checkpoint's lineage) names lists a file with `parent_sha256` among the run's artifacts (any of its records:
-    a resumed run records itself again); and, when the export is to be signed with `signer` (or the legacy
-    `hmac_key`), that record is signed by that very key. The log is the one the checkpoint names, so it may have come with it: a log
-    shipped beside a received run dir could list anything, and a user's key signs only what the user's key
-    recorded."""
-    broken = [p for p in log.check_chain() if not p.torn]
+                  signer: Signer | None = None, hmac_key: bytes | None = None) -> dict[str, Any]:
+    """The record of the run that `parent` (a checkpoint's lineage) names which lists a file with `parent_sha256`
+    among the run's artifacts (the last such: a resumed run records itself again), in `log` read once.
+    Refused (UnbackedLineage) unless the log is an intact chain holding such a record and, when the export
+    is to be signed with `signer` (or the legacy `hmac_key`), that record is signed by that very key. The
+    log is the one the checkpoint names, so it may have come with it: a log shipped beside a received run
+    dir could list anything, and a user's key signs only what the user's key recorded."""
+    chain, backing = ChainCheck(), None
+    for e in log.entries():  # one pass: the chain's links and the record that backs the checkpoint
+        chain.feed(e)
+        if (e.record and e.record["kind"] == "run" and e.record.get("run_id") == parent.get("run_id")
+                and any(a["sha256"] == parent_sha256 for a in artifacts_of(e.record))):
+            backing = e
+    broken = [p for p in chain.all_problems() if not p.torn]
     if broken:
-        raise UnbackedLineage(f"{checkpoint} names the audit log {log.path}, which is not an intact chain ({broken[0]})")
-    backing = [e for e in log.entries() if e.record and e.record["kind"] == "run"
-               and e.record.get("run_id") == parent.get("run_id")
-               and any(a["sha256"] == parent_sha256 for a in artifacts_of(e.record))]
-    if not backing:
+        raise UnbackedLineage(f"{checkpoint} names the audit log {log.path}, which is not an intact chain "
+                              f"({broken[0]})")
+    if backing is None:
         raise UnbackedLineage(f"{checkpoint} (sha256 {parent_sha256[:16]}…) names run {parent.get('run_id')} of "
                               f"{log.path}, which recorded no such checkpoint: its lineage is a claim the log does "
                               "not back (a run still training records itself when it ends: export again after that)")
-    if signer is not None and check_signatures(backing[-1:], Trusted(ids=frozenset({signer.keyid}))).problems:
+    if signer is not None and check_signatures([backing], Trusted(ids=frozenset({signer.keyid}))).problems:
         raise UnbackedLineage(f"{checkpoint}: the record of run {parent.get('run_id')} in {log.path} is not signed by "
-                              f"the key that would sign this export ({short(signer.keyid)}…): it was not this key's run")
-    if hmac_key is not None and check_signatures(backing[-1:], Trusted(hmac=hmac_key)).problems:
+                              f"the key that would sign this export ({short(signer.keyid)}…): it was not this key's "
+                              "run")
+    if hmac_key is not None and check_signatures([backing], Trusted(hmac=hmac_key)).problems:
         raise UnbackedLineage(f"{checkpoint}: the record of run {parent.get('run_id')} in {log.path} is not signed by "
                               "the audit key that would sign this export: it was not this key's run")
+    return backing.record
 
 
-def _run_manifests(log: AuditLog, parent: dict[str, Any]) -> list[dict[str, Any]]:
-    """The data manifests the source checkpoint's run recorded (none while that run has not finished)."""
-    runs = [r for _, r, _ in log.records() if r and r["kind"] == "run" and r.get("run_id") == parent["run_id"]]
-    found = runs[-1].get("manifests") if runs else None
-    return [m for m in found or [] if isinstance(m, dict) and isinstance(m.get("manifest_sha256"), str)]
+def _manifests(run_record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The data manifests a run record lists (well-formed ones only)."""
+    found = run_record.get("manifests")
+    return [m for m in found if isinstance(m, dict) and isinstance(m.get("manifest_sha256"), str)] \
+        if isinstance(found, list) else []
 
 
 def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha256: str | None = None) -> str | None:
