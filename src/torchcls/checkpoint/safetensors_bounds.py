@@ -143,7 +143,8 @@ def _check_entry(name: str, entry: Any, path: Any, bounds: SafetensorsBounds) ->
     shown = repr(name[:80])
     if len(name) > bounds.max_name:
         raise UserError(f"{path}: a tensor name of {len(name)} characters, over the bound of {bounds.max_name}")
-    if type(entry) is not dict or set(entry) != ENTRY_KEYS or entry["dtype"] not in DTYPE_BYTES:
+    if type(entry) is not dict or set(entry) != ENTRY_KEYS or type(entry["dtype"]) is not str \
+            or entry["dtype"] not in DTYPE_BYTES:  # (a list is unhashable: its type first)
         raise UserError(f"{path}: tensor {shown} is not a safetensors entry (dtype, shape, data_offsets) of a "
                         f"known dtype ({', '.join(DTYPE_BYTES)}): refused")
     shape, offsets = entry["shape"], entry["data_offsets"]
@@ -156,6 +157,7 @@ def _check_entry(name: str, entry: Any, path: Any, bounds: SafetensorsBounds) ->
     if not (is_dim_list(offsets, 2, 2**63) and len(offsets) == 2 and offsets[0] <= offsets[1]):
         raise UserError(f"{path}: tensor {shown} has data_offsets that are not [begin, end]: refused")
     if offsets[1] - offsets[0] != numel * DTYPE_BYTES[entry["dtype"]]:
-        raise UserError(f"{path}: tensor {shown} ({entry['dtype']} {shape}) needs {numel * DTYPE_BYTES[entry['dtype']]} "
-                        f"bytes but its range holds {offsets[1] - offsets[0]}: damaged or crafted, refused")
+        raise UserError(f"{path}: tensor {shown} ({entry['dtype']} {shape}) needs "
+                        f"{numel * DTYPE_BYTES[entry['dtype']]} bytes but its range holds {offsets[1] - offsets[0]}: "
+                        "damaged or crafted, refused")
     return offsets[0], offsets[1]
