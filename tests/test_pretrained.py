@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,10 @@ def test_timm_state_dict_pth_and_hub_folder(tmp_path: Path) -> None:
     ({"input_size": [3, 40000, 40000]}, "input_size"),
     ({"input_size": [3, 224, 40000]}, "input_size width"),
     ({"input_size": [10**6, 224, 224], "mean": [0.5] * 3, "std": [0.5] * 3}, "input_size channels"),
-    ({"input_size": "224"}, "input_size"),
     ({"mean": [0.5, 0.5]}, "mean and std"),
     ({"std": [0.5, 0.0, 0.5]}, "mean and std"),
     ({"mean": [1e300] * 3}, "mean and std"),
-], ids=["crop-tiny", "crop-negative", "side-40000", "width-40000", "channels", "not-a-list", "mean-2", "std-0", "mean-huge"])
+], ids=["crop-tiny", "crop-negative", "side-40000", "width-40000", "channels", "mean-2", "std-0", "mean-huge"])
 def test_a_hub_folders_config_is_held_to_the_checkpoint_bounds(tmp_path: Path, pretrained_cfg, field) -> None:
     """Review 3, finding 2: a hub folder's (or hub repository's) config.json set crop_pct and input_size
     unchecked (crop_pct 0.001: each image resized to 224,000 px). The same bounds as checkpoint metadata
@@ -100,6 +100,33 @@ def test_a_hub_folders_config_is_held_to_the_checkpoint_bounds(tmp_path: Path, p
     given = resolve_pretrained(str(folder), "smallnet").input  # a config in the bounds reads as before
     assert (given.img_size, given.crop_pct, given.mean, given.std, given.interpolation) == (
         48, 0.8, (0.3,) * 3, (0.2,) * 3, "lanczos")
+
+
+@pytest.mark.parametrize("config, field", [
+    ({"model_args": {"in_chans": 3}, "pretrained_cfg": {"input_size": 7}}, "pretrained_cfg.input_size"),
+    ({"pretrained_cfg": {"input_size": "224"}}, "pretrained_cfg.input_size"),
+    ({"pretrained_cfg": {"input_size": [3, "224", 224]}}, "pretrained_cfg.input_size.1"),
+    ({"model_args": {"in_chans": "3"}, "pretrained_cfg": {}}, "model_args.in_chans"),
+    ({"model_args": [3], "pretrained_cfg": {}}, "model_args"),
+    ({"num_classes": "1000", "pretrained_cfg": {}}, "num_classes"),
+    ({"num_classes": True, "pretrained_cfg": {}}, "num_classes"),
+    ({"input_size": {"c": 3}}, "input_size"),  # timm < 0.9's flat config
+], ids=["int-input-size-with-in-chans", "str-input-size", "str-side", "str-in-chans", "list-model-args",
+        "str-classes", "bool-classes", "flat-dict-input-size"])
+def test_a_hub_folders_config_of_other_types_is_refused_naming_the_field(tmp_path: Path, config, field) -> None:
+    """Review 4, finding 5: `input_size: 7` beside model_args.in_chans was a TypeError (`int` is not iterable)
+    before any bound was checked. Every field read of a timm config is now typed first (models/hub.TimmConfig)."""
+    import json
+
+    from torchcls.checkpoint.pretrained import resolve_pretrained
+
+    folder = tmp_path / "hubfolder"
+    folder.mkdir()
+    save_file({"w": torch.zeros(1)}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({"architecture": "resnet18", **config}))
+    with pytest.raises(UserError, match=rf"--pretrained {folder}: {folder / 'config.json'}: {re.escape(field)}: "
+                                        r".*, not what timm writes$"):
+        resolve_pretrained(str(folder), "smallnet")
 
 
 def test_timm_model_from_a_torchcls_checkpoint_keeps_or_renews_its_head(tmp_path: Path) -> None:

@@ -34,9 +34,11 @@ def _adapter(schema: Any):
     return TypeAdapter(schema)
 
 
-def check(value: Any, schema: Any, where: str, hint: str = "") -> Any:
+def check(value: Any, schema: Any, where: str, hint: str = "",
+          cause: str = "so it was not written by torchcls or was damaged") -> Any:
     """`value` itself when it matches `schema` (a TypedDict, or any type pydantic can validate), else a
-    UserError: "`where`: field a.b: what it should be (got T)", then `hint` (the fix), when given."""
+    UserError: "`where`: field a.b: what it should be (got T), `cause`", then `hint` (the fix), when given.
+    `cause`: what a mismatch says of the file (another for files torchcls does not write)."""
     from pydantic import ValidationError
 
     try:
@@ -45,6 +47,6 @@ def check(value: Any, schema: Any, where: str, hint: str = "") -> Any:
         first = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "the top level"
         got = type(first.get("input")).__name__ if first["type"] != "missing" else "nothing"
-        raise UserError(f"{where}: {field}: {first['msg'].lower()} (got {got}), so it was not written by "
-                        f"torchcls or was damaged{'; ' + hint if hint else ''}") from None
+        raise UserError(f"{where}: {field}: {first['msg'].lower()} (got {got}), {cause}"
+                        f"{'; ' + hint if hint else ''}") from None
     return value

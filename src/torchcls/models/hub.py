@@ -20,9 +20,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from typing_extensions import TypedDict
+
 from torchcls.bounded_json import JsonBounds, read_bounded
 from torchcls.data.label_bounds import MAX_CLASSES
 from torchcls.errors import UserError
+from torchcls.typed_json import check
 
 HUB_PREFIX = "hf-hub:"
 OWN_TAG = "hub"  # what the bare `--pretrained` flag stores: the weights --model's pretrained tag names
@@ -30,6 +33,23 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")  # timm's order: safet
 # A hub config.json: timm's hold the pretrained config and, at most, the label names and descriptions of
 # ImageNet-21k's 21,841 classes (~2 MB); the JSON is counted before it is parsed (bounded_json.py).
 CONFIG_BOUNDS = JsonBounds(max_bytes=8 << 20, max_values=4 * MAX_CLASSES + 10_000, max_depth=8, max_str=4_096)
+
+
+class ModelArgs(TypedDict, total=False):
+    in_chans: int
+
+
+class InputFields(TypedDict, total=False):
+    input_size: list[int] | None  # [channels, height, width]: its length and ranges are from_timm's
+
+
+class TimmConfig(InputFields, total=False):
+    """What read_timm_config reads of a timm config.json (save_for_hf's form; before timm 0.9 one flat object,
+    whose input fields are then its own)."""
+
+    num_classes: int | None
+    model_args: ModelArgs | None
+    pretrained_cfg: InputFields
 
 
 @dataclass(frozen=True)
@@ -89,17 +109,19 @@ def read_timm_config(folder: Path, value: str) -> tuple[dict, str]:
     path = folder / "config.json"
     cfg = read_bounded(path, CONFIG_BOUNDS, what="timm model config", follow_symlinks=True)  # a cache links to blobs
     cfg = cfg if isinstance(cfg, dict) else {}
-    architecture, pretrained_cfg, model_args = cfg.get("architecture"), cfg.get("pretrained_cfg", cfg), cfg.get("model_args") or {}
-    if not (isinstance(architecture, str) and architecture and isinstance(pretrained_cfg, dict)
-            and isinstance(model_args, dict)):
+    architecture, pretrained_cfg = cfg.get("architecture"), cfg.get("pretrained_cfg", cfg)
+    if not (isinstance(architecture, str) and architecture and isinstance(pretrained_cfg, dict)):
         raise UserError(f"--pretrained {value}: {path} is not a timm model config (no \"architecture\" name beside "
                         "its pretrained config); timm's repositories are under hf-hub:timm/ (`torchcls models "
                         "--pretrained` lists them); for other weights pass --pretrained FILE with --model NAME")
+    # The fields read here, typed before any is used (the input's ranges are PretrainedInput.from_timm's)
+    check(cfg, TimmConfig, f"--pretrained {value}: {path}", cause="not what timm writes")
+    model_args = cfg.get("model_args") or {}
     pretrained_cfg = {k: v for k, v in pretrained_cfg.items() if k != "architecture"}
     if "num_classes" in cfg:  # the weights' classifier, as timm reads it
         pretrained_cfg["num_classes"] = cfg["num_classes"]
-    if isinstance(model_args.get("in_chans"), int):  # weights saved for other channels than RGB
-        pretrained_cfg["input_size"] = (model_args["in_chans"], *tuple(pretrained_cfg.get("input_size") or (3, 224, 224))[1:])
+    if model_args.get("in_chans") is not None:  # weights saved for other channels than RGB
+        pretrained_cfg["input_size"] = (model_args["in_chans"], *(pretrained_cfg.get("input_size") or (3, 224, 224))[1:])
     return pretrained_cfg, architecture
 
 
