@@ -262,3 +262,34 @@ def test_no_value_of_a_received_run_dir_reaches_the_page_as_markup(trained_run, 
         path.write_text(original)
     head = write_report(run).read_text().split("</head>")[0]
     assert "Content-Security-Policy" in head and "default-src 'none'" in head and "<script" not in head
+
+
+SUBSTITUTES = ([], {}, "x", None)  # (a number where an object is read fails as a string does)
+
+
+def test_a_record_of_another_shape_leaves_the_page_written_and_says_so(trained_run, tmp_path):
+    """Review 4, finding 9: an eval.json holding `[1]` was an AttributeError, and no page. Every JSON record of a
+    full run dir, one file at a time: its top level replaced by a list, then all its top-level values at once by
+    each JSON type in turn: the report is still written (the section refused or "could not read"), never a
+    traceback."""
+    from torchcls.evaluation import evaluate
+    from torchcls.report import write_report
+
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    evaluate(run, workers=0)
+    _results(run)
+    records = sorted(p for p in run.rglob("*") if p.suffix in (".json", ".jsonl") and p.is_file())
+    for path in records:
+        original = path.read_text()
+        docs = [json.loads(line) for line in original.splitlines() if line.strip()] if path.suffix == ".jsonl" \
+            else [json.loads(original)]
+        for changed in [[[]] * len(docs)] + [[{k: sub for k in d} for d in docs] for sub in SUBSTITUTES]:
+            path.write_text("\n".join(json.dumps(d) for d in changed) + "\n")
+            page = write_report(run).read_text()  # an error of the wrong-type class would raise here
+            assert "</html>" in page, (path.name, changed[0])
+        path.write_text(original)
+    eval_json = run / "eval.json"
+    eval_json.write_text("[1]")
+    page = write_report(run).read_text()
+    assert f"refused: {eval_json}: a JSON list, where torchcls writes an object" in page

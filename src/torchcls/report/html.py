@@ -41,7 +41,9 @@ def render_sections(run_dir: Path) -> list[tuple[str, str, str | None]]:
     for s in ordered():
         try:
             body = s.render(run_dir)
-        except (KeyError, TypeError, ValueError) as e:  # a result file from another version: say so, keep the page
+        # A record of another shape (another version's, or a received one): said, and the page kept. Only the
+        # errors a value of the wrong type or a missing key raises: a bug elsewhere still surfaces.
+        except (AttributeError, LookupError, TypeError, ValueError) as e:
             body = f"<p class='notrun'>could not read this section's data: {esc(type(e).__name__)}: {esc(e)}</p>"
         except UserError as e:  # a file refused (a link, a FIFO, too large): named, the rest of the page kept
             body = f"<p class='notrun'>refused: {esc(e)}</p>"

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from torchcls import run_files
+from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
@@ -47,13 +48,18 @@ def ordered() -> list[Section]:
     return sorted(SECTIONS.values(), key=lambda s: s.order)
 
 
-def read_json(path: Path) -> Any | None:
-    """The JSON record `path` of the run dir; None when absent or not JSON. A link is refused (UserError)."""
+def read_json(path: Path) -> dict[str, Any] | None:
+    """The JSON record `path` of the run dir, an object; None when absent or not JSON. Refused (UserError): a
+    link, and JSON of another top-level type (every record torchcls writes is an object)."""
     try:
-        return parse_record(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record"), str(path)) \
+        record = parse_record(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="run record"), str(path)) \
             if os.path.lexists(path) else None
     except (OSError, json.JSONDecodeError):
         return None
+    if record is not None and not isinstance(record, dict):
+        raise UserError(f"{path}: a JSON {type(record).__name__}, where torchcls writes an object: not this run's "
+                        "record, or damaged")
+    return record
 
 
 @section("training", "Training", "torchcls train", 10)
