@@ -196,7 +196,8 @@ def _signed(n: int, obj: dict[str, Any]) -> Entry:
 
 def record_problem(rec: Any) -> str | None:
     """None when `rec` has a record's shape; else what is wrong. The fields every record has, typed,
-    and the legacy HMAC pair complete."""
+    the legacy HMAC pair complete, and an artifact record's digest (export writes one; predict, serve and
+    verify compare it with the file's)."""
     if not isinstance(rec, dict):
         return NOT_JSON
     seq = rec.get("seq")
@@ -209,6 +210,8 @@ def record_problem(rec: Any) -> str | None:
         return f"record seq {seq}: no 'kind' or 'time'"
     if ("key_id" in rec) != ("hmac" in rec) or not all(isinstance(rec.get(k, ""), str) for k in ("key_id", "hmac")):
         return f"record seq {seq}: an incomplete HMAC signature (key_id and hmac go together)"
+    if rec["kind"] == "artifact" and not _is_hex64(rec.get("sha256")):  # what load_artifact and verify compare
+        return f"record seq {seq}: an artifact record whose 'sha256' is not a SHA-256 hex digest"
     return None
 
 
