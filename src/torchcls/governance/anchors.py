@@ -16,7 +16,7 @@ from typing import Any
 from torchcls.bounded_json import load_bounded
 from torchcls.errors import UserError
 from torchcls.io_files import read_bytes
-from torchcls.provenance.sidecars import LINEAGE_BOUNDS
+from torchcls.provenance.sidecars import LINEAGE_BOUNDS, check_lineage
 
 Pin = tuple[str, dict[str, Any]]  # (where it is kept, {"seq", "hash"})
 LINEAGE_JSON_BYTES = 1 << 20  # a run's lineage.json is a few hundred bytes
@@ -35,9 +35,9 @@ def pins_of(artifact: Path, lineage: dict[str, Any] | None, records: list[dict[s
              and isinstance(r.get("run_dir"), str) and r["run_dir"]}
     for f in sorted({d / "lineage.json" for d in dirs}):
         try:  # (the run dir is named by the log: read only a regular file, and only as much as a lineage.json)
-            data = load_bounded(read_bytes(f, max_bytes=LINEAGE_JSON_BYTES, what="lineage.json"), LINEAGE_BOUNDS,
-                                str(f)) if f.exists() else None
-        except (UserError, OSError):
+            data = check_lineage(load_bounded(read_bytes(f, max_bytes=LINEAGE_JSON_BYTES, what="lineage.json"),
+                                              LINEAGE_BOUNDS, str(f)), str(f)) if f.exists() else None
+        except (UserError, OSError):  # (not JSON, past a bound, or typed otherwise than a lineage: a failed pin)
             data = {"record_seq": -1, "record_hash": "unreadable", "run_id": run_id}
         if isinstance(data, dict) and data.get("run_id") == run_id and "record_seq" in data:
             pins.append((str(f), {"seq": data["record_seq"], "hash": data.get("record_hash")}))

@@ -118,7 +118,11 @@ def _manifests(run_record: dict[str, Any]) -> list[dict[str, Any]]:
 def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha256: str | None = None) -> str | None:
     """`torchcls export`: register the published artifact (`sha256`: its digest taken right after the
     build) when its checkpoint carries a lineage id."""
-    parent = read_lineage(checkpoint)
+    try:
+        parent = read_lineage(checkpoint)
+    except UserError as e:  # a lineage of another shape (read_lineage types it): a received checkpoint's claim too
+        console.print(f"{path} was exported; not registered in the audit log: {e}", highlight=False)
+        return None
     if parent is None or not Path(parent.get("audit_log", "")).is_file():
         return None
     try:

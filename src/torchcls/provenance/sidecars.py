@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
+from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, NotJson, load_bounded
 from torchcls.checkpoint.files import atomic_write, resolve_checkpoint
@@ -22,12 +25,45 @@ from torchcls.errors import UserError
 from torchcls.io_files import read_bytes, regular_path
 from torchcls.provenance.digest import looks_like_sha256, sha256_file
 from torchcls.provenance.lineage import AuditLog, record_hash
+from torchcls.typed_json import check, sha256_type
 
 LINEAGE_KEY = "torchcls.lineage"
 SIDECAR_BYTES = 1 << 20  # a sidecar is a JSON object of a few hundred bytes
 # A lineage (sidecar, lineage.json, or a checkpoint's torchcls.lineage metadata value): run id, audit log, policy,
 # outputs, chain head, artifact id: a few dozen values. Paths are strings of at most 4,096 characters.
 LINEAGE_BOUNDS = JsonBounds(max_bytes=SIDECAR_BYTES, max_values=10_000, max_depth=8, max_str=4096)
+Seq = Annotated[int, Field(ge=0)]  # an audit record's sequence number
+
+
+class Pin(TypedDict):
+    """An audit record's hash kept outside the log (governance/anchors.py)."""
+
+    seq: Seq
+    hash: sha256_type()
+
+
+class PolicyRef(TypedDict):
+    name: str
+    file: str
+
+
+class Lineage(TypedDict):
+    """Every lineage torchcls writes (governance/run.py: checkpoints and lineage.json; artifacts.py: sidecars),
+    typed here once: predict, serve, export and verify index these fields, so a value of another type (a
+    received file's `"outputs": []`, `"seq": [1]`) is refused where the bytes are parsed, not met as a
+    TypeError deep in a command. Every key is optional: older lineages and hand-made sidecars lack some,
+    and consumers ask for them with .get."""
+
+    run_id: NotRequired[str]
+    audit_log: NotRequired[str]
+    artifact_id: NotRequired[str]
+    outputs: NotRequired[dict[str, bool]]
+    chain_head: NotRequired[Pin | None]  # None: the log was empty when the run began
+    policy: NotRequired[PolicyRef]
+    signer: NotRequired[str]
+    key_id: NotRequired[str]
+    record_seq: NotRequired[Seq]  # lineage.json: the run record it pins
+    record_hash: NotRequired[sha256_type()]
 
 
 def stamp_checkpoint(path: Path, lineage: dict[str, Any]) -> None:
@@ -48,7 +84,7 @@ def sidecar(path: Path) -> Path:
     return path.with_name(path.name + ".lineage.json")
 
 
-def read_sidecar(path: Path) -> dict[str, Any] | None:
+def read_sidecar(path: Path) -> Lineage | None:
     """The JSON object in `path`'s sidecar; None when there is none or it is not JSON. A sidecar that is
     not a regular file (a FIFO would block the read) or is larger than any sidecar is a UserError."""
     side = sidecar(path)
@@ -58,11 +94,10 @@ def read_sidecar(path: Path) -> dict[str, Any] | None:
         data = read_bytes(side, max_bytes=SIDECAR_BYTES, what="lineage sidecar")
     except OSError:
         return None
-    found = parse_lineage(data, str(side))
-    return found if isinstance(found, dict) else None
+    return parse_lineage(data, str(side))
 
 
-def read_lineage(path: str | Path) -> dict[str, Any] | None:
+def read_lineage(path: str | Path) -> Lineage | None:
     """The lineage an artifact carries (metadata or sidecar), or None when it carries none or is unreadable.
     A lineage past LINEAGE_BOUNDS is a UserError. The artifact and its sidecar are opened only as regular files
     (UserError otherwise): `predict` and `serve` call this first, before the loader, so a FIFO named `model.pt2`
@@ -81,17 +116,24 @@ def read_lineage(path: str | Path) -> dict[str, Any] | None:
     except OSError:  # unreadable (a dangling link, no permission): as before, the loader says why
         return None
     raw = header.get(METADATA, {}).get(LINEAGE_KEY)
-    found = parse_lineage(raw.encode(), f"{path}: {LINEAGE_KEY}") if raw else None
-    return found if isinstance(found, dict) else None
+    return parse_lineage(raw.encode(), f"{path}: {LINEAGE_KEY}") if raw else None
 
 
-def parse_lineage(data: bytes, where: str) -> Any:
-    """A lineage's JSON under LINEAGE_BOUNDS: None when it is not JSON (as an unreadable lineage was always taken);
-    past a bound (values, nesting, string length) a UserError naming `where`."""
+def parse_lineage(data: bytes, where: str) -> Lineage | None:
+    """A lineage's JSON under LINEAGE_BOUNDS, checked against `Lineage`: None when it is not JSON (as an unreadable
+    lineage was always taken); past a bound (values, nesting, string length), or not a lineage's shape, a UserError
+    naming `where` (and the field)."""
     try:
-        return load_bounded(data, LINEAGE_BOUNDS, where)
+        found = load_bounded(data, LINEAGE_BOUNDS, where)
     except NotJson:
         return None
+    return check_lineage(found, where)
+
+
+def check_lineage(value: Any, where: str) -> Lineage:
+    """`value` (parsed from `where`) when it has a lineage's shape, else a UserError naming the field."""
+    return check(value, Lineage, where, hint="its lineage cannot be used: take the file again from where it was "
+                                             "made (a checkpoint's run, or `torchcls export`)")
 
 
 def refuse_forbidden_predictions(artifact: str | Path, command: str) -> None:
