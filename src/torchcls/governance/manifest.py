@@ -16,7 +16,10 @@ import tempfile
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import AfterValidator, Field
+from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
@@ -25,12 +28,47 @@ from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_ba
 from torchcls.io_files import read_bytes
 from torchcls.provenance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.suggest import data_names, did_you_mean
+from torchcls.typed_json import check, sha256_type
 
 MAX_MANIFEST_BYTES = 512 << 20  # a record is ~300 bytes: over a million files; parsed whole, so bounded first
 # A record is ~6 values in ~300 bytes (indent 1): 512 MiB of records is ~11M values. The bound keeps the
 # worst text ('[[],[],...]': a list per 3 bytes, ~22x its size in objects) to ~1.3 GB, not ~11 GB.
 MANIFEST_BOUNDS = JsonBounds(max_bytes=MAX_MANIFEST_BYTES, max_values=20_000_000, max_depth=16, max_str=1 << 20)
 BUILTIN_SPLITS = {"mnist-5k": ("train",), "fashion-mnist": ("train", "test")}  # the samples a manifest hashes
+
+
+def _date(text: str) -> str:
+    """An ISO date, or a timestamp that starts with one: the policy compares its first 10 characters."""
+    try:
+        dt.date.fromisoformat(text[:10])
+    except ValueError:  # (pydantic reports it as this field's error)
+        raise ValueError("not an ISO date (YYYY-MM-DD)") from None
+    return text
+
+
+IsoDate = Annotated[str, AfterValidator(_date)]
+Size = Annotated[int, Field(ge=0)]
+# A manifest's types, declared once: the user's --data-manifest (load_manifest) and the store beside the audit log
+# (verify, lineage --file, a run reusing a stored manifest) are all parsed through parse_manifest_json, which
+# checks them; the policy, verify's re-hash and isolation then index fields of the types stated here. Keys a
+# schema does not name pass through (Croissant's @context, conformsTo, ...).
+ManifestRecord = TypedDict("ManifestRecord", {
+    "@id": str, "sha256": sha256_type(), "contentSize": Size,
+    "contentUrl": NotRequired[str],  # (a built-in set's samples have none: they are named by content)
+    "label": NotRequired[str | None], "tags": NotRequired[list[str]], "dpv:hasJurisdiction": NotRequired[str | None],
+    "split": NotRequired[str]})
+Distribution = TypedDict("Distribution", {  # a FileObject (hashed, with contentUrl) or a FileSet
+    "@type": NotRequired[str], "@id": NotRequired[str], "name": NotRequired[str], "contentUrl": NotRequired[str],
+    "sha256": NotRequired[sha256_type()], "contentSize": NotRequired[Size], "encodingFormat": NotRequired[str],
+    "includes": NotRequired[str], "tc:shardIndex": NotRequired[dict[str, Any]]})
+Manifest = TypedDict("Manifest", {
+    "tc:records": list[ManifestRecord], "tc:merkleRoot": sha256_type(), "tc:source": str, "tc:root": str,
+    "tc:recordCount": NotRequired[Size], "tc:packed": NotRequired[bool],
+    "distribution": NotRequired[list[Distribution]], "@type": NotRequired[str], "name": NotRequired[str | None],
+    "description": NotRequired[str | None], "license": NotRequired[str | None],
+    "url": NotRequired[str | None], "dateCreated": NotRequired[IsoDate], "expires": NotRequired[IsoDate | None],
+    "dpv:hasJurisdiction": NotRequired[str | None], "dpv:hasLegalBasis": NotRequired[str | None],
+    "rai:personalSensitiveInformation": NotRequired[list[str] | None], "rai:dataCollection": NotRequired[str | None]})
 
 
 @dataclass
@@ -142,10 +180,7 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.exists():
         raise UserError(f"manifest {path} does not exist; create one with: torchcls data manifest DATA --out {path}")
-    m = read_manifest_json(path)
-    missing = [k for k in ("tc:records", "tc:merkleRoot", "tc:source", "tc:root") if not isinstance(m, dict) or k not in m]
-    if missing:
-        raise UserError(f"manifest {path} lacks {', '.join(missing)}: it was not written by `torchcls data manifest`")
+    m = read_manifest_json(path)  # (typed: a Manifest, or a UserError naming the field)
     check_tags(m.get("rai:personalSensitiveInformation") or [], f"manifest {path}")
     for r in m["tc:records"]:
         check_tags(r.get("tags", []), f"manifest {path}, record {r.get('@id')}")
@@ -155,12 +190,29 @@ def load_manifest(path: str | Path) -> dict[str, Any]:
     return m
 
 
-def parse_manifest_json(data: bytes, where: str) -> Any:
-    """The JSON of a manifest's bytes, parsed under MANIFEST_BOUNDS (UserError naming `where` otherwise)."""
-    return load_bounded(data, MANIFEST_BOUNDS, f"manifest {where}")
+def parse_manifest_json(data: bytes, where: str) -> Manifest:
+    """A manifest's bytes, parsed under MANIFEST_BOUNDS and checked against `Manifest` (UserError naming `where`
+    and the field otherwise)."""
+    m = check(load_bounded(data, MANIFEST_BOUNDS, f"manifest {where}"), Manifest, f"manifest {where}",
+              hint="recreate it with `torchcls data manifest`")
+    _check_urls(m, f"manifest {where}")
+    return m
 
 
-def read_manifest_json(path: str | Path, what: str = "manifest") -> Any:
+def _check_urls(m: Manifest, where: str) -> None:
+    """What the schema cannot say: the files that integrity.check_data re-hashes are named (contentUrl)."""
+    if m["tc:source"] not in BUILTIN_META:  # (a built-in set's records are samples, checked through its files)
+        for i, r in enumerate(m["tc:records"]):
+            if "contentUrl" not in r:
+                raise UserError(f"{where}: tc:records.{i} names no file (contentUrl), so it was not written by "
+                                "torchcls or was damaged; recreate it with `torchcls data manifest`")
+    for i, d in enumerate(m.get("distribution", [])):
+        if "sha256" in d and "contentUrl" not in d:
+            raise UserError(f"{where}: distribution.{i} has a sha256 but names no file (contentUrl), so it was not "
+                            "written by torchcls or was damaged; recreate it with `torchcls data manifest`")
+
+
+def read_manifest_json(path: str | Path, what: str = "manifest") -> Manifest:
     """The JSON of the manifest file `path`: at most MAX_MANIFEST_BYTES, parsed under MANIFEST_BOUNDS."""
     return parse_manifest_json(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what=what), str(path))
 

@@ -350,7 +350,7 @@ def _builtin_stub(source: str) -> dict[str, Any]:
 def _manifest_summary(m: dict[str, Any]) -> dict[str, Any]:
     return {"name": m.get("name"), "source": m["tc:source"], "merkle_root": m["tc:merkleRoot"],
             "manifest_sha256": manifest_hash(m), "manifest_hash_version": MANIFEST_HASH_VERSION,
-            "records": m["tc:recordCount"], "license": m.get("license"),
+            "records": m.get("tc:recordCount", len(m["tc:records"])), "license": m.get("license"),
             "jurisdiction": m.get("dpv:hasJurisdiction"), "tags": m.get("rai:personalSensitiveInformation")}
 
 

@@ -162,9 +162,13 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
         if not path.is_file():
             res.add(name, False, f"{path} is missing from the manifest store")
             continue
-        try:
+        try:  # (typed where parsed: a field of another type is this manifest's failure, not verify's traceback)
             manifest = parse_manifest_json(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"),
                                            str(path))
+        except UserError as e:
+            res.add(name, False, str(e))
+            continue
+        try:
             legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
             digest = content_key(manifest) if legacy else manifest_hash(manifest)
             same = digest == m["manifest_sha256"] and records_root(manifest["tc:records"]) == m["merkle_root"]
@@ -179,7 +183,7 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
         if not Path(manifest["tc:root"]).exists():
             res.add(f"data {m.get('name')}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue
-        problems = check_data(manifest, cache=cache)
+        problems = check_data(manifest, cache=cache, confined=True)  # (the manifest came with the log)
         res.add(f"data {m.get('name')}", not problems, "all files match the manifest" if not problems else listed(problems))
         run["_facts"] = facts_of(manifest)
 
@@ -197,7 +201,12 @@ def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, 
         res.add("policy", False, "the data's manifest could not be read, so the policy cannot be checked")
         return
     hooks = run.get("hooks") if isinstance(run.get("hooks"), list) else []
-    reasons = violations(policy, facts, run.get("region"), {str(h) for h in hooks})
+    region = run.get("region")
+    if region is not None and not isinstance(region, str):  # (matched against the policy's patterns)
+        res.add("policy", False, f"the run record's region is {type(region).__name__}, not a name: it was not "
+                                 "written by torchcls")
+        return
+    reasons = violations(policy, facts, region, {str(h) for h in hooks})
     res.add(f"policy ({origin})", not reasons, "; ".join(reasons) if reasons else
             f"'{policy.name}': region, license, jurisdictions, retention and hooks all allowed")
 
