@@ -6,7 +6,6 @@ resolved with the run's own --root, so a manifest cannot vouch for files other t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -19,36 +18,20 @@ def record_path(manifest: dict[str, Any], record: dict[str, Any]) -> Path:
     return url if url.is_absolute() else Path(manifest["tc:root"]) / url
 
 
-def outside_root(manifest: dict[str, Any], p: Path) -> bool:
-    """Whether `p` (a file the manifest names) lies outside its tc:root, as written (an absolute or ../ contentUrl);
-    links under the root are the data folder's own, followed as training follows them."""
-    root = os.path.abspath(manifest["tc:root"])
-    return os.path.commonpath([root, os.path.abspath(p)]) != root
-
-
-def _refused(p: Path, manifest: dict[str, Any]) -> str:
-    return (f"{p}: not read: the manifest names it outside its tc:root {manifest['tc:root']} (a received manifest "
-            "may not make verify read, and so report on, any file of this machine)")
-
-
 def check_data(manifest: dict[str, Any], files: list[Path] | None = None,
-               cache: HashCache | None = None, confined: bool = False) -> list[str]:
+               cache: HashCache | None = None) -> list[str]:
     """Problems found (empty = the files are exactly the ones hashed); each names the file.
 
     `files`: the files a run reads (data_files with the run's --root); default: the manifest's own
-    source listed from its root. `cache` spares re-reading files unchanged since they were hashed.
-    `confined` (verify, whose manifest came with the audit log): a file named outside tc:root is a problem, not
-    read: otherwise whether it exists, its size and whether its hash is one the sender guessed would be reported."""
+    source listed from its root. `cache` spares re-reading files unchanged since they were hashed."""
     cache = cache or HashCache(None)
-    problems = _check_packed(manifest, cache, confined)
+    problems = _check_packed(manifest, cache)
     if manifest["tc:source"] in BUILTIN_META:
         return problems
     present = []
     for r in manifest["tc:records"]:
         p = record_path(manifest, r)
-        if confined and outside_root(manifest, p):
-            problems.append(_refused(p, manifest))
-        elif not p.is_file():
+        if not p.is_file():
             problems.append(f"{p}: missing (listed in the manifest)")
         elif p.stat().st_size != r["contentSize"]:
             problems.append(f"{p}: content changed (its size differs from the manifest)")
@@ -62,16 +45,14 @@ def check_data(manifest: dict[str, Any], files: list[Path] | None = None,
     return problems
 
 
-def _check_packed(manifest: dict[str, Any], cache: HashCache, confined: bool) -> list[str]:
+def _check_packed(manifest: dict[str, Any], cache: HashCache) -> list[str]:
     """The distribution's files with a hash: a built-in set's packed files, a CSV's own file."""
     problems, present = [], []
     for d in manifest.get("distribution", []):
         if "sha256" not in d:
             continue
         p = Path(manifest["tc:root"]) / d["contentUrl"]
-        if confined and outside_root(manifest, p):
-            problems.append(_refused(p, manifest))
-        elif not p.is_file():
+        if not p.is_file():
             problems.append(f"{p}: missing (listed in the manifest)")
         else:
             present.append((p, d))

@@ -183,7 +183,7 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
         if not Path(manifest["tc:root"]).exists():
             res.add(f"data {m.get('name')}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue
-        problems = check_data(manifest, cache=cache, confined=True)  # (the manifest came with the log)
+        problems = check_data(manifest, cache=cache)
         res.add(f"data {m.get('name')}", not problems, "all files match the manifest" if not problems else listed(problems))
         run["_facts"] = facts_of(manifest)
 
