@@ -99,7 +99,7 @@ def test_training_records_read_back_on_resume(tmp_path):
     class Loader:
         state = None
 
-        def load_state_dict(self, state):
+        def load_state_dict(self, state, where):  # (the real loader checks `state`: test_resume_state_bounds.py)
             self.state = state
 
     feed = Feed(kind="shards", train=Loader(), val=None, val_count=0, seed=0)

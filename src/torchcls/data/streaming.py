@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
+from typing_extensions import TypedDict
 
 from torchcls.data import images as image_files
 from torchcls.data.images import decode_bytes
@@ -35,6 +36,7 @@ from torchcls.data.shards import IMAGE_EXTS, MAX_CLS_BYTES, ShardSet, iter_membe
 from torchcls.data.worker_start import worker_context
 from torchcls.errors import UserError
 from torchcls.io_files import open_regular
+from torchcls.typed_json import check
 
 Transform = Callable[[torch.Tensor], torch.Tensor]
 # A worker holds one shuffle block's raw bytes: `block` samples (1,000 by default) of up to 256 MiB each could be
@@ -42,6 +44,7 @@ Transform = Callable[[torch.Tensor], torch.Tensor]
 # when they are used: the order, and so a resume, stays the same. (1,000 ImageNet JPEGs are ~110 MB.)
 MAX_BLOCK_BYTES = 512 << 20
 Span = tuple[int, int, str]  # a member's data: offset in the shard, size, name
+MAX_EPOCH = 10**15  # as checkpoint/sharded_state.MAX_COUNTER: an epoch number a saved state may hold
 
 
 class BadShardSample(Exception):
@@ -308,13 +311,145 @@ class ShardLoader:
     def state_dict(self) -> dict[str, Any]:
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: Any, where: str = "the data-loader state") -> None:
+        """Resume from `state` (what state_dict gave, read back from `where`): checked first (check_saved_state)."""
+        check_saved_state(self, state, where)
         self.loader.load_state_dict(state)
 
     @property
     def skipped(self) -> list[list[str]]:
         """[shard, key, reason] of each bad sample left out in the last complete epoch (--on-bad-file skip)."""
         return list(self._skipped)
+
+
+# -- the saved state, checked before torchdata sees it
+# torchdata's StatefulDataLoader takes its state as it is and loops over counts in it when a resume starts
+# (`range(_last_yielded_worker_id + 1)`, `range(_steps_since_snapshot)` fetching a batch each, `range(_num_yielded)`
+# when it fast-forwards), asserts on others, and hands each worker's part to ShardStream. Read from a run dir, that
+# state is the file's, so each field is typed (the schemas below: what torchdata 0.11 writes for this loader, whose
+# dataset is a ShardStream and whose sampler is the iterable one) and each count held to what this loader can have
+# produced in one epoch (check_saved_state): a resume does at most an epoch's work, whatever the file says.
+
+class _Stream(TypedDict):  # ShardStream.state_dict
+    epoch: int
+    pos: int
+    skipped: list[list[str]]
+    layout: list[int]
+
+
+class _Fetcher(TypedDict):
+    fetcher_ended: bool
+    dataset_iter_state: None  # ShardStream's iterator is a generator: it has no state of its own
+
+
+class _SamplerIter(TypedDict):
+    samples_yielded: int
+
+
+class _OneProcess(TypedDict):  # --workers 0
+    _index_sampler_state: None
+    _sampler_iter_state: _SamplerIter
+    _sampler_iter_yielded: int
+    _num_yielded: int
+    _IterableDataset_len_called: int | None
+    _shared_seed: None
+    fetcher_state: _Fetcher
+    dataset_state: _Stream
+    _iterator_finished: bool
+
+
+class _Worker(TypedDict):
+    worker_id: int
+    dataset_state: _Stream | None
+    fetcher_state: _Fetcher
+
+
+class _Main(TypedDict):
+    _num_workers: int
+    _sampler_iter_state: _SamplerIter
+    _index_sampler_state: None
+    _sampler_iter_yielded: int
+    _IterableDataset_len_called: int | None
+    _shared_seed: None
+    _base_seed: int
+
+
+class _Snapshot(TypedDict):
+    _snapshot_step: int
+    _last_yielded_worker_id: int
+    _main_snapshot: _Main
+    _worker_snapshots: dict[str, _Worker]
+
+
+class _Workers(TypedDict):  # --workers N
+    _snapshot: _Snapshot
+    _steps_since_snapshot: int
+    _iterator_finished: bool
+
+
+def check_saved_state(loader: ShardLoader, state: Any, where: str) -> None:
+    """`state` (read from `where`) is one this loader can have saved mid-epoch, or a UserError that says to resume
+    from the epoch's start without it. Every count torchdata loops over on resume is at most the epoch's batches."""
+    hint = (f"delete {where} to resume without it (the epoch's batches up to the checkpoint are read again and "
+            "passed over), or start the run over")
+    workers, batches = loader.loader.num_workers, len(loader)
+    check(state, _Workers if workers else _OneProcess, where, hint)
+    # The sampler is the iterable kind's (one index per batch, never replayed): what the workers were asked for
+    # is the epoch's batches plus, at most, a prefetch round and one end-of-data request each.
+    asked = batches + ((loader.loader.prefetch_factor or 0) + 2) * max(workers, 1)
+    if not workers:
+        _within(state["_num_yielded"], batches, "_num_yielded", where, hint)
+        _main_counts(loader, state, asked, where, hint)
+        _check_stream(loader, state["dataset_state"], 0, where, hint)
+        return
+    snap = state["_snapshot"]
+    _within(snap["_snapshot_step"], batches, "_snapshot._snapshot_step", where, hint)
+    _within(state["_steps_since_snapshot"], batches - snap["_snapshot_step"], "_steps_since_snapshot", where, hint)
+    _within(snap["_last_yielded_worker_id"] + 1, workers, "_snapshot._last_yielded_worker_id + 1", where, hint)
+    main = snap["_main_snapshot"]
+    if main["_num_workers"] != workers or set(snap["_worker_snapshots"]) != {f"worker_{i}" for i in range(workers)}:
+        raise UserError(f"{where} was saved with {main['_num_workers']} loader workers, this run has {workers}: "
+                        f"resume with the same --workers, or {hint}")
+    _main_counts(loader, main, asked, where, hint)
+    _within(main["_base_seed"], 2**64 - 1, "_main_snapshot._base_seed", where, hint)  # torch.manual_seed's range
+    for i in range(workers):
+        worker = snap["_worker_snapshots"][f"worker_{i}"]
+        if worker["worker_id"] != i:
+            raise UserError(f"{where}: worker_{i} holds the state of worker {worker['worker_id']}; {hint}")
+        if worker["dataset_state"] is not None:
+            _check_stream(loader, worker["dataset_state"], i, where, hint)
+
+
+def _main_counts(loader: ShardLoader, main: dict[str, Any], asked: int, where: str, hint: str) -> None:
+    _within(main["_sampler_iter_yielded"], asked, "_sampler_iter_yielded", where, hint)
+    _within(main["_sampler_iter_state"]["samples_yielded"], asked * loader.dataset.batch_size, "samples_yielded",
+            where, hint)
+    if main["_IterableDataset_len_called"] is not None:
+        _within(main["_IterableDataset_len_called"], loader.dataset.num_samples, "_IterableDataset_len_called",
+                where, hint)
+
+
+def _check_stream(loader: ShardLoader, saved: dict[str, Any], worker: int, where: str, hint: str) -> None:
+    """One worker's ShardStream state: this run's layout, a position inside its range, a skip list no longer."""
+    d = loader.dataset
+    workers = max(loader.loader.num_workers, 1)
+    layout = [d.rank, d.world, workers, d.batch_size, d.num_samples]
+    if saved["layout"] != layout:
+        raise UserError(f"{where}: the data-loader state was made with rank, world, workers, batch size, samples "
+                        f"= {saved['layout'][:5]}, this run has {layout}; resume with the same --workers, "
+                        f"--batch-size, process count and data, or {hint}")
+    lo, hi = worker_range(d.num_samples, d.rank, d.world, worker, workers, d.batch_size)
+    _within(saved["pos"], hi - lo, f"worker {worker}'s pos", where, hint)
+    _within(saved["epoch"], MAX_EPOCH, f"worker {worker}'s epoch", where, hint)
+    _within(len(saved["skipped"]), saved["pos"], f"worker {worker}'s count of skipped samples", where, hint)
+    if any(len(s) != 3 for s in saved["skipped"]):
+        raise UserError(f"{where}: worker {worker}'s skipped samples must each be [shard, key, reason]; {hint}")
+
+
+def _within(value: int, most: int, name: str, where: str, hint: str) -> None:
+    if not 0 <= value <= most:
+        raise UserError(f"{where}: {name} is {str(value)[:40]}, outside 0..{most} (what this loader can reach in "
+                        f"an epoch), so it was damaged or crafted; {hint}")
 
 
 def _collect_skipped(state: Any) -> list[list[str]]:

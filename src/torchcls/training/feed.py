@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import TypedDict
 
 from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.checkpoint.files import atomic_write
@@ -32,10 +33,16 @@ from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
+from torchcls.typed_json import check
 
 # checkpoints/loader-state-<rank>.json of a shards run: the step and the loader's position, plus the
 # (file, reason) pairs it skipped this epoch; compact JSON (>= 2 bytes a value), read back on --resume.
 LOADER_STATE = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=SMALL_JSON_BYTES // 2, max_depth=8, max_str=1 << 16)
+
+
+class SavedLoader(TypedDict):  # loader.rank{N}.json; "loader" is checked by ShardLoader.load_state_dict
+    step: int
+    loader: dict[str, Any]
 
 
 @dataclass
@@ -96,8 +103,9 @@ class Feed:
         if self.kind != "shards" or not path.is_file():
             return
         saved = load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="loader state"), LOADER_STATE, str(path))
+        check(saved, SavedLoader, str(path), f"delete {path} to resume without it, or start the run over")
         if saved["step"] == step:  # else the checkpoint is newer than the state: replay instead
-            self.train.load_state_dict(saved["loader"])
+            self.train.load_state_dict(saved["loader"], where=str(path))  # (its fields checked there, streaming.py)
             self._restored = True
 
     def release(self) -> None:
