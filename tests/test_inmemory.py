@@ -191,7 +191,7 @@ def test_seek_resumes_from_the_epoch_and_step_alone(digits, augment):
     resumed.set_epoch(1)
     resumed.seek(len(expected) - 1)  # the short last batch
     assert torch.equal(batches(resumed)[0][0], expected[-1][0])
-    with pytest.raises(ValueError):
+    with pytest.raises(UserError, match="outside this epoch's"):  # (a received run dir's step: a user's error)
         resumed.seek(len(expected) + 1)
 
 

@@ -3,6 +3,9 @@
 - checkpoints/loader.rank{N}.json (streamed shards): torchdata's StatefulDataLoader loops over counts in the state it
   is given when a resume starts; a count of 10**12 hung `iter()`. Every field is now checked against what this loader
   can have produced in one epoch (streaming.check_saved_state), so a resume does at most an epoch's work.
+- checkpoints/last.state.safetensors (one process): only `step` was checked; the other fields reached torch as they
+  were (a float RNG state, a string epoch, a step past the epoch: tracebacks). They now go through the checks of the
+  sharded format's state.json (sharded_state), and each part is held to the shape of this run's own.
 Each field of a real saved state is replaced in turn by a value of another type or out of range: a UserError (exit 2
 from the command line), never another exception, never a hang.
 """
@@ -10,11 +13,13 @@ from the command line), never another exception, never a hang.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from conftest import make_image_folder, tiny_config
 from torchcls.errors import UserError
@@ -164,3 +169,87 @@ def test_every_field_of_a_loader_state_replaced_is_refused_or_stays_within_the_e
                 pass
     # What passes is of the right type and inside the epoch: nullable fields, flags, a seed
     assert all(v in (True, None, -1, 10**12) or k[-1] in ("skipped",) for k, v in accepted), accepted
+
+
+# -- the single-process training state ------------------------------------------------------------------------------
+
+def _single_config(images: Path, out: Path, name: str):
+    cfg = tiny_config(images, out, name, epochs=1)
+    cfg.data.in_memory, cfg.checkpoint.save_every, cfg.optim.ema = "on", 2, 0.9
+    cfg.governance.lineage = False
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> tuple[Path, Path]:
+    """(images, a run dir stopped at step 3 of 4, after its step-2 checkpoint wrote last.state.safetensors)."""
+    from torchcls.training import train
+
+    base = tmp_path_factory.mktemp("single-resume")
+    images = make_image_folder(base / "shapes", per_class=16)
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        train(_single_config(images, base / "runs", "cut"), callbacks=[_stop_at(3)])
+    return images, base / "runs" / "cut"
+
+
+def _with_state(single_run, tmp_path: Path, edit):
+    """A copy of the stopped run whose training state `edit` (a function of the loaded state) rewrote."""
+    from torchcls.checkpoint.files import load_training_state, save_training_state
+
+    images, run = single_run
+    shutil.copytree(run, tmp_path / "cut")
+    path = tmp_path / "cut" / "checkpoints" / "last.state.safetensors"
+    save_training_state(path, edit(load_training_state(path)))
+    return _single_config(images, tmp_path, "cut")
+
+
+def test_an_untouched_training_state_still_resumes(single_run, tmp_path: Path):
+    _resume(_with_state(single_run, tmp_path, lambda s: s))
+
+
+def test_the_reviews_state_is_refused(single_run, tmp_path: Path):
+    payload = {"epoch": "x", "step_in_epoch": 10**60, "rng": torch.zeros(3)}
+    with pytest.raises(UserError, match=r"training state .*last\.state\.safetensors: epoch must be an integer"):
+        _resume(_with_state(single_run, tmp_path, lambda s: s | payload))
+
+
+def _replace(state: dict, keys: tuple, value: Any) -> dict:
+    node = state
+    for k in keys[:-1]:
+        node = node[k]
+    node[keys[-1]] = value
+    return state
+
+
+SINGLE_FIELDS = [("epoch",), ("step",), ("step_in_epoch",), ("best_top1",), ("rng",), ("epoch_sums",), ("model",),
+                 ("optimizer",), ("optimizer", "state"), ("optimizer", "param_groups"),
+                 ("optimizer", "param_groups", 0, "lr"), ("optimizer", "param_groups", 0, "params"),
+                 ("scheduler",), ("scheduler", "last_epoch"), ("scheduler", "_last_lr"), ("scheduler", "base_lrs"),
+                 ("extras",), ("extras", "ema")]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("keys", SINGLE_FIELDS, ids=lambda k: ".".join(map(str, k)))
+def test_every_field_of_a_training_state_replaced_is_refused_or_resumes(single_run, tmp_path: Path, keys):
+    """A field of another type, out of range, or a tensor of another kind: a UserError naming the file. What is
+    not refused is a value of the field's own type and range (a number for a counter or a rate, no epoch sums,
+    no optimizer moments yet), and the run resumes with it: never another exception."""
+    accepted = []
+    for i, value in enumerate(WRONG + [torch.zeros(3), torch.zeros(5056, dtype=torch.int64)]):
+        cfg = _with_state(single_run, tmp_path / str(i), lambda s, v=value: _replace(s, keys, v))
+        try:
+            _resume(cfg)
+        except UserError as e:
+            assert re.search(r"last\.state\.safetensors|this run's epochs", str(e)), e
+            continue
+        accepted.append(value)
+    number = [v for v in WRONG if type(v) in (int, float) and v >= 0]  # (a negative one is refused: a counter's)
+    allowed = {("epoch_sums",): [None], ("optimizer", "state"): [{}], ("best_top1",): [-1] + number,
+               ("optimizer", "param_groups", 0, "lr"): [-1] + number}.get(keys, number)
+    assert all(any(v is a or (type(v) is type(a) and v == a) for a in allowed) for v in accepted), accepted
+
+
+def test_a_step_past_the_epoch_is_refused_not_a_value_error(single_run, tmp_path: Path):
+    cfg = _with_state(single_run, tmp_path, lambda s: s | {"step_in_epoch": 1000})
+    with pytest.raises(UserError, match="at step 1000 of an epoch, but this run's epochs have 4 steps"):
+        _resume(cfg)

@@ -13,6 +13,7 @@ carries the run's lineage (governance) in its metadata from the moment it is wri
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,7 +37,7 @@ from torchcls.checkpoint.files import (
     save_training_state,
     write_weights,
 )
-from torchcls.checkpoint.state_file import read_step
+from torchcls.checkpoint.state_file import check_state, read_step
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import writing
@@ -218,7 +219,8 @@ class Checkpointer:
             progress = Progress(*fields)
         else:
             path = self._state_file() or self.last_state
-            state = load_training_state(path, self.unsafe_unpickle)
+            state = check_state(load_training_state(path, self.unsafe_unpickle), path)
+            self._check_parts(state, path, optimizer, scheduler, precision)  # all of it, before anything is set
             if "model" in state:
                 load_weights_into(model, path, state["model"])
             else:  # written before the state carried the weights: the pair must be of one step
@@ -231,10 +233,66 @@ class Checkpointer:
             for name, part in self.extras.items():
                 part.load_state_dict(state["extras"][name])
             sums = state.get("epoch_sums")
-            progress = Progress(state["epoch"], state["step"], state["step_in_epoch"], state["best_top1"],
-                                tuple(sums.tolist()) if sums is not None else None)
+            progress = Progress(**sharded_state.progress(state, str(path)),
+                                epoch_sums=tuple(sums.tolist()) if sums is not None else None)
             rng = state["rng"]
         return progress, rng if progress.step_in_epoch else None
+
+    def _check_parts(self, state: dict[str, Any], path: Path, optimizer, scheduler, precision) -> None:
+        """The single-process state's parts (state_file.check_state typed its fixed fields) have the shape of this
+        run's own: what each load_state_dict sets is then of the types the run itself sets, as the sharded format
+        ensures by loading into this run's state (dcp.load)."""
+        where = f"training state {path}"
+        _check_optimizer(state["optimizer"], optimizer, f"{where}: optimizer")
+        sharded_state.like(state["scheduler"], scheduler.state_dict(), f"{where}: scheduler")
+        sharded_state.number(state["scheduler"]["last_epoch"], "scheduler.last_epoch", where, 0,
+                             sharded_state.MAX_COUNTER, integer=True)
+        mine = precision.state_dict() if precision is not None else {}
+        saved = state.get("precision", {})
+        sharded_state.like({k: saved[k] for k in mine if k in saved}, {k: mine[k] for k in saved if k in mine},
+                           f"{where}: precision")  # a part one of the two runs has not (fp16's scaler) is not loaded
+        if self.extras:
+            sharded_state.like(state.get("extras"), {k: v.state_dict() for k, v in self.extras.items()},
+                               f"{where}: extras")
+
+
+def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
+    """An optimizer state torch's load_state_dict can take for `optimizer`: its groups like this run's, and the
+    state of each parameter numbers or tensors no larger than the parameter (moments; Adafactor's factored rows)."""
+    expected = optimizer.state_dict()
+    if set(saved) != set(expected) or type(saved["state"]) is not dict:
+        raise UserError(f"{where}: must hold {' and '.join(expected)} as torch writes them: damaged or crafted")
+    groups = saved["param_groups"]
+    if type(groups) is not list or len(groups) != len(expected["param_groups"]) or any(type(g) is not dict
+                                                                                    for g in groups):
+        raise UserError(f"{where}: param_groups must be {len(expected['param_groups'])} dicts, as this run's: damaged "
+                        "or from another optimizer setup")
+    for i, (group, mine) in enumerate(zip(groups, expected["param_groups"])):
+        # Keys a fresh optimizer has not set yet (lamb's group "step", set by its first step) are numbers
+        if not all(_fits(v, _SCALAR) for k, v in group.items() if k not in mine):
+            raise UserError(f"{where}: param_groups[{i}] holds a value that is no number under a key this run has "
+                            "not: damaged or crafted")
+        sharded_state.like({k: group.get(k) for k in mine}, mine, f"{where}.param_groups[{i}]")
+    # Saved ids to this run's parameters, as torch's Optimizer.load_state_dict pairs them
+    params = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved["param_groups"]),
+                      itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+    for pid, entry in saved["state"].items():
+        if pid not in params or type(entry) is not dict:
+            raise UserError(f"{where}: state of {str(pid)[:40]}, which is no parameter of its groups: damaged or crafted")
+        for name, value in entry.items():
+            if not _fits(value, params[pid]):
+                raise UserError(f"{where}: state {pid}.{str(name)[:40]} is not a number or a tensor that fits its "
+                                "parameter: damaged or crafted")
+
+
+_SCALAR = torch.zeros(())
+
+
+def _fits(value: Any, param: torch.Tensor) -> bool:
+    """A number, or a tensor no larger than `param` in elements and dimensions."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() <= max(param.dim(), 1) and value.numel() <= max(param.numel(), 1)
+    return value is None or type(value) in (bool, int, float)
 
 
 def _check_same_step(weights: Path, step: int) -> None:

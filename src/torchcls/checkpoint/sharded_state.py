@@ -98,6 +98,56 @@ def numbers(value: Any, name: str, where: str, length: int | None = None, nan: b
     return [float(number(v, name, where, nan=nan)) for v in value]
 
 
+def progress(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """Where training stands, as both state formats hold it (state.json here; last.state.safetensors, state_file.py):
+    epoch, step and step in the epoch integers in [0, MAX_COUNTER], and the best top-1 a number."""
+    out = {k: number(raw.get(k), k, where, 0, MAX_COUNTER, integer=True) for k in ("epoch", "step", "step_in_epoch")}
+    out["best_top1"] = float(number(raw.get("best_top1"), "best_top1", where))
+    return out
+
+
+def rng_state(value: Any, where: str) -> torch.Tensor:
+    """A saved CPU generator state, as torch.set_rng_state takes it: a uint8 tensor of this torch's size."""
+    size = torch.get_rng_state().numel()
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or tuple(value.shape) != (size,):
+        got = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise UserError(f"{where}: rng must be a uint8 tensor of {size} bytes (torch.get_rng_state()), not {got}: "
+                        "damaged or crafted")
+    return value
+
+
+def like(saved: Any, expected: Any, where: str) -> None:
+    """`saved` (read from a file) has the shape of `expected`, this run's own state of the same part: dicts of the
+    same keys, lists of the same length, tensors of the same dtype and shape, other leaves of the same JSON kind.
+    What a part's load_state_dict then sets from it can only be of the types the run itself would have set."""
+    if isinstance(expected, dict):
+        if type(saved) is not dict or set(saved) != set(expected):
+            raise UserError(f"{where}: holds {_keys(saved, expected)} where this run has {_keys(expected, saved)}: "
+                            "damaged, or from another model, optimizer or torch")
+        for key, value in expected.items():
+            like(saved[key], value, f"{where}.{key}")
+    elif isinstance(expected, (list, tuple)):
+        if type(saved) not in (list, tuple) or len(saved) != len(expected):
+            raise UserError(f"{where}: a list of {len(expected)} was expected: damaged or from another setup")
+        for i, (s, e) in enumerate(zip(saved, expected)):
+            like(s, e, f"{where}[{i}]")
+    elif isinstance(expected, torch.Tensor):
+        if not isinstance(saved, torch.Tensor) or (saved.dtype, saved.shape) != (expected.dtype, expected.shape):
+            raise UserError(f"{where}: a {expected.dtype} tensor of shape {tuple(expected.shape)} was expected: "
+                            "damaged or from another model")
+    elif _kind(saved) != _kind(expected):
+        raise UserError(f"{where}: a {type(saved).__name__} where this run has a {type(expected).__name__}: damaged "
+                        "or crafted")
+
+
+def _keys(value: Any, other: Any) -> str:
+    """The keys of `value` (a dict) that `other` has not, else what `value` is."""
+    if not isinstance(value, dict):
+        return f"a {type(value).__name__}"
+    only = set(value) - (set(other) if isinstance(other, dict) else set())
+    return f"keys {sorted(map(str, only))[:8]}" if only else "fewer keys"
+
+
 def read(path: Path) -> dict[str, Any]:
     """state.json of the checkpoint dir `path`, with its fixed fields checked (the "other" tree is
     checked against what this run expects by `restore`)."""
@@ -105,8 +155,7 @@ def read(path: Path) -> dict[str, Any]:
     raw = read_bounded(path / STATE, STATE_BOUNDS, what="sharded checkpoint state")
     if type(raw) is not dict or raw.get("format") != FORMAT:
         raise UserError(f"{where}: not a torchcls sharded checkpoint state ({FORMAT})")
-    out = {k: number(raw.get(k), k, where, 0, MAX_COUNTER, integer=True) for k in ("epoch", "step", "step_in_epoch")}
-    out["best_top1"] = float(number(raw.get("best_top1"), "best_top1", where))
+    out = progress(raw, where)
     out["lr"] = numbers(raw.get("lr"), "lr", where)
     out["other"] = raw.get("other", {})
     if "plateau" in raw:

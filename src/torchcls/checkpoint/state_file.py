@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from torchcls.bounded_json import load_bounded
+from torchcls.checkpoint import sharded_state
 from torchcls.checkpoint.safetensors_bounds import METADATA, check_safetensors_header
 from torchcls.checkpoint.state_tree import STATE_BOUNDS, flatten, unflatten
 from torchcls.errors import UserError
@@ -51,6 +52,33 @@ def read_state(path: Path) -> dict[str, Any]:
     state = unflatten(encoded, tensors, f"training state {path}")
     if not isinstance(state, dict) or not isinstance(state.get("step"), int):
         raise UserError(f"training state {path} holds no step: the file is damaged or was not written by torchcls")
+    return state  # a tree of values: check_state holds it to what a resume uses
+
+
+# The parts a single-process state holds beside the progress fields: the run's own objects' state dicts, which
+# Checkpointer.resume holds to this run's (sharded_state.like). Older states may lack the optional ones.
+PARTS, OPTIONAL_PARTS = ("optimizer", "scheduler"), ("model", "extras", "precision")
+
+
+def check_state(state: Any, path: Path) -> dict[str, Any]:
+    """`state` read from `path` (read_state, or an older run's pickle), its fixed fields checked as the sharded
+    format's state.json's are (sharded_state): the progress counters typed and ranged, the RNG state a generator
+    state, the epoch sums four float64 numbers, each part a dict and the weights tensors. Else a UserError."""
+    where = f"training state {path}"
+    if not isinstance(state, dict):
+        raise UserError(f"{where} is not a dict of training state: the file is damaged or was not written by torchcls")
+    sharded_state.progress(state, where)
+    sharded_state.rng_state(state.get("rng"), where)
+    for part in PARTS + tuple(p for p in OPTIONAL_PARTS if p in state):
+        if type(state.get(part)) is not dict:
+            raise UserError(f"{where}: {part} must be a dict (got {type(state.get(part)).__name__}): damaged or "
+                            "crafted")
+    if not all(type(k) is str and isinstance(v, torch.Tensor) for k, v in state.get("model", {}).items()):
+        raise UserError(f"{where}: model must map parameter names to tensors: damaged or crafted")
+    sums = state.get("epoch_sums")
+    if sums is not None and not (isinstance(sums, torch.Tensor) and sums.dtype == torch.float64
+                                 and tuple(sums.shape) == (4,)):
+        raise UserError(f"{where}: epoch_sums must be a float64 tensor of 4 numbers: damaged or crafted")
     return state
 
 

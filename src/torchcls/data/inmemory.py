@@ -195,8 +195,9 @@ class InMemoryLoader:
         Only the augmentation parameters of the skipped batches are drawn (no image is touched),
         which leaves the generator where `state_dict()` would have found it: a checkpoint that
         records (epoch, step in epoch) is enough to resume exactly."""
-        if not 0 <= position <= len(self):
-            raise ValueError(f"position {position} is outside this epoch's {len(self)} batches")
+        if not 0 <= position <= len(self):  # (a resume checks the saved step first: Trainer.resume)
+            raise UserError(f"the saved position, batch {position}, is outside this epoch's {len(self)} batches: "
+                            "resume with the run's own data and --batch-size, or start over")
         _, gen = self._order(self._epoch)
         for k in range(position):
             self._draw(min(self.batch_size, self._padded_n() - k * self.batch_size), gen)

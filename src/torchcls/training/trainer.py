@@ -25,6 +25,7 @@ from torchcls.checkpoint.checkpointer import Checkpointer, Progress
 from torchcls.checkpoint.files import CheckpointMeta, read_meta
 from torchcls.config import Config
 from torchcls.console import console
+from torchcls.errors import UserError
 from torchcls.events import CheckpointSaved, RunFinished, RunGuard, publish
 from torchcls.models import ModelSpec
 from torchcls.models.early_exit import exit_loss
@@ -118,6 +119,11 @@ class Trainer:
         self.progress, self.resume_rng = self.checkpointer.resume(self.model, self.optimizer, self.scheduler,
                                                                   self.meta(), self.precision)
         p = self.progress
+        if p.step_in_epoch > len(self.feed):  # (both formats range it; only the feed knows the epoch's length)
+            raise UserError(f"{self.run.checkpoints}: the training state is at step {p.step_in_epoch} of an epoch, "
+                            f"but this run's epochs have {len(self.feed)} steps: it is from other data or another "
+                            "--batch-size or process count, or damaged. Resume with the run's own data and options, "
+                            "or start over")
         if self.checkpointer.last_weights.is_file():  # multilabel: the thresholds saved with the resumed weights
             self.thresholds = read_meta(self.checkpointer.last_weights).thresholds
         self.feed.load_state(self.run.checkpoints, self.session.rank, p.step)
