@@ -222,7 +222,8 @@ def _replace(state: dict, keys: tuple, value: Any) -> dict:
 
 
 SINGLE_FIELDS = [("epoch",), ("step",), ("step_in_epoch",), ("best_top1",), ("rng",), ("epoch_sums",), ("model",),
-                 ("optimizer",), ("optimizer", "state"), ("optimizer", "param_groups"),
+                 ("optimizer",), ("optimizer", "state"), ("optimizer", "state", 0, "exp_avg"),
+                 ("optimizer", "state", 0, "step"), ("optimizer", "param_groups"),
                  ("optimizer", "param_groups", 0, "lr"), ("optimizer", "param_groups", 0, "params"),
                  ("scheduler",), ("scheduler", "last_epoch"), ("scheduler", "_last_lr"), ("scheduler", "base_lrs"),
                  ("extras",), ("extras", "ema")]
@@ -244,7 +245,8 @@ def test_every_field_of_a_training_state_replaced_is_refused_or_resumes(single_r
             continue
         accepted.append(value)
     number = [v for v in WRONG if type(v) in (int, float) and v >= 0]  # (a negative one is refused: a counter's)
-    allowed = {("epoch_sums",): [None], ("optimizer", "state"): [{}], ("best_top1",): [-1] + number,
+    allowed = {("epoch_sums",): [None], ("optimizer", "state"): [{}], ("optimizer", "state", 0, "exp_avg"): [],
+               ("best_top1",): [-1] + number,
                ("optimizer", "param_groups", 0, "lr"): [-1] + number}.get(keys, number)
     assert all(any(v is a or (type(v) is type(a) and v == a) for a in allowed) for v in accepted), accepted
 

@@ -258,7 +258,8 @@ class Checkpointer:
 
 def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
     """An optimizer state torch's load_state_dict can take for `optimizer`: its groups like this run's, and the
-    state of each parameter numbers or tensors no larger than the parameter (moments; Adafactor's factored rows)."""
+    state of each parameter a step count and moments of its shape. (This run's own state cannot be compared: a
+    fresh optimizer has none until its first step.)"""
     expected = optimizer.state_dict()
     if set(saved) != set(expected) or type(saved["state"]) is not dict:
         raise UserError(f"{where}: must hold {' and '.join(expected)} as torch writes them: damaged or crafted")
@@ -268,10 +269,10 @@ def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
         raise UserError(f"{where}: param_groups must be {len(expected['param_groups'])} dicts, as this run's: damaged "
                         "or from another optimizer setup")
     for i, (group, mine) in enumerate(zip(groups, expected["param_groups"])):
-        # Keys a fresh optimizer has not set yet (lamb's group "step", set by its first step) are numbers
-        if not all(_fits(v, _SCALAR) for k, v in group.items() if k not in mine):
-            raise UserError(f"{where}: param_groups[{i}] holds a value that is no number under a key this run has "
-                            "not: damaged or crafted")
+        # Keys a fresh optimizer has not set yet (lamb's group "step", set by its first step) are step counts
+        if not all(_step_count(v) for k, v in group.items() if k not in mine):
+            raise UserError(f"{where}: param_groups[{i}] holds a value that is no step count under a key this run "
+                            "has not: damaged or crafted")
         sharded_state.like({k: group.get(k) for k in mine}, mine, f"{where}.param_groups[{i}]")
     # Saved ids to this run's parameters, as torch's Optimizer.load_state_dict pairs them
     params = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved["param_groups"]),
@@ -280,19 +281,24 @@ def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
         if pid not in params or type(entry) is not dict:
             raise UserError(f"{where}: state of {str(pid)[:40]}, which is no parameter of its groups: damaged or crafted")
         for name, value in entry.items():
-            if not _fits(value, params[pid]):
-                raise UserError(f"{where}: state {pid}.{str(name)[:40]} is not a number or a tensor that fits its "
-                                "parameter: damaged or crafted")
+            if not (_step_count(value) if name == "step" else _moment(value, params[pid])):
+                raise UserError(f"{where}: state {pid}.{str(name)[:40]} is not "
+                                f"{'a step count' if name == 'step' else 'a tensor of its parameter shape'}: "
+                                "damaged or crafted")
 
 
-_SCALAR = torch.zeros(())
-
-
-def _fits(value: Any, param: torch.Tensor) -> bool:
-    """A number, or a tensor no larger than `param` in elements and dimensions."""
+# The state of every --optimizer and of Lookahead: "step", a count (a 0-d tensor, or a number torch converts), and
+# moments of the parameter's shape. (A factored optimizer, Adafactor's rows and columns, would need its shapes here.)
+def _step_count(value: Any) -> bool:
     if isinstance(value, torch.Tensor):
-        return value.dim() <= max(param.dim(), 1) and value.numel() <= max(param.numel(), 1)
-    return value is None or type(value) in (bool, int, float)
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
+            return False
+        value = value.item()
+    return type(value) in (int, float) and 0 <= value <= sharded_state.MAX_COUNTER
+
+
+def _moment(value: Any, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == param.shape and value.is_floating_point()
 
 
 def _check_same_step(weights: Path, step: int) -> None:
