@@ -58,3 +58,113 @@ def test_values_in_range_are_taken_as_before(tmp_path: Path):
     assert (cfg.data.batch_size, cfg.data.workers, cfg.data.img_size, cfg.train.threads, cfg.train.seed,
             cfg.governance.sample_grid) == (65536, 0, 224, 4096, 12345, 64)
     check_ranges(cfg)
+
+
+# The options of every other command (options.py, `bound=` on each number field): checked in from_args, where
+# the CLI turns them into call arguments, and by the library functions called from Python.
+
+
+def _commands():
+    """(argv prefix, options class) of every command built from options.py."""
+    from torchcls import cli, options
+
+    yield from ((([name], cls) for name, cls, _ in cli.COMMANDS))
+    yield from (([group, name], cls) for group, (_, cmds) in cli.GROUPS.items() for name, cls, _ in cmds)
+    yield ["data", "shard"], options.ShardOptions
+
+
+def _bounded():
+    """(argv that sets one bounded option past its range, flag, what the message shows), for every one."""
+    from torchcls.options import concrete_type
+
+    for prefix, cls in _commands():
+        fields = dataclasses.fields(cls)
+        base = [*prefix, *(["x"] * sum(1 for f in fields if f.metadata.get("positional")))]
+        base += [a for f in fields if f.metadata.get("required") for a in (f"--{f.name.replace('_', '-')}", "x")]
+        for f in fields:
+            bound = f.metadata.get("bound")
+            if bound is None:
+                assert concrete_type(cls, f) not in (int, float), f"{cls.__name__}.{f.name} has no range"
+                continue
+            flag = "--" + (f.metadata.get("flag") or f.name).replace("_", "-")
+            if isinstance(bound[0], str):
+                yield pytest.param([*base, f"{flag}=nan"], flag, f"nan is outside the allowed range {bound[0]}",
+                                   id=f"{prefix[-1]}{flag}=nan")
+            else:
+                for value in (bound[0] - 1, bound[1] + 1):
+                    yield pytest.param([*base, f"{flag}={value}"], flag,
+                                       f"{value} is outside the allowed range {bound[0]:,} to {bound[1]:,}",
+                                       id=f"{prefix[-1]}{flag}={value}")
+
+
+def test_every_number_option_of_every_command_has_a_range_that_holds_its_default():
+    from torchcls.options import check_options
+
+    for _, cls in _commands():
+        check_options(cls(), "defaults")  # (positionals and required flags default to None: not numbers)
+    assert len(list(_bounded())) > 20
+
+
+@pytest.mark.parametrize(("argv", "flag", "shown"), list(_bounded()))
+def test_a_number_option_of_any_command_past_its_range_exits_2_before_anything_runs(tmp_path, monkeypatch, capsys,
+                                                                                      argv, flag, shown):
+    from torchcls.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert f"command line: {flag} = {shown}" in err and "Traceback" not in err, err
+    assert not list(tmp_path.iterdir())  # refused before the command wrote anything
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["predict", "--topk", "0"], "--topk = 0 is outside the allowed range 1 to 1,000,000"),
+    (["predict", "--topk=-2"], "--topk = -2 is outside the allowed range 1 to 1,000,000"),
+    (["explain", "--steps", "0"], "--steps = 0 is outside the allowed range 1 to 10,000"),
+    (["explain", "--steps", str(10**7)], "--steps = 10000000 is outside the allowed range 1 to 10,000")])
+def test_the_reviews_predict_and_explain_cases_exit_2_with_a_real_checkpoint(trained_run, tmp_path, capsys,
+                                                                            args, message):
+    """predict --topk 0 was an IndexError, -2 a torch RuntimeError; explain --steps 0 a captum AssertionError and
+    10^7 one batch of 10^7 images."""
+    from conftest import draw_shape
+    from torchcls.cli import main
+
+    draw_shape("circle", 32, 1).save(tmp_path / "x.png")
+    command, *flags = args
+    assert main([command, str(trained_run), str(tmp_path / "x.png"), *flags, "--out" if command == "explain" else
+                 "--json", *([str(tmp_path / "ex")] if command == "explain" else [])]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_the_library_functions_refuse_out_of_range_values_from_python(trained_run, tmp_path):
+    from conftest import draw_shape
+    from torchcls.explain import explain
+    from torchcls.prediction import predict
+
+    draw_shape("square", 32, 2).save(image := tmp_path / "x.png")
+    for topk, message in ((0, "--topk = 0 is outside"), (-2, "--topk = -2 is outside"),
+                          (2.5, "--topk must be an integer from 1 to 1,000,000, got 2.5")):
+        with pytest.raises(UserError, match=f"predict: {message}"):
+            predict(trained_run, [image], topk=topk, device="cpu")
+    with pytest.raises(UserError, match="explain: --steps = 0 is outside the allowed range 1 to 10,000"):
+        explain(trained_run, [image], steps=0, out_dir=tmp_path / "ex")
+    assert len(predict(trained_run, [image], topk=10**6, device="cpu", precision="fp32").items[0]["top"]) == 2
+
+
+def test_integrated_gradients_runs_its_steps_in_bounded_batches(trained_run, tmp_path, monkeypatch):
+    """steps above EXPLAIN_BATCH: captum is given internal_batch_size, so it never stacks all steps at once."""
+    pytest.importorskip("captum")
+    from captum.attr import IntegratedGradients
+
+    from conftest import draw_shape
+    from torchcls.explain import EXPLAIN_BATCH, explain
+
+    seen = []
+    original = IntegratedGradients.attribute
+    monkeypatch.setattr(IntegratedGradients, "attribute",
+                        lambda self, *a, **kw: seen.append(kw) or original(self, *a, **kw))
+    draw_shape("circle", 32, 3).save(image := tmp_path / "x.png")
+    (e,) = explain(trained_run, [image], steps=EXPLAIN_BATCH + 8, out_dir=tmp_path / "ex")
+    assert Path(e.png).is_file()
+    assert seen[0]["n_steps"] == EXPLAIN_BATCH + 8 and seen[0]["internal_batch_size"] == EXPLAIN_BATCH

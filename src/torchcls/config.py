@@ -10,6 +10,7 @@ and the resolved result is written into the run dir.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import types
 import typing
@@ -25,10 +26,12 @@ from torchcls.toml_files import read_toml  # bounded before parsed: a run dir's 
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: str | None = None,
-        const: Any = None) -> Any:
+        const: Any = None, bound: tuple | None = None) -> Any:
     """A config field with its CLI help (and optional choices / flag name). `const`: the value of the flag
-    given without one (`--pretrained` alone)."""
-    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "const": const})
+    given without one (`--pretrained` alone). `bound`: the range of a number option of a command (as INT_RANGES
+    or FLOAT_RANGES declare it; the training config's own options are in those tables), see `outside`."""
+    return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "const": const,
+                                            "bound": bound})
 
 
 @dataclass
@@ -488,26 +491,74 @@ INT_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
 }
 
 
-def check_range(section: str, key: str, value: Any, origin: str) -> None:
-    """A UserError naming the option, the value and its range when `value` is outside INT_RANGES."""
-    bound = INT_RANGES.get((section, key))
-    if bound is None or type(value) is not int:
-        return
+# The range of every float option: an interval as a reader writes it ("[0, 1)": 0 allowed, 1 not) and why. Every
+# value must also be finite: TOML and argparse both read inf and nan, and one of them in an option that sizes a
+# schedule or a split is a traceback (int(inf)), in a bound a bound switched off (nan fails every comparison).
+# Every upper end is finite, so inf is outside each interval, and in_interval's comparisons all fail on NaN.
+FLOAT_RANGES: dict[tuple[str, str], tuple[str, str]] = {
+    ("data", "val_fraction"): ("[0, 1)", "a fraction of the training data; at 1 none would be left to train on"),
+    ("data", "random_erasing"): ("[0, 1]", "a probability"),
+    ("data", "mixup"): ("[0, 1000]", "the alpha of a Beta(alpha, alpha); timm's recipes use 0.8"),
+    ("data", "cutmix"): ("[0, 1000]", "the alpha of a Beta(alpha, alpha); timm's recipes use 1.0"),
+    ("model", "drop_rate"): ("[0, 1]", "a dropout probability"),
+    ("model", "drop_path"): ("[0, 1)", "a drop probability; at 1 every residual branch would be dropped"),
+    ("model", "exit_threshold"): ("[0, 1]", "a softmax probability"),
+    ("model", "whiten_eps"): ("(0, 1e6]", "added to eigenvalues before a square root is divided by"),
+    ("optim", "lr"): ("[0, 1e6]", "a learning rate"),
+    ("optim", "layer_decay"): ("[0, 1]", "a factor per block from the head; 0 = off"),
+    ("optim", "head_lr"): ("(0, 1e6]", "a multiple of --lr"),
+    ("optim", "ema"): ("[0, 1)", "a decay; 0 = off"),
+    ("optim", "weight_decay"): ("[0, 1e6]", "a decay coefficient"),
+    ("optim", "momentum"): ("[0, 1)", "a momentum; at 1 or more the updates would never fade"),
+    ("optim", "warmup_epochs"): ("[0, 1e6]", "a number of epochs, as --epochs"),
+    ("optim", "label_smoothing"): ("[0, 1)", "the share of the target spread over all classes"),
+    ("optim", "grad_clip"): ("[0, 1e12]", "a gradient norm; 0 = off"),
+    ("optim", "bn_bias_lr_scale"): ("(0, 1e6]", "a multiple of --lr (airbench: 64)"),
+    ("optim", "lookahead_alpha"): ("(0, 1]", "the share of the way the slow weights move"),
+    ("optim", "selective_backprop"): ("[0, 1)", "a fraction of each batch; 0 = all of it"),
+}
+
+
+def in_interval(value: int | float, interval: str) -> bool:
+    """Whether `value` lies in `interval` ("[0, 1)", "(0, 1e6]"): NaN and the infinities never do."""
+    lo, hi = (float(end) for end in interval[1:-1].split(","))
+    above = value > lo if interval[0] == "(" else value >= lo
+    below = value < hi if interval[-1] == ")" else value <= hi
+    return above and below and (not isinstance(value, float) or math.isfinite(value))
+
+
+def outside(value: Any, bound: tuple) -> str | None:
+    """'VALUE is outside the allowed range ... (why)' when `value` breaks `bound` (INT_RANGES' (min, max, why)
+    or FLOAT_RANGES' (interval, why)), else None. A value of another type is left to the type check."""
+    if isinstance(bound[0], str):
+        interval, why = bound
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_interval(value, interval):
+            return f"{value!r} is outside the allowed range {interval} ({why})"
+        return None
     lo, hi, why = bound
-    if not lo <= value <= hi:
+    if type(value) is int and not lo <= value <= hi:
         shown = str(value) if abs(value) < 10**30 else f"a number of {len(str(abs(value)))} digits"
-        raise UserError(f"{origin}: [{section}] {key} = {shown} is outside the allowed range {lo:,} to {hi:,} "
-                        f"({why})")
+        return f"{shown} is outside the allowed range {lo:,} to {hi:,} ({why})"
+    return None
+
+
+def check_range(section: str, key: str, value: Any, origin: str) -> None:
+    """A UserError naming the option, the value and its range when `value` is outside INT_RANGES or FLOAT_RANGES."""
+    bound = INT_RANGES.get((section, key)) or FLOAT_RANGES.get((section, key))
+    problem = outside(value, bound) if bound is not None else None
+    if problem is not None:
+        raise UserError(f"{origin}: [{section}] {key} = {problem}")
 
 
 def check_ranges(cfg: Config, origin: str = "config") -> None:
-    """INT_RANGES over every option of `cfg` (one built or changed in Python, not through set_option)."""
-    for section, key in INT_RANGES:
+    """INT_RANGES and FLOAT_RANGES over every option of `cfg` (one built or changed in Python, not through
+    set_option)."""
+    for section, key in [*INT_RANGES, *FLOAT_RANGES]:
         check_range(section, key, getattr(getattr(cfg, section), key), origin)
 
 
 def set_option(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
-    """Set cfg.<section>.<key> = value with type, choice and range (INT_RANGES) checks."""
+    """Set cfg.<section>.<key> = value with type, choice and range (INT_RANGES, FLOAT_RANGES) checks."""
     sub = getattr(cfg, section)
     fields = {f.name: f for f in dataclasses.fields(sub)}
     if key not in fields:

@@ -19,11 +19,15 @@ from torchcls.data import build_transform
 from torchcls.data.images import BadImage, load_image
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
-from torchcls.options import ExplainOptions as _D  # the defaults, declared once
+from torchcls.options import ExplainOptions as _D  # the defaults (and ranges), declared once
+from torchcls.options import check_values
 from torchcls.prediction import expand_inputs
 from torchcls.run_files import replace_file, sub_dir
 
 METHODS = ("integrated-gradients", "saliency")
+# Integrated-gradients steps run this many at a time (captum's internal_batch_size): without it captum stacks all
+# --steps copies of the image into one batch, so memory grew with --steps (10^7 steps: 10^7 images at once).
+EXPLAIN_BATCH = 32
 
 
 @dataclass
@@ -42,6 +46,7 @@ def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.m
     """Write one attribution PNG per image into out_dir (default: <run dir>/explain)."""
     if method not in METHODS:
         raise UserError(f"--method {method}: choose one of {', '.join(METHODS)}")
+    check_values(_D, "explain", steps=steps)  # captum asserts steps > 0; the max bounds the time per image
     try:
         from captum.attr import IntegratedGradients, Saliency
     except ImportError:
@@ -71,7 +76,8 @@ def explain(checkpoint: str | Path, images: list[str | Path], method: str = _D.m
         pred = int(probs.argmax())
         t = meta.classes.index(target) if target is not None else pred
         algo = IntegratedGradients(forward) if method == "integrated-gradients" else Saliency(forward)
-        kwargs = {"n_steps": steps} if method == "integrated-gradients" else {"abs": True}
+        kwargs = ({"n_steps": steps, "internal_batch_size": min(steps, EXPLAIN_BATCH)}
+                  if method == "integrated-gradients" else {"abs": True})
         attr = algo.attribute(x.clone().requires_grad_(True), target=t, **kwargs).detach()
         png = out / f"{f.stem}.{method}.png"
         _overlay(x[0], attr[0], meta.preprocess, png, f"{meta.classes[pred]} ({probs[pred]:.2f})"

@@ -1,8 +1,8 @@
 """Options of every command but `train` (whose options are the training config), declared once.
 
-Each dataclass field carries its default, type, help and choices; the CLI generates its flags
-from them (`add_flags`) and the library functions take their keyword defaults from the same
-fields (`ExportOptions.max_batch`, ...), so a default is never written in two places. Light to
+Each dataclass field carries its default, type, help and choices, and a number its range (`bound`); the CLI
+generates its flags from them (`add_flags`, ranges checked in `from_args`) and the library functions take their
+keyword defaults from the same fields (`ExportOptions.max_batch`, ...), so a default is never written in two places. Light to
 import: `torchcls --help` must not pay for torch.
 """
 
@@ -16,10 +16,27 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchcls.config import SECTIONS, Config, is_recorded_config, keep_local, load_toml, opt, set_option
+from torchcls.config import (
+    INT_RANGES,
+    SECTIONS,
+    Config,
+    is_recorded_config,
+    keep_local,
+    load_toml,
+    opt,
+    outside,
+    set_option,
+)
 from torchcls.errors import UserError
 
 BAD_FILE_CHOICES = ("error", "skip")
+# Ranges shared by several commands (as INT_RANGES / FLOAT_RANGES declare them: (min, max, why), (interval, why)).
+BATCH = (1, 65536, "images per forward pass: 2^16 images of 224 px are 37 GiB")
+WORKERS = INT_RANGES[("data", "workers")]
+THREADS = INT_RANGES[("train", "threads")]
+IMG_SIZE = INT_RANGES[("data", "img_size")]
+FRACTION = ("[0, 1]", "a fraction")
+JOB_TIMEOUT = (1, 7 * 86400, "seconds: a week")
 
 
 def positional(help: str, nargs: str | None = None) -> Any:
@@ -54,18 +71,25 @@ class EvaluateOptions(RuntimeOptions):
     out: str | None = opt(None, "write eval.json here (default: the checkpoint's run dir)")
     json: bool = opt(False, "print the full result as JSON")
     threshold: float | None = opt(None, "early-exit models: exit confidence threshold in [0, 1] (default: the one "
-                                  "it was trained with)")
+                                  "it was trained with)", bound=("[0, 1]", "a softmax probability"))
     target_accuracy: float | None = opt(None, "early-exit models: calibrate the threshold on the validation "
-                                        "split: the cheapest one reaching this accuracy (e.g. 0.9)")
+                                        "split: the cheapest one reaching this accuracy (e.g. 0.9)", bound=FRACTION)
     target_compute: float | None = opt(None, "early-exit models: calibrate the threshold on the validation split: "
                                        "the most accurate one whose mean FLOPs stay within this fraction of the "
-                                       "backbone's (e.g. 0.7)")
-    batch_size: int = opt(256, "images per forward pass")
-    workers: int = opt(2, "DataLoader workers")
+                                       "backbone's (e.g. 0.7)",
+                                       bound=("(0, 1.5]", "a fraction of the backbone's compute; exits add some"))
+    batch_size: int = opt(256, "images per forward pass", bound=BATCH)
+    workers: int = opt(2, "DataLoader workers", bound=WORKERS)
     tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
                    "mirror (two forward passes; for left-right symmetric classes); multicrop = also both translated "
                    "1 px down-right and up-left (six passes, airbench's weights: 1/4 each untranslated view, 1/8 "
                    "each translated); recorded in eval.json", choices=("none", "flip", "multicrop"))
+
+
+TOPK = (1, 1_000_000, "labels per image; more than the model's classes lists them all")
+# Integrated gradients runs --steps forwards and backwards of the model per image, EXPLAIN_BATCH of them at once
+# (captum's internal_batch_size, so memory does not grow with --steps); past the max an image takes hours.
+EXPLAIN_STEPS = (1, 10_000, "forward and backward passes per image; captum's examples use 50")
 
 
 @dataclass
@@ -76,7 +100,7 @@ class PredictOptions(RuntimeOptions):
     checkpoint: str = positional("a .safetensors checkpoint, a run dir, or an exported .pt2/.onnx/.pte artifact "
                                  "(a .pt2 is native code: load only artifacts you trust)")
     images: list[str] = positional("image files and/or folders (searched recursively)", nargs="+")
-    topk: int = opt(3, "how many labels per image")
+    topk: int = opt(3, "how many labels per image", bound=TOPK)
     tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
                    "mirror (two forward passes, also for exported artifacts); multicrop = also both translated 1 px "
                    "down-right and up-left (six passes)", choices=("none", "flip", "multicrop"))
@@ -100,7 +124,7 @@ class ExplainOptions:
     images: list[str] = positional("image files and/or folders (searched recursively)", nargs="+")
     method: str = opt("integrated-gradients", "attribution method", choices=("integrated-gradients", "saliency"))
     target: str | None = opt(None, "class to explain (default: the predicted one)")
-    steps: int = opt(32, "integrated-gradients steps")
+    steps: int = opt(32, "integrated-gradients steps", bound=EXPLAIN_STEPS)
     out: str | None = opt(None, "folder for the PNGs (default: <run dir>/explain)")
     on_bad_file: str = opt("error", "unreadable images: stop with an error, or skip them", choices=BAD_FILE_CHOICES)
 
@@ -128,13 +152,14 @@ class ExportOptions:
                          "int8 on the CPU; parity.json says which and why. int8: static int8 .pt2 for the CPU "
                          "(aoti), calibrated on training images (7-bit activations where its int8 kernels lack "
                          "VNNI)", choices=("auto", "fp32", "bf16", "int8"))
-    max_batch: int = opt(64, "largest batch the artifact accepts")
+    max_batch: int = opt(64, "largest batch the artifact accepts",
+                         bound=(1, 4096, "artifacts/targets/base.MAX_BATCH"))
     out: str | None = opt(None, "artifact path (.pt2/.onnx/.pte) or folder (default: "
                           "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")
     min_agreement: float | None = opt(None, "least top-1 agreement with eager for the export to succeed "
                                       "(default: 0.999 for fp32, 0.99 for bf16 and aoti int8, 0.95 for "
-                                      "executorch int8)")
-    parity_images: int = opt(500, "held-out images for parity")
+                                      "executorch int8)", bound=FRACTION)
+    parity_images: int = opt(500, "held-out images for parity", bound=(1, 1_000_000, "images decoded and run twice"))
     data: str | None = opt(None, "take parity images from this data (same classes) instead of the checkpoint's "
                            "held-out split")
     root: str | None = opt(None, "fashion-mnist directory, or base for relative CSV paths")
@@ -145,7 +170,7 @@ class ExportOptions:
                               choices=("xnnpack", "portable"))
     calibration_images: int | None = opt(None, "int8 (executorch --quantize int8, aoti --precision int8): training "
                                          "images used to calibrate activation ranges (default: up to 256, at "
-                                         "least 16)")
+                                         "least 16)", bound=(1, 1_000_000, "images decoded and run to calibrate"))
     device: str = opt("cpu", "where the artifact will run: cpu, cuda, cuda:N, or auto (cuda when a GPU is visible). "
                       "The model is captured, compiled and checked there; a CUDA .pt2 runs only on GPUs of the "
                       "build GPU's compute capability (recorded in its metadata)")
@@ -160,9 +185,11 @@ class DemoOptions:
     The end-to-end demo: a real model on real digits in a few minutes on a CPU."""
     out_dir: str = opt("runs", "parent of the run dir")
     name: str = opt("demo", "run name (an old demo run is replaced)")
-    epochs: int | None = opt(None, "override the demo's epoch count (default: 8)")
+    epochs: int | None = opt(None, "override the demo's epoch count (default: 8)",
+                             bound=INT_RANGES[("train", "epochs")])
     threads: int = opt(0, "intra-op CPU threads (0 = OMP_NUM_THREADS if set, else the CPUs this process may use: "
-                       "affinity and cgroup quota); on a machine shared with other work, 1 may be much faster")
+                       "affinity and cgroup quota); on a machine shared with other work, 1 may be much faster",
+                       bound=THREADS)
 
 
 @dataclass
@@ -209,9 +236,9 @@ class BenchCompileOptions:
     precision: str = opt("fp32", "comma-separated: fp32, bf16 (autocast)")
     modes: str = opt("default", "comma-separated torch.compile modes")
     device: str = opt("cpu", "cpu or cuda")
-    img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)")
-    repeats: int = opt(10, "interleaved timed calls per side")
-    timeout: int = opt(1800, "seconds per configuration before it is recorded as failed")
+    img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)", bound=IMG_SIZE)
+    repeats: int = opt(10, "interleaved timed calls per side", bound=(1, 1_000_000, "timed calls"))
+    timeout: int = opt(1800, "seconds per configuration before it is recorded as failed", bound=JOB_TIMEOUT)
     out: str = opt("bench-compile", "output folder; a run dir puts the results in its report")
 
 
@@ -229,11 +256,11 @@ class BenchMemoryOptions:
                                     "repeats: 80GiB,40GiB at 4 ranks is 80,40,80,40); more entries than the largest "
                                     "world size adds a projection to that many ranks (default: this machine's GPU, "
                                     "or its RAM / ranks)")
-    batch: int = opt(2, "images per rank in the measured steps")
-    img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)")
-    steps: int = opt(2, "training steps per job")
+    batch: int = opt(2, "images per rank in the measured steps", bound=BATCH)
+    img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)", bound=IMG_SIZE)
+    steps: int = opt(2, "training steps per job", bound=(1, 1_000_000, "measured training steps"))
     overhead: str = opt("1GiB", "allowance per rank for the runtime, CUDA context and workspaces in the fit")
-    timeout: int = opt(1800, "seconds per job before it is recorded as failed")
+    timeout: int = opt(1800, "seconds per job before it is recorded as failed", bound=JOB_TIMEOUT)
     out: str = opt("bench-memory", "output folder; a run dir puts the results in its report")
 
 
@@ -250,8 +277,9 @@ class ShardOptions:
     split: str = opt("train", "which split of the source to write (a val/ folder or a CSV split column is "
                      "written with --split val)", choices=("train", "val", "test", "all"))
     root: str | None = opt(None, "fashion-mnist directory, or base for relative CSV paths")
-    channels: int | None = opt(None, "load images with 1 or 3 channels (default: as the source has them)")
-    seed: int = opt(0, "seed of the sample order inside the shards")
+    channels: int | None = opt(None, "load images with 1 or 3 channels (default: as the source has them)",
+                               bound=INT_RANGES[("data", "channels")])
+    seed: int = opt(0, "seed of the sample order inside the shards", bound=INT_RANGES[("train", "seed")])
     on_bad_file: str = opt("error", "unreadable images: stop with an error, or leave them out and list them",
                            choices=BAD_FILE_CHOICES)
 
@@ -329,8 +357,34 @@ def add_flags(parser: argparse.ArgumentParser, cls: type, prefix: str = "", supp
 
 
 def from_args(cls: type, args: argparse.Namespace) -> Any:
-    """The options instance of `cls` that the parsed `args` describe."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    """The options instance of `cls` that the parsed `args` describe, its numbers checked against their ranges."""
+    options = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+    check_options(options, "command line")
+    return options
+
+
+def check_options(options: Any, origin: str) -> None:
+    """Every number option of a command's options instance (or ServeConfig) within its declared `bound`."""
+    check_values(type(options), origin, **{f.name: getattr(options, f.name) for f in dataclasses.fields(options)})
+
+
+def check_values(cls: type, origin: str, **values: Any) -> None:
+    """`values` (option name = value, as a library function takes them) within the bounds `cls` declares for
+    them: a UserError naming the flag, the value and the range, as config.check_range does for `train`."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for name, value in values.items():
+        f = fields[name]
+        bound = f.metadata.get("bound")
+        if bound is None or value is None:  # (None: an optional option left unset)
+            continue
+        flag = "--" + (f.metadata.get("flag") or name).replace("_", "-")
+        if isinstance(bound[0], str) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise UserError(f"{origin}: {flag} must be a number in {bound[0]}, got {value!r}")  # (from Python)
+        if not isinstance(bound[0], str) and type(value) is not int:  # (from Python: 2.5, True or "3")
+            raise UserError(f"{origin}: {flag} must be an integer from {bound[0]:,} to {bound[1]:,}, got {value!r}")
+        problem = outside(value, bound)
+        if problem is not None:
+            raise UserError(f"{origin}: {flag} = {problem}")
 
 
 def kwargs_of(options: Any, *skip: str) -> dict[str, Any]:

@@ -19,7 +19,8 @@ from torchcls.data.scan import list_files
 from torchcls.devices import resolve_device
 from torchcls.errors import UserError
 from torchcls.evaluation.tta import check_tta, tta_probs
-from torchcls.options import PredictOptions as _D  # the defaults, declared once
+from torchcls.options import PredictOptions as _D  # the defaults (and ranges), declared once
+from torchcls.options import check_values
 from torchcls.tasks import MULTILABEL, labels_above, thresholds_for
 
 ARTIFACT_SUFFIXES = tuple(BY_SUFFIX)  # .pt2, .onnx, .pte: exported artifacts, run on their own runtime
@@ -61,6 +62,7 @@ def predict(checkpoint: str | Path, inputs: list[str | Path], topk: int = _D.top
     from torchcls.provenance.sidecars import check_pinned_sha256, refuse_forbidden_predictions
 
     check_tta(tta)
+    check_values(_D, "predict", topk=topk)  # topk 0 took no label and -2 a torch error; the CLI checked it too
     if batch_size < 1:
         raise UserError(f"batch size {batch_size}: give the number of images per inference batch, >= 1")
     refuse_forbidden_predictions(checkpoint, "predict")  # a policy's [outputs] predictions = false
