@@ -34,6 +34,7 @@ from torchcls.artifacts.artifact import ArtifactInfo, LoadedArtifact
 from torchcls.data import build_transform
 from torchcls.data.images import BadImage, decode_bytes
 from torchcls.errors import UserError
+from torchcls.options import check_options
 from torchcls.serve import oip
 from torchcls.serve.batcher import DynamicBatcher, QueueFull
 from torchcls.serve.deadlines import ClientDeadlines, RequestLimits
@@ -62,6 +63,7 @@ def create_app(artifact: LoadedArtifact, cfg: ServeConfig, token: str | None = N
                model_path: str | Path | None = None) -> FastAPI:
     """The app serving `artifact`; with `model_path` (the artifact's file) and `cfg.model_process`, the model
     runs in a child process that loads it from that file."""
+    check_options(cfg, "serve")  # (serve() did; an app built from Python too: a NaN rate would switch its limit off)
     info = artifact.info
     metrics = ServeMetrics()
     batcher = DynamicBatcher(artifact, max_batch=cfg.max_batch or info.max_batch, max_wait_s=cfg.max_wait_ms / 1e3,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
+from torchcls.options import check_options
 from torchcls.serve.run_loop import hypercorn_config, run_until
 from torchcls.serve.serve_config import TOKEN_ENV, ServeConfig
 
@@ -25,33 +26,17 @@ GIL_SWITCH_INTERVAL_S = 0.0002
 
 
 def _check(cfg: ServeConfig, artifact_max_batch: int) -> None:
-    if not 0 <= cfg.port <= 65535:
-        raise UserError(f"--port {cfg.port} is not a TCP port (0-65535)")
-    if cfg.probe_port is not None and not 0 <= cfg.probe_port <= 65535:
-        raise UserError(f"--probe-port {cfg.probe_port} is not a TCP port (0-65535)")
+    """What no single range says: how the options and the artifact fit together (each number is within its
+    ServeConfig bound already, so finite)."""
     if cfg.probe_port == cfg.port != 0:
         raise UserError(f"--probe-port {cfg.probe_port} is --port's: the probe port must be another one (leave "
                         "--probe-port out to answer the probes on --port only)")
     if not 0 <= cfg.max_batch <= artifact_max_batch:
         raise UserError(f"--max-batch {cfg.max_batch} must be between 1 and the artifact's max batch "
                         f"{artifact_max_batch} (0 = use the artifact's)")
-    for flag, value in (("--max-queue", cfg.max_queue), ("--max-body-mb", cfg.max_body_mb),
-                        ("--max-connections", cfg.max_connections), ("--max-inflight-mb", cfg.max_inflight_mb),
-                        ("--header-timeout", cfg.header_timeout), ("--body-timeout", cfg.body_timeout),
-                        ("--send-timeout", cfg.send_timeout)):
-        if value <= 0:
-            raise UserError(f"{flag} must be positive, got {value}")
-    if cfg.max_body_mb > cfg.max_inflight_mb:
+    if not cfg.max_body_mb <= cfg.max_inflight_mb:
         raise UserError(f"--max-body-mb {cfg.max_body_mb:g} is above --max-inflight-mb {cfg.max_inflight_mb:g}: "
                         "a body that large could never be read; raise --max-inflight-mb or lower --max-body-mb")
-    if cfg.min_body_rate_kb < 0:
-        raise UserError(f"--min-body-rate-kb must be >= 0 (KiB/s; 0 = no minimum), got {cfg.min_body_rate_kb:g}")
-    if cfg.max_header_kb < 1:
-        raise UserError(f"--max-header-kb must be at least 1 (KiB), got {cfg.max_header_kb:g}")
-    if cfg.graceful_timeout < 0:
-        raise UserError(f"--graceful-timeout must be >= 0 seconds, got {cfg.graceful_timeout}")
-    if cfg.max_wait_ms < 0:
-        raise UserError(f"--max-wait-ms must be >= 0, got {cfg.max_wait_ms}")
 
 
 def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
@@ -69,6 +54,7 @@ def _bind(host: str, port: int, flag: str = "--port") -> socket.socket:
 
 
 def serve(artifact_path: str | Path, cfg: ServeConfig) -> None:
+    check_options(cfg, "serve")  # every number finite and in its range, before anything is loaded
     if not Path(artifact_path).exists():  # answer at once, before paying for importing torch
         raise UserError(f"artifact {artifact_path} does not exist; pass a .pt2, .onnx or .safetensors file "
                         "or a run dir (`torchcls train` writes run dirs under runs/)")
