@@ -341,8 +341,10 @@ def test_the_options_refuse_what_they_are_not_for(shapes32: Path, tmp_path: Path
     cfg.model.pretrained = str(tmp_path / "weights.safetensors")
     with pytest.raises(UserError, match="give one of the two"):
         train(cfg)
-    for name, change, match in (("frac", {"selective_backprop": 1.0}, r"give the fraction of each batch .* in \(0, 1\)"),
-                                ("after", {"selective_backprop_after_epochs": -1}, "selective_backprop_after_epochs = -1 is outside the allowed range")):
+    for name, change, match in (
+            ("frac", {"selective_backprop": 1.0}, r"selective_backprop = 1.0 is outside the allowed range \[0, 1\)"),
+            ("after", {"selective_backprop_after_epochs": -1},
+             "selective_backprop_after_epochs = -1 is outside the allowed range")):
         cfg = _all_options(shapes32, tmp_path, name)
         vars(cfg.optim).update(change)
         with pytest.raises(UserError, match=match):
