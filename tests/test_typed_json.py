@@ -41,3 +41,29 @@ def test_a_value_of_another_shape_is_refused_naming_the_file_and_field(value, fi
     with pytest.raises(UserError, match=rf"^x\.json: {field}: .* \(got {got}\), so it was not written by torchcls "
                                         r"or was damaged; export it again$"):
         check(value, Record, "x.json", hint="export it again")
+
+
+class Many(TypedDict):
+    records: list[Record]
+    tags: dict[str, bool]
+    pairs: list[tuple[int, int]]
+
+
+@pytest.mark.parametrize("value", [
+    {"records": [1] * 100_000, "tags": {}, "pairs": []},
+    {"records": [], "tags": {str(i): 1 for i in range(100_000)}, "pairs": []},
+    {"records": [{"run_id": 1}] * 100_000, "tags": {}, "pairs": [("x", "y")] * 100_000},
+])
+def test_the_check_stops_at_the_first_wrong_value(value):
+    """Review 5, finding 1: pydantic recorded every mismatch (about 1 KB each) before it reported one, so a 2 MiB
+    file of a million wrong values took 1 GB. Every container of a schema now fails fast: at most one error per
+    field of the schema (a TypedDict checks each of its fields), whatever N."""
+    from pydantic_core import ValidationError
+
+    from torchcls.typed_json import _validator
+
+    with pytest.raises(ValidationError) as refused:
+        _validator(Many).validate_python(value, strict=True)
+    assert refused.value.error_count() <= len(Many.__annotations__)
+    with pytest.raises(UserError, match=r"^m\.json: (records|tags)\.0"):
+        check(value, Many, "m.json")
