@@ -290,6 +290,7 @@ def test_index_counts_that_disagree_with_a_shard_are_named(numbered_shards):
     index_path = Path(numbered_shards.index)
     index = json.loads(index_path.read_text())
     index["shards"][0]["samples"] += 1  # a stale or hand-edited index: sizes still agree
+    index["class_counts"][0] += 1  # ... and its counts with each other (else it is refused when opened)
     index_path.write_text(json.dumps(index))
     shard = numbered_shards.shards[0].path
     with pytest.raises(UserError, match=f"shard {shard} does not hold the .* samples its index records"):

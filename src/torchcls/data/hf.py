@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import load_bounded
 from torchcls.data import hf_saved
@@ -23,6 +24,7 @@ from torchcls.data import images as image_files
 from torchcls.data.label_bounds import check_class_count, check_class_names, check_label_index
 from torchcls.errors import UserError
 from torchcls.io_files import regular_path
+from torchcls.typed_json import check
 
 PREFIX = "hf:"
 # Our split names -> the names a DatasetDict may use for them.
@@ -206,24 +208,42 @@ def hf_splits(path: str) -> set[str]:
     return {ours for ours, theirs in _SPLIT_ALIASES.items() if set(names) & set(theirs)}
 
 
+class ParquetMeta(TypedDict):
+    """A Parquet file's 'huggingface' metadata, as far as torchcls reads it."""
+
+    info: NotRequired[hf_saved.Info]
+
+
+# The label column's feature entry, typed before its ClassLabel names are read (`{"label": 5}` was an
+# AttributeError). A functional TypedDict: pydantic leaves a class's `_type` field out as private.
+LabelFeature = TypedDict("LabelFeature", {"_type": NotRequired[str], "names": NotRequired[list[str]]})
+
+
+def _features_file(kind: str, path: Path) -> str:
+    """Where the feature descriptions of `path` are read from, as messages name it."""
+    return f"hf:{path}: its Parquet 'huggingface' metadata" if kind == "parquet" else str(path / hf_saved.INFO)
+
+
 def _hf_features(kind: str, path: Path, table: Any) -> dict:
     """The `datasets` feature descriptions (ClassLabel names live there), if the files carry them."""
     if kind != "parquet":
         return hf_saved.features(path)
     meta = (table.schema.metadata or {}).get(b"huggingface")
-    value = load_bounded(meta, hf_saved.INFO_BOUNDS, f"hf:{path}: its Parquet 'huggingface' metadata") if meta else {}
-    info = value.get("info") if isinstance(value, dict) else None
-    found = info.get("features") if isinstance(info, dict) else None
-    return found if isinstance(found, dict) else {}
+    where = _features_file(kind, path)
+    value = check(load_bounded(meta, hf_saved.INFO_BOUNDS, where), ParquetMeta, where, cause=hf_saved.NOT_HF) \
+        if meta else {}
+    return value.get("info", {}).get("features") or {}
 
 
-def _labels(table: Any, column: str, feature: dict, name: str) -> tuple[list[str], torch.Tensor]:
-    """Class names and one class index per row; the class count is bounded before a name is made for each."""
+def _labels(table: Any, column: str, feature: Any, name: str, described: str) -> tuple[list[str], torch.Tensor]:
+    """Class names and one class index per row; the class count is bounded before a name is made for each.
+    `feature`: the column's entry of the features `described` (a file) holds, typed here when it is read."""
     import pyarrow.types as pat
     col, where = table.column(column), f"{name}: column '{column}'"
     if col.null_count:
         raise UserError(f"{where} has {col.null_count:,} empty (null) labels; every row needs one")
-    if pat.is_integer(col.type):
+    if pat.is_integer(col.type):  # (only an integer column's entry is read: another's may be a list)
+        check(feature, LabelFeature, f"{described}: features.{column}", cause=hf_saved.NOT_HF)
         return _integer_labels(col, feature, where)
     if pat.is_string(col.type) or pat.is_large_string(col.type):
         return _string_labels(col, where)
@@ -240,8 +260,6 @@ def _integer_labels(col: Any, feature: dict, where: str) -> tuple[list[str], tor
     if names is None:
         check_label_index(top, where)  # before '0'..str(top) are made
         return [str(c) for c in range(top + 1)], torch.from_numpy(values.astype("int64"))
-    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-        raise UserError(f"{where}: its ClassLabel feature's names must be a list of strings")
     check_class_count(len(names), where, "ClassLabel names")
     check_class_names(names, where)
     if top >= len(names):
@@ -282,8 +300,8 @@ def open_hf(path: str, split: str = "train", channels: int | None = None, image_
     if missing:
         raise UserError(f"{name}: no column {', '.join(repr(c) for c in missing)}; the columns are "
                         f"{', '.join(found)}. Name the right ones with --image-column and --label-column")
-    features = _hf_features(kind, folder, table)
-    classes, targets = _labels(table, label_column, features.get(label_column, {}), name)
+    feature = _hf_features(kind, folder, table).get(label_column, {})
+    classes, targets = _labels(table, label_column, feature, name, _features_file(kind, folder))
     return HFImageSet(name, classes, targets, channels or 3, (kind, path, split if kind == "disk" else None),
                       image_column, has_test_split=has_test, origin=f"{name} {split}", max_pixels=max_pixels)
 

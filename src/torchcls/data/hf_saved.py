@@ -15,11 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from typing_extensions import NotRequired, TypedDict
+
 from torchcls.bounded_json import JsonBounds, read_bounded
 from torchcls.data.label_bounds import MAX_CLASSES
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
 from torchcls.io_files import regular_path
+from torchcls.typed_json import check
 
 MAX_ARROW_FILES = 10_000  # Arrow files of one split (save_to_disk writes one per 500 MB: 5 TB)
 MAX_SPLITS = 64  # split folders of one DatasetDict
@@ -29,6 +32,14 @@ STATE_BOUNDS = JsonBounds(max_bytes=8 << 20, max_values=4 * MAX_ARROW_FILES + 10
 INFO_BOUNDS = JsonBounds(max_bytes=64 << 20, max_values=4 * MAX_CLASSES + 100_000, max_depth=32, max_str=16 << 20)
 SPLITS_BOUNDS = JsonBounds(max_bytes=1 << 20, max_values=4 * MAX_SPLITS, max_depth=4, max_str=256)
 STATE, INFO, SPLITS = "state.json", "dataset_info.json", "dataset_dict.json"
+NOT_HF = "so it is not a description as Hugging Face datasets writes it"  # typed_json.check's cause for these files
+
+
+class Info(TypedDict):
+    """dataset_info.json (and a Parquet file's 'huggingface' metadata `info`) as far as torchcls reads it: the
+    features by column. Each column's entry is typed where it is used (hf.LabelFeature): an entry may be a list."""
+
+    features: NotRequired[dict[str, Any] | None]  # None: datasets did not know them
 
 
 @dataclass
@@ -64,9 +75,8 @@ def features(folder: Path) -> dict:
     info = folder / INFO
     if not info.exists():
         return {}
-    value = read_bounded(info, INFO_BOUNDS, what=INFO)
-    found = value.get("features") if isinstance(value, dict) else None
-    return found if isinstance(found, dict) else {}
+    value = check(read_bounded(info, INFO_BOUNDS, what=INFO), Info, str(info), cause=NOT_HF)
+    return value.get("features") or {}
 
 
 def arrow_files(folder: Path) -> list[Path]:

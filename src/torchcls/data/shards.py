@@ -21,14 +21,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import TYPE_CHECKING, Annotated, BinaryIO
+
+from pydantic import Field, StringConstraints
+from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.config import INT_RANGES
 from torchcls.data.label_bounds import check_class_count, check_label_index
 from torchcls.data.tar_headers import check_member_headers
 from torchcls.errors import UserError
 from torchcls.io_files import check_regular, open_regular, read_bytes
 from torchcls.made_dirs import make_dir, remove_made
+from torchcls.typed_json import check, sha256_type
 
 if TYPE_CHECKING:
     from torchcls.data.sources import ImageSet
@@ -42,6 +47,11 @@ FORMAT = "torchcls-webdataset-index"
 IMAGE_EXTS = ("jpg", "jpeg", "png", "ppm", "pgm", "pbm", "bmp", "gif", "tif", "tiff", "webp")
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)\.([^/]*)$")  # webdataset's rule: key = up to the first dot
 _BRACE = re.compile(r"\{\d+\.\.\d+\}")
+MAX_SHARD_BYTES = 1 << 40  # one shard (--shard-size, an index's `bytes`): WebDataset's are 100 MB to a few GB
+MAX_SHARD_FILES = 100_000  # shards of one set: one --data pattern's files, one index's list (100,000 of 1 GB: 100 TB)
+# A sample is at least one tar member: a 512-byte header and a 512-byte block of data. So a shard of B bytes holds
+# at most B // 1024 samples: an index's counts are bounded by the sizes _check_files compares with the files.
+MIN_SAMPLE_BYTES = 1024
 
 
 @dataclass(frozen=True)
@@ -74,6 +84,37 @@ class ShardSet:
         return [s.path for s in self.shards]
 
 
+# index.json, typed as write_shards writes it and checked right after its bounded parse: class_counts sizes the
+# --class-weights tensor, samples len(loader) and the schedule, channels and image_size the model's input, and each
+# name is joined to the index's folder (a plain .tar name: no '/', no '..', not absolute, so it names a file there).
+Count = Annotated[int, Field(ge=0)]
+ShardName = Annotated[str, StringConstraints(pattern=r"^[^/\\\x00]+\.tar$", max_length=255)]
+Channels = Annotated[int, Field(ge=INT_RANGES[("data", "channels")][0], le=INT_RANGES[("data", "channels")][1])]
+Side = Annotated[int, Field(ge=INT_RANGES[("data", "img_size")][0], le=INT_RANGES[("data", "img_size")][1])]
+
+
+class IndexedShard(TypedDict):
+    name: ShardName
+    samples: Annotated[int, Field(ge=1, le=MAX_SHARD_BYTES // MIN_SAMPLE_BYTES)]
+    bytes: Annotated[int, Field(ge=1, le=MAX_SHARD_BYTES)]
+    sha256: NotRequired[sha256_type() | None]
+
+
+class ShardIndex(TypedDict):
+    format: str
+    shards: Annotated[list[IndexedShard], Field(min_length=1, max_length=MAX_SHARD_FILES)]
+    classes: list[str]
+    class_counts: NotRequired[list[Count]]  # of len(classes), summing to the samples (_check_counts)
+    channels: NotRequired[Channels | None]  # None: 3
+    image_size: NotRequired[Side | None]  # None: images of any size
+    source: NotRequired[str | None]
+    skipped: NotRequired[list[Annotated[list[str], Field(min_length=2, max_length=2)]]]  # [file, why]
+    version: NotRequired[int]
+    num_samples: NotRequired[Count]
+    shuffled: NotRequired[bool]
+    seed: NotRequired[int]
+
+
 
 # ---------------------------------------------------------------- writing
 
@@ -81,12 +122,20 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+# At most 18 digits either side of the point: float() of 310 digits is inf, and int(inf) an OverflowError.
+_SIZE = re.compile(r"\s*(\d{1,18}(?:\.\d{1,18})?)\s*([A-Za-z]*)\s*")
+
+
 def parse_size(text: str) -> int:
-    """'1GB' -> 1_000_000_000, '512MiB' -> 536_870_912 (for --shard-size); UserError otherwise."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS or float(m.group(1)) <= 0:
-        raise UserError(f"--shard-size {text!r}: give a positive size such as 500MB, 1GB or 2GiB")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """'1GB' -> 1_000_000_000, '512MiB' -> 536_870_912 (for --shard-size, at most MAX_SHARD_BYTES); UserError
+    otherwise."""
+    m = _SIZE.fullmatch(text)
+    size = float(m.group(1)) * _UNITS[m.group(2).lower()] if m and m.group(2).lower() in _UNITS else 0.0
+    if not 0 < size <= MAX_SHARD_BYTES:
+        shown = text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
+        raise UserError(f"--shard-size {shown!r}: give a positive size up to 1TiB (shards.MAX_SHARD_BYTES) "
+                        "such as 500MB, 1GB or 2GiB")
+    return int(size)
 
 
 class _HashingFile:
@@ -302,10 +351,10 @@ def is_shard_source(source: str) -> bool:
     return bool(entries) and all(p.is_file() and p.suffix == ".tar" for p in entries)
 
 
-MAX_SHARD_FILES = 100_000  # files one --data pattern may name (100,000 shards of 1 GB: 100 TB)
-# ... and the characters of those names in all, bounded as names x the pattern's length (no name is longer than its
-# pattern: a range's names are no wider than its end points): each name carries the pattern's literal text, so a
-# 250 KB pattern naming 100,000 files was 25 GB of names. 64 Mi characters: 100,000 names of 671 characters.
+# A --data pattern names at most MAX_SHARD_FILES files, and the characters of those names in all are bounded as
+# names x the pattern's length (no name is longer than its pattern: a range's names are no wider than its end
+# points): each name carries the pattern's literal text, so a 250 KB pattern naming 100,000 files was 25 GB of
+# names. 64 Mi characters: 100,000 names of 671 characters.
 MAX_PATTERN_CHARS = 64 << 20
 _BRACE_RANGE = re.compile(r"(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?|([A-Za-z])\.\.([A-Za-z])(?:\.\.(-?\d+))?")
 
@@ -405,7 +454,9 @@ def open_shards(source: str, verify: bool = False) -> ShardSet:
 
 
 def _from_index(index_path: Path, source: str, chosen: list[Path] | None) -> ShardSet | None:
-    index = _read_index(index_path)
+    index = check(_read_index(index_path), ShardIndex, str(index_path),
+                  hint="re-write the shards (torchcls data shard) or remove it to have the shards scanned")
+    _check_counts(index, index_path)
     try:
         return _shardset_of(index, index_path, source, chosen)
     except (KeyError, TypeError, ValueError) as e:
@@ -413,19 +464,33 @@ def _from_index(index_path: Path, source: str, chosen: list[Path] | None) -> Sha
                         "(torchcls data shard) or remove it to have the shards scanned") from None
 
 
+def _check_counts(index: dict, index_path: Path) -> None:
+    """Counts that agree with each other (typed and ranged by ShardIndex): a shard's samples fit its bytes, and
+    class_counts has one count per class, summing to the samples (what write_shards records)."""
+    crowded = next((s for s in index["shards"] if s["samples"] > s["bytes"] // MIN_SAMPLE_BYTES), None)
+    if crowded is not None:
+        raise UserError(f"{index_path}: shard {crowded['name']} records {crowded['samples']:,} samples in "
+                        f"{crowded['bytes']:,} bytes, more than one per {MIN_SAMPLE_BYTES} bytes (a tar member's "
+                        "header and data block); re-write the shards (torchcls data shard)")
+    counts, total = index.get("class_counts"), sum(s["samples"] for s in index["shards"])
+    if counts is not None and (len(counts) != len(index["classes"]) or sum(counts) != total):
+        raise UserError(f"{index_path}: class_counts lists {len(counts):,} counts summing to {sum(counts):,}, but the "
+                        f"index has {len(index['classes']):,} classes and {total:,} samples; re-write the shards "
+                        "(torchcls data shard) or remove it to have the shards scanned")
+
+
 def _shardset_of(index: dict, index_path: Path, source: str, chosen: list[Path] | None) -> ShardSet | None:
     entries = {e["name"]: e for e in index["shards"]}
     names = [p.name for p in chosen] if chosen is not None else list(entries)
     if any(n not in entries for n in names):
         return None  # shards the index does not describe: scan them instead
-    shards = [Shard(index_path.parent / n, int(entries[n]["samples"]), int(entries[n]["bytes"]),
-                    entries[n].get("sha256")) for n in names]
+    # (typed and ranged by ShardIndex: each name a plain .tar name, so every path is a file of the index's folder)
+    shards = [Shard(index_path.parent / n, entries[n]["samples"], entries[n]["bytes"], entries[n].get("sha256"))
+              for n in names]
     whole = chosen is None or len(names) == len(entries)
     classes = index["classes"]
     check_class_count(len(classes), str(index_path))
-    if not all(isinstance(c, str) for c in classes):
-        raise TypeError("class names must be strings")
-    return ShardSet(source, list(classes), shards, int(index.get("channels") or 3),
+    return ShardSet(source, list(classes), shards, index.get("channels") or 3,
                     index.get("image_size"), index.get("source"), index_path,
                     index.get("class_counts") if whole else None,
                     [tuple(s) for s in index.get("skipped", [])])
