@@ -326,12 +326,12 @@ def test_verify_passes_then_catches_each_tampering(runs, capsys, tmp_path):
     # that restores the mtime fools it, so verify re-reads every file by default.
     stat = data_file.stat()
     os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns - 10**10))  # old enough to be cached
-    assert main(["verify", str(ckpt), "--no-rehash"]) == UNVERIFIED
+    assert main(["verify", str(ckpt), "--no-rehash", "--out-dir", str(runs["base"] / "runs")]) == UNVERIFIED
     stat = data_file.stat()
     flip_byte(data_file, 50)
     os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     try:
-        assert main(["verify", str(ckpt), "--no-rehash"]) == UNVERIFIED
+        assert main(["verify", str(ckpt), "--no-rehash", "--out-dir", str(runs["base"] / "runs")]) == UNVERIFIED
         assert main(["verify", str(ckpt)]) == 1
         assert "square_5.png: content changed" in capsys.readouterr().out
     finally:

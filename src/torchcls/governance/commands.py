@@ -41,8 +41,11 @@ def add_governance_commands(sub):
     p.add_argument("--policy", help="check against this policy TOML (default: the policy recorded for the run)")
     p.add_argument("--audit-log", help="audit log (default: from the artifact's lineage, or OUT_DIR/_governance)")
     p.add_argument("--rehash", action=argparse.BooleanOptionalAction, default=True,
-                   help="re-read and hash every data file (the default); --no-rehash trusts the hash cache "
-                   "(OUT_DIR/_governance/hash_cache.sqlite) for files whose size, mtime and inode are unchanged")
+                   help="re-read and hash every data file (the default); --no-rehash trusts the hash cache of your "
+                   "own runs (--out-dir OUT_DIR: OUT_DIR/_governance/hash_cache.sqlite) for files whose "
+                   "size, mtime and inode are unchanged")
+    p.add_argument("--out-dir", metavar="OUT_DIR", help="the out dir of your own runs, whose hash cache --no-rehash "
+                   "trusts (never the cache beside a received audit log)")
     _key_flags(p)
     p.set_defaults(func=_cmd_verify)
 
@@ -113,7 +116,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from torchcls.governance.verification import verify
 
     res = verify(args.artifact, policy=args.policy, audit_log=args.audit_log, rehash=args.rehash,
-                 key_file=args.audit_key_file, public_keys=args.public_key)
+                 key_file=args.audit_key_file, public_keys=args.public_key, out_dir=args.out_dir)
     return _print_result(res, args.json)
 
 

@@ -24,7 +24,9 @@ What each check proves, and against whom:
 Without a trusted key nothing here is proof of who wrote the log: the result is then "unverified".
 
 Data files are re-read by default (`rehash=True`): a file whose mtime was restored on purpose would
-fool the hash cache that training uses. `rehash=False` trusts that cache for unchanged files."""
+fool the hash cache that training uses. `rehash=False` trusts that cache for unchanged files, and only
+the cache of the user's own runs (`out_dir`, which the user names): the store beside the audit log may
+have come with the artifact, and a received cache could claim any file unchanged (hashcache.py)."""
 
 from __future__ import annotations
 
@@ -67,15 +69,18 @@ def find_audit_log(artifact: Path, lineage: dict[str, Any] | None, given: str | 
 
 
 def verify(artifact: str | Path, policy: str | None = None, audit_log: str | None = None,
-           rehash: bool = True, key_file: str | None = None, public_keys: list[str] | None = None) -> VerifyResult:
+           rehash: bool = True, key_file: str | None = None, public_keys: list[str] | None = None,
+           out_dir: str | Path | None = None) -> VerifyResult:
     """Every check of `artifact`'s provenance. `rehash=False`: data files unchanged since they were
-    hashed (same size, mtime and inode, per the cache beside the audit log) are not read again.
+    hashed (same size, mtime and inode, per the hash cache of the user's runs in `out_dir`, required then)
+    are not read again.
     `public_keys`: trusted public key files (default: $TORCHCLS_TRUSTED_KEYS); `key_file`: the legacy
     HMAC audit key (default: $TORCHCLS_AUDIT_KEY); `policy`: its [provenance] adds trusted key ids and
     may require signatures (the run's recorded policy is never trusted for keys: it lives in the log)."""
     artifact = Path(artifact)
     if not artifact.is_file():
         raise UserError(f"artifact {artifact} does not exist or is not a regular file")
+    cache = _own_cache(rehash, out_dir)
     given = load_policy(policy) if policy else None
     res = VerifyResult(str(artifact))
     digest = sha256_file(artifact)
@@ -100,9 +105,22 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     _check_attestation(res, artifact, digest, trusted)
     if not _artifact_and_run(res, log, search, run, parent_listed):
         return res
-    _check_manifests(res, log, run, HashCache(None if rehash else log.path.parent / CACHE_FILE))
+    _check_manifests(res, log, run, cache)
     _check_policy(res, run, given, policy)
     return res
+
+
+def _own_cache(rehash: bool, out_dir: str | Path | None) -> HashCache:
+    """The hash cache verify may trust: none with `rehash`, else the one of the user's own runs (which verify keeps
+    up to date, as their runs do). Never the one beside the audit log: that log is the one the artifact names,
+    so both may have come with it."""
+    if rehash:
+        return HashCache(None)
+    if out_dir is None:
+        raise UserError("verify --no-rehash trusts a hash cache, so it must be your own: name the OUT_DIR of your "
+                        f"runs with --out-dir (its {STORE_DIR}/{CACHE_FILE}); the cache "
+                        "beside the artifact's audit log may have come with the artifact and is never opened")
+    return HashCache(Path(out_dir) / STORE_DIR / CACHE_FILE)
 
 
 def _check_attestation(res: VerifyResult, artifact: Path, digest: str, trusted: Trusted) -> None:
@@ -192,7 +210,12 @@ def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, 
     if given is not None:
         policy, origin = given, policy_file
     elif isinstance(run.get("policy"), dict):
-        policy, origin = policy_from_dict(_as_toml_dict(run["policy"]), "recorded"), "the run's recorded policy"
+        try:  # (the log may have come with the artifact: a policy of another shape fails this check, not verify)
+            policy, origin = policy_from_dict(_as_toml_dict(run["policy"]), "recorded"), "the run's recorded policy"
+        except UserError as e:
+            res.add("policy", False, f"the run's recorded policy cannot be read ({e}): check the run against a "
+                                     "policy of your own (--policy FILE)")
+            return
     else:
         res.add("policy", None, "the run had no policy and none was given (--policy FILE)")
         return
