@@ -48,6 +48,7 @@ def register_artifact(path: str | Path, source_checkpoint: str | Path, kind: str
     parent = read_lineage(source_checkpoint)
     if parent is None:
         raise UserError(f"{source_checkpoint} carries no lineage id: it was not produced by a run with lineage on")
+    _check_registrable(parent, source_checkpoint)
     artifact_id = uuid.uuid4().hex
     log_path = Path(parent["audit_log"])
     parent_sha256 = sha256_file(source_checkpoint)
@@ -76,6 +77,20 @@ class UnbackedLineage(UserError):
     """A checkpoint's lineage names a run whose record does not list that checkpoint."""
 
 
+def _named(value: Any) -> bool:
+    return isinstance(value, str) and bool(value)
+
+
+def _check_registrable(parent: dict[str, Any], checkpoint: Path) -> None:
+    """A lineage names both its run and its log, else nothing can back it. The schema (Lineage) leaves both
+    optional, and a missing run id must never match a run record that lacks one too (None == None)."""
+    missing = [k for k in ("run_id", "audit_log") if not _named(parent.get(k))]
+    if missing:
+        raise UnbackedLineage(f"{checkpoint}: its lineage names no {' and no '.join(missing)}, so no run of an audit "
+                              "log can back it: it was not written by a torchcls run (export a checkpoint of your "
+                              "own runs to register it)")
+
+
 def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, checkpoint: Path,
                   signer: Signer | None = None, hmac_key: bytes | None = None) -> dict[str, Any]:
     """The record of the run that `parent` (a checkpoint's lineage) names which lists a file with `parent_sha256`
@@ -87,7 +102,8 @@ def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, che
     chain, backing = ChainCheck(), None
     for e in log.entries():  # one pass: the chain's links and the record that backs the checkpoint
         chain.feed(e)
-        if (e.record and e.record["kind"] == "run" and e.record.get("run_id") == parent.get("run_id")
+        if (e.record and e.record["kind"] == "run" and _named(e.record.get("run_id"))
+                and e.record["run_id"] == parent.get("run_id")
                 and any(a["sha256"] == parent_sha256 for a in artifacts_of(e.record))):
             backing = e
     broken = [p for p in chain.all_problems() if not p.torn]
