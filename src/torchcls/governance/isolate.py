@@ -57,5 +57,6 @@ def isolate(manifest: dict[str, Any], infos: list[SampleInfo], hooks: list[Hook]
         writer.writerow(["path", "label", *(["split"] if splits else [])])
         for (out, _), r in zip(results, records):
             if out is not None:
-                writer.writerow([out, r["label"], *([r.get("split", "train")] if splits else [])])
+                # (label is optional in a manifest record: a missing one is written as a None one, empty)
+                writer.writerow([out, r.get("label"), *([r.get("split", "train")] if splits else [])])
     return csv_path, bad
