@@ -22,17 +22,21 @@ import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import psutil
+from pydantic import Field
+from typing_extensions import TypedDict
 
 from torchcls import run_files
 from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.config import INT_RANGES
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.machine import ThreadChoice, apply_threads, cpu_budget
 from torchcls.run_files import write_text_atomic
+from torchcls.typed_json import check
 
 WARMUP_STEPS = 5  # the first steps compile (--compile), fill the workers' prefetch queue and warm the allocator
 WINDOW_STEPS = 50  # enough wall time for the kernel's 10 ms CPU-time ticks to say little of one step
@@ -41,6 +45,18 @@ WINDOW_STEPS = 50  # enough wall time for the kernel's 10 ms CPU-time ticks to s
 MACHINE_RECORD = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=10_000, max_depth=8, max_str=4096,
                             allow_nonfinite=True)
 IDLE_CPUS = 0.1
+# A recorded count is applied with torch.set_num_threads (OpenMP starts that many threads): at most what --threads
+# may ask for, so a received machine.json cannot ask for a million threads (or overflow the call, past 2^63).
+MAX_THREADS = INT_RANGES[("train", "threads")][1]
+
+
+class MachineRecord(TypedDict, total=False):
+    """The fields of machine.json a resume acts on; the rest (CPU model, cores, precision) is only read by people."""
+    torch_threads: Annotated[int, Field(ge=1, le=MAX_THREADS)]
+    threads_reserved_for_workers: Annotated[int, Field(ge=0, le=MAX_THREADS)]
+    threads_after_measurement: Annotated[int, Field(ge=1, le=MAX_THREADS)]
+    worker_load_cpus: float
+    measured_over_steps: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
 
 Reading = Mapping[tuple[int, float], float]  # (pid, create time) -> CPU seconds (user + system)
 
@@ -86,7 +102,8 @@ def children_cpu_seconds(process: psutil.Process | None = None) -> dict[tuple[in
 
 
 def read_record(path: Path) -> dict[str, Any]:
-    """machine.json of the run being resumed ({} where there is none)."""
+    """machine.json of the run being resumed ({} where there is none); a UserError naming the field where one a
+    resume acts on (`MachineRecord`) is of another type or past its range."""
     if not path.is_file() and not path.is_symlink():
         return {}
     data = run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="machine.json")
@@ -95,7 +112,7 @@ def read_record(path: Path) -> dict[str, Any]:
     except UserError as e:
         raise UserError(f"{path}: not a JSON machine record ({e}); remove it to resume with a new thread "
                         "count") from None
-    return record if isinstance(record, dict) else {}
+    return check(record, MachineRecord, str(path), hint="remove it to resume with a new thread count")
 
 
 class WorkerLoadTuner:
