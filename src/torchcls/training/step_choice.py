@@ -30,9 +30,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal
 
 import torch
 from torch import nn
+from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
@@ -40,6 +42,8 @@ from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
 from torchcls.machine import CpuActivity
 from torchcls.models.parts import is_convnet
 from torchcls.precision.hardware import PrecisionChoice
+from torchcls.precision.training import PRECISIONS
+from torchcls.typed_json import check
 
 TRIAL_ROUNDS = (3, 9)  # timed steps per candidate (fewest, most), interleaved (A B A B ...), after one warm-up
 TRIAL_BUDGET_S = 4.0  # the timed rounds of all candidates together, when the steps are fast enough to allow more
@@ -59,6 +63,21 @@ STATE_FILE = "step_choice.json"
 RECORD = JsonBounds(max_bytes=1 << 20, max_values=10_000, max_depth=8, max_str=4096, allow_nonfinite=True)
 CACHE = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=1_000_000, max_depth=8, max_str=1 << 16,
                    allow_nonfinite=True)
+
+
+class _Precision(TypedDict):
+    requested: Literal[(*PRECISIONS, "auto")]  # --precision
+    precision: Literal[PRECISIONS]  # what runs: a resumed run trains in it
+    reason: str
+    warning: NotRequired[str]
+
+
+class StepRecord(TypedDict):
+    """step_choice.json, and each entry of the cache: what `from_record` makes a StepChoice of."""
+    precision: _Precision
+    channels_last: bool
+    how: NotRequired[str]
+    times_ms: NotRequired[dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -130,9 +149,12 @@ def cache_path() -> Path:
 
 
 def cached(key: str) -> dict | None:
+    """The cache's entry for `key`; None where there is none, or the cache (or the entry) is damaged: the step is
+    then timed again, as with no cache."""
     try:
-        return load_bounded(read_bytes(cache_path(), max_bytes=SMALL_JSON_BYTES, what="step-choice cache"), CACHE,
-                            str(cache_path())).get(key)
+        entry = load_bounded(read_bytes(cache_path(), max_bytes=SMALL_JSON_BYTES, what="step-choice cache"), CACHE,
+                             str(cache_path())).get(key)
+        return None if entry is None else check(entry, StepRecord, f"{cache_path()}: {key}")
     except (OSError, ValueError, AttributeError, UserError):
         return None
 
@@ -161,6 +183,13 @@ def cache_key(**parts) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
+def read_state(state: Path) -> dict[str, Any]:
+    """A resumed run's step_choice.json, or a UserError naming the field that is not what torchcls writes."""
+    record = load_bounded(read_bytes(state, max_bytes=SMALL_JSON_BYTES, what="step choice record"), RECORD, str(state))
+    return check(record, StepRecord, str(state), hint="remove it to choose the training step again (the run then "
+                 "trains in the precision and layout chosen now)")
+
+
 def from_record(record: dict, how: str) -> StepChoice:
     p = record["precision"]
     return StepChoice(PrecisionChoice(p["requested"], p["precision"], p["reason"], p.get("warning", "")),
@@ -187,7 +216,7 @@ def _choose(requested: str, channels_last: bool | None, device: torch.device, ne
     from torchcls.precision.hardware import choose_precision, cpu_bf16_here
 
     if state is not None and state.exists():
-        record = load_bounded(read_bytes(state, max_bytes=SMALL_JSON_BYTES, what="step choice record"), RECORD, str(state))
+        record = read_state(state)
         # The run's own choice, unless this resume asks for another precision or layout: that one then applies.
         if record["precision"]["requested"] == requested and channels_last in (None, record["channels_last"]):
             return from_record(record, "resumed")
