@@ -20,7 +20,8 @@ from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
-from torchcls.training.rundir import parse_record, read_metrics
+from torchcls.training.rundir import SkippedFiles, parse_record, read_metrics
+from torchcls.typed_json import check
 
 Render = Callable[[Path], "str | None"]
 
@@ -127,7 +128,8 @@ def class_count(run_dir: Path) -> int | None:
 
 def _skipped(path: Path, title: str) -> str:
     data = read_json(path)
-    skipped = data.get("skipped_files", []) if isinstance(data, dict) else []
+    skipped = check(data, SkippedFiles, str(path), hint="take the run dir again, or remove the file to make the "
+                    "report without it").get("skipped_files", []) if data else []
     if not skipped:
         return ""
     return f"<h3>{title} ({len(skipped)})</h3>" + table(["file", "reason"], [[s["file"], s["reason"]] for s in skipped])

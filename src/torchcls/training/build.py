@@ -59,7 +59,7 @@ from torchcls.training.parallel import parallelize
 from torchcls.training.rank_memory import record_memory
 from torchcls.training.resize import check_schedule
 from torchcls.training.resume_options import Finished, finished_run, option_changes
-from torchcls.training.rundir import RunDir
+from torchcls.training.rundir import RunDir, check_skipped_files
 from torchcls.training.selective import selective_backprop
 from torchcls.training.step_choice import STATE_FILE as STEP_STATE
 from torchcls.training.step_choice import StepChoice, choose_step
@@ -131,6 +131,8 @@ def build(cfg: Config, session: Session, run: RunDir, callbacks: Sequence[StepCa
     source = _resolve_pretrained(cfg)  # before config.toml is written: it may name the weights' architecture
     saved = run.path / "config.toml"  # before it is overwritten: what a resume may change
     changes = option_changes(saved, cfg) if cfg.run.resume and saved.is_file() else {}
+    if cfg.run.resume:  # refused now, not after the last epoch (where governance rewrites it)
+        check_skipped_files(run.path)
     if session.is_main:
         cfg.save_toml(run.path / "config.toml")
     device = resolve_device(cfg.train.device)

@@ -8,7 +8,10 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
+from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, NotJson, load_bounded
 from torchcls.checkpoint.checkpointer import Checkpointer
@@ -19,7 +22,8 @@ from torchcls.errors import UserError
 from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of
 from torchcls.io_files import SMALL_JSON_BYTES, open_regular, read_text
 from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
-from torchcls.run_files import append_text, refuse_link, sub_dir, write_text_atomic
+from torchcls.run_files import append_text, read_bytes, refuse_link, sub_dir, write_text_atomic
+from torchcls.typed_json import check
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
 
@@ -159,6 +163,29 @@ MAX_METRICS_BYTES = 1 << 30
 RUN_RECORD = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=4_000_000, max_depth=32, max_str=1 << 20,
                         allow_nonfinite=True)
 MAX_METRICS_VALUES = 10_000_000  # in all lines together, counted before each is parsed
+Count = Annotated[int, Field(ge=0)]
+
+
+class MetricsRecord(TypedDict, total=False):
+    """The fields of a metrics.jsonl record that torchcls reads back (resume, early stop, the report, governance,
+    tracking): compared, summed or formatted as numbers. Other fields pass unchecked (only shown)."""
+    kind: str
+    step: Count
+    epoch: Count
+    loss: float  # (NaN where the loss diverged)
+    lr: float
+    train_loss: float
+    train_top1: float
+    val_loss: float
+    val_top1: float
+    val_top5: float
+    val_map: float
+    val_f1: float
+    img_per_s: float
+    epoch_s: float
+    best: str
+    best_top1: float
+    patience: Count
 
 
 def parse_record(data: bytes, where: str, bounds: JsonBounds = RUN_RECORD) -> Any | None:
@@ -170,9 +197,35 @@ def parse_record(data: bytes, where: str, bounds: JsonBounds = RUN_RECORD) -> An
         return None
 
 
+class SkippedFile(TypedDict):
+    file: str
+    reason: str
+    stage: NotRequired[str]
+    times: NotRequired[Count]
+
+
+class SkippedFiles(TypedDict, total=False):
+    """skipped_files.json (and eval.json's list): governance rewrites each entry's file and reason after the last
+    epoch, the report lists them."""
+    skipped_files: list[SkippedFile]
+
+
+def check_skipped_files(run_dir: Path) -> None:
+    """On resume, before any work: the run's skipped_files.json (where it has one) is JSON of `SkippedFiles`' shape,
+    else a UserError. Where the resumed run skips no file, the file it came with is the one governance rewrites
+    after the last epoch: of another shape, that failed there, and the run's governance record was lost."""
+    path = run_dir / "skipped_files.json"
+    if os.path.lexists(path):
+        where = str(path)
+        check(load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="skipped_files.json"), RUN_RECORD, where),
+              SkippedFiles, where,
+              hint="remove it: the files a run leaves out are listed in it again when the run ends")
+
+
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """The records of `run_dir`'s metrics.jsonl, every one a JSON object; a last line cut short by a failed write
-    (disk full) is left out. Refused (UserError): a longer line, more values or bytes than the bounds above."""
+    (disk full) is left out. Refused (UserError): a longer line, more values or bytes than the bounds above, a
+    field of `MetricsRecord` of another type."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         return []
@@ -194,5 +247,6 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
             record = load_bounded(line, METRICS_LINE, f"{path}: line {n}")
             if not isinstance(record, dict):
                 raise UserError(f"{path}: line {n} is not a JSON object, as every metrics record is")
-            records.append(record)
+            records.append(check(record, MetricsRecord, f"{path}: line {n}", hint="correct or remove that line "
+                                 "(resume, early stop and the report read the log back)"))
     return records
