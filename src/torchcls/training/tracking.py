@@ -28,6 +28,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from typing_extensions import TypedDict
+
 from torchcls import run_files
 from torchcls.bounded_json import JsonBounds
 from torchcls.config import Config
@@ -38,6 +40,7 @@ from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.made_dirs import MadeDir, make_dirs, remove_made
 from torchcls.run_files import write_text_atomic
 from torchcls.training.rundir import parse_record
+from torchcls.typed_json import check
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
 TRACKING_RECORD = JsonBounds(max_bytes=64 << 10, max_values=64, max_depth=2, max_str=8192)  # {uri, experiment_id, run_id}
@@ -159,12 +162,29 @@ def _run_for(client, uri: str, experiment_id: str, cfg: Config, run_dir: Path) -
     return run.info.run_id, False
 
 
+class TrackingRecord(TypedDict):
+    """tracking.json: the MLflow run a resume continues."""
+    uri: str
+    experiment_id: str
+    run_id: str
+
+
 def _read_tracking_file(run_dir: Path) -> dict[str, Any]:
+    """tracking.json, or {} where it is absent, unreadable, not JSON or not of `TrackingRecord`'s shape: it only
+    names the MLflow run to continue, and a resume without it logs to a new MLflow run (said in one line)."""
+    path = run_dir / TRACKING_FILE
     try:
-        data = run_files.read_bytes(run_dir / TRACKING_FILE, max_bytes=SMALL_JSON_BYTES, what="tracking record")
+        data = run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="tracking record")
     except OSError:
         return {}
-    return parse_record(data, str(run_dir / TRACKING_FILE), TRACKING_RECORD) or {}
+    record = parse_record(data, str(path), TRACKING_RECORD)  # (past its bounds: a UserError, as before)
+    if record is None:
+        return {}
+    try:
+        return check(record, TrackingRecord, str(path))
+    except UserError as e:
+        console.print(f"[yellow]tracking: {e}; logging the resumed run as a new MLflow run[/]", highlight=False)
+        return {}
 
 
 def _get_run(client, run_id: str):
