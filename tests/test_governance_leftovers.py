@@ -303,15 +303,23 @@ def test_a_recorded_policy_of_another_shape_fails_the_policy_check(tmp_path, pol
     assert check.status == "fail" and "recorded policy cannot be read" in check.detail and "--policy" in check.detail
 
 
-def test_isolation_takes_a_record_without_a_label(own, tmp_path):
-    """isolate.py read `r["label"]`, which the manifest schema leaves optional: KeyError after every copy."""
+@pytest.mark.parametrize("label", ["missing", None, ""])
+def test_isolation_refuses_a_record_without_a_label_before_any_copy(own, tmp_path, label):
+    """isolate.py read `r["label"]`, which the manifest schema leaves optional: KeyError after every copy was
+    written (the review's); a null or empty label (the next variants) failed the CSV loader after them too."""
     from torchcls.governance.hooks import SampleInfo
     from torchcls.governance.isolate import isolate
     from torchcls.governance.manifest import load_manifest
 
     manifest = load_manifest(own["base"] / "data.manifest.json")
-    del manifest["tc:records"][0]["label"]
+    if label == "missing":
+        del manifest["tc:records"][1]["label"]
+    else:
+        manifest["tc:records"][1]["label"] = label
     infos = [SampleInfo(i, r["@id"], r["sha256"]) for i, r in enumerate(manifest["tc:records"])]
-    csv_path, bad = isolate(manifest, infos, [], tmp_path / "iso", "error")
-    rows = list(csv.reader(csv_path.open()))
-    assert not bad and rows[1][1] == "" and rows[2][1] == manifest["tc:records"][1]["label"]
+    with pytest.raises(UserError, match=r"record sha256:\w+ \(.+\) has no label.*rebuild the manifest"):
+        isolate(manifest, infos, [], tmp_path / "iso", "error")
+    assert not (tmp_path / "iso").exists()
+    del manifest["tc:records"][1]
+    csv_path, bad = isolate(manifest, infos[:1] + infos[2:], [], tmp_path / "iso", "error")  # the labelled rest
+    assert not bad and len(list(csv.reader(csv_path.open()))) == len(manifest["tc:records"]) + 1

@@ -25,8 +25,9 @@ def isolate(manifest: dict[str, Any], infos: list[SampleInfo], hooks: list[Hook]
             on_bad_file: str) -> tuple[Path, list[tuple[SampleInfo, str]]]:
     """Write hooked copies and a `path,label[,split]` CSV listing them; returns (csv, [(sample, reason)] of
     bad files)."""
-    workdir.mkdir(parents=True, exist_ok=True)
     records = manifest["tc:records"]
+    _check_labelled(records, infos)
+    workdir.mkdir(parents=True, exist_ok=True)
 
     def one(i: int) -> tuple[str | None, str | None]:
         r, info = records[i], infos[i]
@@ -57,6 +58,16 @@ def isolate(manifest: dict[str, Any], infos: list[SampleInfo], hooks: list[Hook]
         writer.writerow(["path", "label", *(["split"] if splits else [])])
         for (out, _), r in zip(results, records):
             if out is not None:
-                # (label is optional in a manifest record: a missing one is written as a None one, empty)
-                writer.writerow([out, r.get("label"), *([r.get("split", "train")] if splits else [])])
+                writer.writerow([out, r["label"], *([r.get("split", "train")] if splits else [])])
     return csv_path, bad
+
+
+def _check_labelled(records: list[dict[str, Any]], infos: list[SampleInfo]) -> None:
+    """Training reads the labels from the manifest here, where the schema leaves them optional: refuse an
+    unlabelled record before any copy is written (the CSV loader would refuse its empty label only after)."""
+    for r, s in zip(records, infos):
+        if not (isinstance(r.get("label"), str) and r["label"]):
+            raise UserError(f"--data-manifest: record sha256:{s.sha256 and s.sha256[:16]} "
+                            f"({s.id if not s.restricted else 'restricted'}) has no label, and the isolated path "
+                            "trains on the manifest's labels: rebuild the manifest from the labelled data "
+                            "(torchcls data manifest)")
