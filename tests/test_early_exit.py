@@ -133,7 +133,7 @@ def test_cli_rejects_bad_threshold(tmp_path, capsys):
     code = main(["train", "--model", "ee/smallnet", "--exit-threshold", "2", "--epochs", "1",
                  "--out-dir", str(tmp_path), "--no-progress", "--workers", "0"])
     assert code == 2
-    assert "(--exit-threshold) must be a number in [0.0, 1.0], got 2.0" in capsys.readouterr().err
+    assert "[model] exit_threshold = 2.0 is outside the allowed range [0, 1]" in capsys.readouterr().err
 
 
 def test_calibration_hits_its_target_on_a_fixed_data_set():

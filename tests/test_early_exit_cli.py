@@ -41,7 +41,7 @@ def test_evaluate_rejects_bad_thresholds(ee_run, trained_run, capsys):
     from torchcls.cli import main
 
     assert main(["evaluate", str(ee_run), "--threshold", "1.5", "--workers", "0"]) == 2
-    assert "outside [0, 1]" in capsys.readouterr().err
+    assert "--threshold = 1.5 is outside the allowed range [0, 1]" in capsys.readouterr().err
     assert main(["evaluate", str(trained_run), "--threshold", "0.5", "--workers", "0"]) == 2
     assert "apply to early-exit models" in capsys.readouterr().err
 

@@ -284,7 +284,8 @@ def test_a_record_of_another_shape_leaves_the_page_written_and_says_so(trained_r
         original = path.read_text()
         docs = [json.loads(line) for line in original.splitlines() if line.strip()] if path.suffix == ".jsonl" \
             else [json.loads(original)]
-        for changed in [[[]] * len(docs)] + [[{k: sub for k in d} for d in docs] for sub in SUBSTITUTES]:
+        for changed in [[[]] * len(docs)] + [[{k: sub for k in d} if isinstance(d, dict) else sub for d in docs]
+                                             for sub in SUBSTITUTES]:
             path.write_text("\n".join(json.dumps(d) for d in changed) + "\n")
             page = write_report(run).read_text()  # an error of the wrong-type class would raise here
             assert "</html>" in page, (path.name, changed[0])

@@ -504,7 +504,7 @@ FLOAT_RANGES: dict[tuple[str, str], tuple[str, str]] = {
     ("model", "drop_path"): ("[0, 1)", "a drop probability; at 1 every residual branch would be dropped"),
     ("model", "exit_threshold"): ("[0, 1]", "a softmax probability"),
     ("model", "whiten_eps"): ("(0, 1e6]", "added to eigenvalues before a square root is divided by"),
-    ("optim", "lr"): ("[0, 1e6]", "a learning rate"),
+    ("optim", "lr"): ("[0, 1e30]", "a learning rate; one this large is how the non-finite step checks are tested"),
     ("optim", "layer_decay"): ("[0, 1]", "a factor per block from the head; 0 = off"),
     ("optim", "head_lr"): ("(0, 1e6]", "a multiple of --lr"),
     ("optim", "ema"): ("[0, 1)", "a decay; 0 = off"),
