@@ -123,8 +123,13 @@ def test_verify_no_rehash_never_opens_the_cache_beside_a_received_log(own, tmp_p
         res = verify(ckpt, audit_log=str(log), rehash=False, out_dir=own["out"])  # the user's own store
         data = _check(res, "data data")
         assert data.status == "fail" and "square_3.png: content changed" in data.detail
-        with pytest.raises(UserError, match="--out-dir"):  # no store named: the received one is not the default
-            verify(ckpt, audit_log=str(log), rehash=False)
+        elsewhere = tmp_path / "elsewhere"
+        elsewhere.mkdir()
+        with pytest.MonkeyPatch.context() as mp:  # no store named: train's default out dir (./runs), never the
+            mp.chdir(elsewhere)                   # received one; none here, so every file is re-read
+            res = verify(ckpt, audit_log=str(log), rehash=False)
+        assert "square_3.png: content changed" in _check(res, "data data").detail
+        assert list(elsewhere.iterdir()) == []  # and no store was made for it
         assert cache.read_bytes() == before and sorted(p.name for p in cache.parent.glob(CACHE_FILE + "*")) == [
             CACHE_FILE]  # neither deleted, nor written, nor given a journal
     finally:

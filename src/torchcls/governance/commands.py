@@ -45,7 +45,8 @@ def add_governance_commands(sub):
                    "own runs (--out-dir OUT_DIR: OUT_DIR/_governance/hash_cache.sqlite) for files whose "
                    "size, mtime and inode are unchanged")
     p.add_argument("--out-dir", metavar="OUT_DIR", help="the out dir of your own runs, whose hash cache --no-rehash "
-                   "trusts (never the cache beside a received audit log)")
+                   "trusts (default: runs, train's; never the cache beside the artifact's audit log, which may have "
+                   "come with it)")
     _key_flags(p)
     p.set_defaults(func=_cmd_verify)
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from torchcls.config import RunConfig
 from torchcls.errors import UserError
 from torchcls.governance.anchors import check_pins, pins_of
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
@@ -72,7 +73,7 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
            rehash: bool = True, key_file: str | None = None, public_keys: list[str] | None = None,
            out_dir: str | Path | None = None) -> VerifyResult:
     """Every check of `artifact`'s provenance. `rehash=False`: data files unchanged since they were
-    hashed (same size, mtime and inode, per the hash cache of the user's runs in `out_dir`, required then)
+    hashed (same size, mtime and inode, per the hash cache of the user's runs in `out_dir`, default train's runs/)
     are not read again.
     `public_keys`: trusted public key files (default: $TORCHCLS_TRUSTED_KEYS); `key_file`: the legacy
     HMAC audit key (default: $TORCHCLS_AUDIT_KEY); `policy`: its [provenance] adds trusted key ids and
@@ -116,11 +117,8 @@ def _own_cache(rehash: bool, out_dir: str | Path | None) -> HashCache:
     so both may have come with it."""
     if rehash:
         return HashCache(None)
-    if out_dir is None:
-        raise UserError("verify --no-rehash trusts a hash cache, so it must be your own: name the OUT_DIR of your "
-                        f"runs with --out-dir (its {STORE_DIR}/{CACHE_FILE}); the cache "
-                        "beside the artifact's audit log may have come with the artifact and is never opened")
-    return HashCache(Path(out_dir) / STORE_DIR / CACHE_FILE)
+    store = Path(out_dir or RunConfig().out_dir) / STORE_DIR  # (by default train's out dir, as the user's runs use)
+    return HashCache(store / CACHE_FILE if store.is_dir() else None)  # no store there: every file is re-read
 
 
 def _check_attestation(res: VerifyResult, artifact: Path, digest: str, trusted: Trusted) -> None:
