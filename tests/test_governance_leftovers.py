@@ -26,13 +26,14 @@ import torch
 from safetensors.torch import save_file
 
 from conftest import draw_shape, tiny_config
+from received_logs import stored_run
 from torchcls.errors import UserError
 from torchcls.governance.artifacts import UnbackedLineage, backed_parent, register_artifact, register_export
 from torchcls.governance.cli_api import write_manifest
 from torchcls.governance.hashcache import CACHE_FILE, HashCache
-from torchcls.governance.manifest import DatasetMeta, manifest_hash, records_root
+from torchcls.governance.manifest import DatasetMeta, records_root
 from torchcls.governance.verification import verify
-from torchcls.provenance.lineage import STORE_DIR, AuditLog, manifest_store
+from torchcls.provenance.lineage import STORE_DIR, AuditLog
 from torchcls.provenance.sidecars import LINEAGE_KEY
 from torchcls.training import train
 
@@ -238,22 +239,6 @@ def test_review_r1_t2_a_lineage_without_its_log_or_run_is_unbacked(tmp_path, lin
 # --- finding 9: isolation's label, verify's walk and recorded policy --------------------------------------------
 
 
-def _stored_run(tmp_path: Path, manifest: dict[str, Any], **run: Any) -> tuple[Path, Path]:
-    """A received log whose run record names an artifact and a stored manifest (as test_received_types does)."""
-    artifact = tmp_path / "a.bin"
-    artifact.write_bytes(b"artifact")
-    log = AuditLog(tmp_path / "log" / "audit.jsonl")
-    store = manifest_store(log.path)
-    store.mkdir(parents=True)
-    mh = manifest_hash(manifest)
-    (store / f"{mh}.json").write_text(json.dumps(manifest))
-    log.append("run", {"run_id": "r", "artifacts": [{"path": str(artifact), "sha256": _sha(artifact)}],
-                       "region": "eu-1", "manifests": [{"name": "x", "manifest_sha256": mh, "records": 1,
-                                                        "merkle_root": manifest["tc:merkleRoot"],
-                                                        "manifest_hash_version": 2}], **run})
-    return artifact, log.path
-
-
 def _one_record_manifest(tmp_path: Path, source: str) -> dict[str, Any]:
     (tmp_path / "root").mkdir(exist_ok=True)
     f = tmp_path / "root" / "a.png"
@@ -271,7 +256,7 @@ def test_verify_stops_listing_a_folder_far_larger_than_the_manifest(tmp_path):
     big.mkdir()
     for i in range(1100):
         (big / f"{i}.png").touch()
-    artifact, log = _stored_run(tmp_path, _one_record_manifest(tmp_path, str(big)), policy={})
+    artifact, log = stored_run(tmp_path, _one_record_manifest(tmp_path, str(big)))
     res = verify(artifact, audit_log=str(log))
     data = _check(res, "data x")
     assert data.status == "fail" and "holds more than 1002 files and folders" in data.detail
@@ -281,7 +266,7 @@ def test_verify_of_a_manifest_naming_usr_ends_in_a_failed_check_quickly(tmp_path
     """The review's own case: tc:source /usr."""
     if not Path("/usr").is_dir():
         pytest.skip("no /usr here")
-    artifact, log = _stored_run(tmp_path, _one_record_manifest(tmp_path, "/usr"), policy={})
+    artifact, log = stored_run(tmp_path, _one_record_manifest(tmp_path, "/usr"))
     started = time.monotonic()
     res = verify(artifact, audit_log=str(log))
     assert time.monotonic() - started < 3 and _check(res, "data x").status == "fail"
@@ -293,7 +278,7 @@ def test_a_source_that_cannot_be_listed_is_a_failed_check_not_an_error(tmp_path)
     (src / "a").mkdir(parents=True)
     (src / "b").mkdir()
     draw_shape("circle", 8, 0).save(src / "b" / "x.png")
-    artifact, log = _stored_run(tmp_path, _one_record_manifest(tmp_path, str(src)), policy={})
+    artifact, log = stored_run(tmp_path, _one_record_manifest(tmp_path, str(src)))
     data = _check(verify(artifact, audit_log=str(log)), "data x")
     assert data.status == "fail" and "could not be listed" in data.detail
 
@@ -303,7 +288,7 @@ def test_a_source_that_cannot_be_listed_is_a_failed_check_not_an_error(tmp_path)
 def test_a_recorded_policy_of_another_shape_fails_the_policy_check(tmp_path, policy):
     """`hooks: []` (the review's) and the next variants ended verify in a UserError from policy_from_dict."""
     m = {"tc:records": [], "tc:source": "mnist-5k", "tc:root": str(tmp_path), "tc:merkleRoot": records_root([])}
-    artifact, log = _stored_run(tmp_path, m, policy=policy)
+    artifact, log = stored_run(tmp_path, m, policy=policy)
     check = _check(verify(artifact, audit_log=str(log)), "policy")
     assert check.status == "fail" and "recorded policy cannot be read" in check.detail and "--policy" in check.detail
 

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from received_logs import stored_run
 from torchcls.errors import UserError
 from torchcls.governance.manifest import parse_manifest_json, records_root
 from torchcls.provenance.lineage import AuditLog
@@ -376,25 +377,6 @@ def test_a_non_builtin_record_without_a_file_is_refused(tmp_path):
         parse_manifest_json(json.dumps(m).encode(), "m.json")
 
 
-def _stored_run(tmp_path: Path, manifest: dict[str, Any]) -> tuple[Path, Path]:
-    """A received log: a run record naming an artifact and the stored manifest, as r3/mk.py of the review."""
-    from torchcls.governance.manifest import manifest_hash
-    from torchcls.provenance.lineage import manifest_store
-
-    artifact = tmp_path / "a.bin"
-    artifact.write_bytes(b"artifact")
-    log = AuditLog(tmp_path / "log" / "audit.jsonl")
-    store = manifest_store(log.path)
-    store.mkdir(parents=True)
-    mh = manifest_hash(manifest)
-    (store / f"{mh}.json").write_text(json.dumps(manifest))
-    log.append("run", {"run_id": "r", "artifacts": [{"path": str(artifact), "sha256": hashlib.sha256(
-        artifact.read_bytes()).hexdigest()}], "policy": {}, "region": "eu-1", "manifests": [
-        {"name": "x", "manifest_sha256": mh, "merkle_root": manifest.get("tc:merkleRoot", ""),
-         "manifest_hash_version": 2}]})
-    return artifact, log.path
-
-
 @pytest.mark.parametrize("variant", ["root", "date"])
 def test_verify_of_the_reviews_stored_manifest_fails_that_manifest_without_a_traceback(tmp_path, variant):
     from torchcls.governance.verification import verify
@@ -403,7 +385,7 @@ def test_verify_of_the_reviews_stored_manifest_fails_that_manifest_without_a_tra
          "dateCreated": "2020-01-01", "tc:merkleRoot": records_root([])}
     if variant == "root":
         m["tc:root"] = 5
-    artifact, log = _stored_run(tmp_path, m)
+    artifact, log = stored_run(tmp_path, m)
     res = verify(artifact, audit_log=str(log))
     check = [c for c in res.checks if c.name == "manifest x"][0]
     assert check.status == "fail" and ("tc:root" if variant == "root" else "expires") in check.detail
@@ -456,7 +438,7 @@ def test_verify_of_a_run_record_whose_region_is_not_a_name_fails_the_policy_chec
     from torchcls.provenance.records import record_hash
 
     m = {"tc:records": [], "tc:source": "mnist-5k", "tc:root": str(tmp_path), "tc:merkleRoot": records_root([])}
-    artifact, log = _stored_run(tmp_path, m)
+    artifact, log = stored_run(tmp_path, m)
     rec = json.loads(log.read_text().splitlines()[-1])
     rec["region"] = 5
     rec["hash"] = record_hash(rec)
