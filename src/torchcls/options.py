@@ -2,8 +2,8 @@
 
 Each dataclass field carries its default, type, help and choices, and a number its range (`bound`); the CLI
 generates its flags from them (`add_flags`, ranges checked in `from_args`) and the library functions take their
-keyword defaults from the same fields (`ExportOptions.max_batch`, ...), so a default is never written in two places. Light to
-import: `torchcls --help` must not pay for torch.
+keyword defaults from the same fields (`ExportOptions.max_batch`, ...), so a default is never written in two
+places. Light to import: `torchcls --help` must not pay for torch.
 """
 
 from __future__ import annotations

@@ -279,7 +279,8 @@ def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
                       itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
     for pid, entry in saved["state"].items():
         if pid not in params or type(entry) is not dict:
-            raise UserError(f"{where}: state of {str(pid)[:40]}, which is no parameter of its groups: damaged or crafted")
+            raise UserError(f"{where}: state of {str(pid)[:40]}, which is no parameter of its groups: damaged or "
+                            "crafted")
         for name, value in entry.items():
             if not (_step_count(value) if name == "step" else _moment(value, params[pid])):
                 raise UserError(f"{where}: state {pid}.{str(name)[:40]} is not "

@@ -121,7 +121,8 @@ def read_timm_config(folder: Path, value: str) -> tuple[dict, str]:
     if "num_classes" in cfg:  # the weights' classifier, as timm reads it
         pretrained_cfg["num_classes"] = cfg["num_classes"]
     if model_args.get("in_chans") is not None:  # weights saved for other channels than RGB
-        pretrained_cfg["input_size"] = (model_args["in_chans"], *(pretrained_cfg.get("input_size") or (3, 224, 224))[1:])
+        size = pretrained_cfg.get("input_size") or (3, 224, 224)
+        pretrained_cfg["input_size"] = (model_args["in_chans"], *size[1:])
     return pretrained_cfg, architecture
 
 
