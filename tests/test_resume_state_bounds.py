@@ -213,6 +213,18 @@ def test_the_reviews_state_is_refused(single_run, tmp_path: Path):
         _resume(_with_state(single_run, tmp_path, lambda s: s | payload))
 
 
+def test_a_param_group_key_only_one_torch_version_has_still_resumes(single_run, tmp_path: Path):
+    """A key one torch version adds to an optimizer's groups (and fills in when it loads an older state) is not
+    compared: a run saved under the other version must still resume."""
+    def older(state: dict) -> dict:
+        for group in state["optimizer"]["param_groups"]:
+            group.pop("differentiable")
+            group["a_later_option"] = False
+        return state
+
+    _resume(_with_state(single_run, tmp_path, older))
+
+
 def _replace(state: dict, keys: tuple, value: Any) -> dict:
     node = state
     for k in keys[:-1]:

@@ -269,11 +269,16 @@ def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
         raise UserError(f"{where}: param_groups must be {len(expected['param_groups'])} dicts, as this run's: damaged "
                         "or from another optimizer setup")
     for i, (group, mine) in enumerate(zip(groups, expected["param_groups"])):
-        # Keys a fresh optimizer has not set yet (lamb's group "step", set by its first step) are step counts
-        if not all(_step_count(v) for k, v in group.items() if k not in mine):
-            raise UserError(f"{where}: param_groups[{i}] holds a value that is no step count under a key this run "
-                            "has not: damaged or crafted")
-        sharded_state.like({k: group.get(k) for k in mine}, mine, f"{where}.param_groups[{i}]")
+        # Keys this run's groups have not: a fresh optimizer's yet (lamb's "step", set by its first step), or another
+        # torch version's options: plain values, which this optimizer does not read
+        if not all(_step_count(v) or v is None or type(v) in (bool, int, float, str) for k, v in group.items()
+                   if k not in mine):
+            raise UserError(f"{where}: param_groups[{i}] holds a value that is neither a step count nor a plain "
+                            "option under a key this run has not: damaged or crafted")
+        # The keys both have, alike: a key one torch version adds to a group (and fills in when it loads an older
+        # state, as its optimizers' __setstate__ do) must not make a run saved under the other unresumable
+        sharded_state.like({k: group[k] for k in mine if k in group}, {k: mine[k] for k in group if k in mine},
+                           f"{where}.param_groups[{i}]")
     # Saved ids to this run's parameters, as torch's Optimizer.load_state_dict pairs them
     params = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved["param_groups"]),
                       itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
