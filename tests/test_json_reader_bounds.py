@@ -134,12 +134,15 @@ def test_step_choice_record_and_cache(tmp_path, monkeypatch):
     from torchcls.training import step_choice
 
     monkeypatch.setenv(step_choice.CACHE_ENV, str(tmp_path))
-    step_choice.remember("k", {"channels_last": True})
-    assert step_choice.cached("k") == {"channels_last": True}
+    entry = {"precision": {"requested": "auto", "precision": "fp32", "reason": "r"}, "channels_last": True}
+    step_choice.remember("k", entry)
+    assert step_choice.cached("k") == entry
     step_choice.cache_path().write_text(DEEP)
     assert step_choice.cached("k") is None  # a damaged cache is measured again
-    step_choice.remember("k", {"channels_last": False})
-    assert step_choice.cached("k") == {"channels_last": False}
+    step_choice.remember("k", entry | {"channels_last": False})
+    assert step_choice.cached("k") == entry | {"channels_last": False}
+    step_choice.remember("k", {"channels_last": False})  # an entry of another shape: a miss, timed again
+    assert step_choice.cached("k") is None
     (tmp_path / "step_choice.json").write_text(DEEP)
     with pytest.raises(UserError, match="step_choice.json"):
         step_choice._choose("fp32", None, None, None, None, (1,), 2, False, tmp_path / "step_choice.json", {})
