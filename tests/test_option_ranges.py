@@ -168,3 +168,45 @@ def test_integrated_gradients_runs_its_steps_in_bounded_batches(trained_run, tmp
     (e,) = explain(trained_run, [image], steps=EXPLAIN_BATCH + 8, out_dir=tmp_path / "ex")
     assert Path(e.png).is_file()
     assert seen[0]["n_steps"] == EXPLAIN_BATCH + 8 and seen[0]["internal_batch_size"] == EXPLAIN_BATCH
+
+
+def test_a_recorded_config_takes_the_default_for_a_value_outside_todays_range():
+    """Ranges were declared after checkpoints had been written: a checkpoint's config with `momentum = 1.0` or
+    `lookahead_alpha = 2` (lookahead off) still loads for evaluate and export, each such value named in a warning and
+    replaced by the default; a non-finite one from a received file never reaches the split."""
+    raw = {"optim": {"momentum": 1.0, "lookahead_alpha": 2.0, "lr": 0.05, "label_smoothing": 1.0},
+           "data": {"val_fraction": float("nan"), "batch_size": 10**9, "img_size": 48},
+           "train": {"dist_timeout": 0}}  # an option that has since moved to [parallel]
+    with pytest.warns(UserWarning) as caught:
+        cfg = Config.recorded(raw, origin="ckpt metadata")
+    said = [str(w.message) for w in caught]
+    assert len(said) == 6, said
+    assert "ckpt metadata: [optim] momentum = 1.0 is outside the allowed range [0, 1)" in said[0]
+    assert all("this version's default is used instead" in s for s in said)
+    assert any("[parallel] dist_timeout = 0 is outside the allowed range 1 to 604,800" in s for s in said)
+    default = Config()
+    assert (cfg.optim.momentum, cfg.optim.lookahead_alpha, cfg.data.val_fraction, cfg.data.batch_size,
+            cfg.optim.label_smoothing, cfg.parallel.dist_timeout) == (
+        default.optim.momentum, default.optim.lookahead_alpha, default.data.val_fraction, default.data.batch_size,
+        default.optim.label_smoothing, default.parallel.dist_timeout)
+    assert (cfg.optim.lr, cfg.data.img_size) == (0.05, 48)  # in range: taken as recorded
+    with pytest.raises(UserError, match=r"\[optim\] momentum = 1.0 is outside"):  # a run's own config: refused
+        Config.from_dict(raw)
+
+
+def test_evaluate_loads_a_checkpoint_recorded_before_the_ranges(trained_run, tmp_path):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from torchcls.checkpoint.files import META_KEY, read_meta
+    from torchcls.evaluation import evaluate
+
+    best = trained_run / "checkpoints" / "best.safetensors"
+    raw = dataclasses.asdict(read_meta(best))
+    raw["config"]["optim"].update(momentum=1.0, lookahead_alpha=2.0)
+    save_file(load_file(best), str(old := tmp_path / "old.safetensors"), metadata={META_KEY: json.dumps(raw)})
+    with pytest.warns(UserWarning, match=r"\[optim\] momentum = 1.0 is outside the allowed range"):
+        then = evaluate(old, out_dir=tmp_path / "old-eval")
+    now = evaluate(best, out_dir=tmp_path / "eval")
+    assert then["top1"] == now["top1"] and then["n"] == now["n"] > 0

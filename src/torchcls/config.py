@@ -14,6 +14,7 @@ import math
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -350,8 +351,9 @@ class Config:
         """The config a checkpoint recorded, for a later command (evaluate, export's parity and calibration
         images): its options as written, except the RECORDED_NOT_TAKEN ones (BOUND_OPTIONS...), which keep this
         machine's defaults. A checkpoint from elsewhere describes how its model was trained; it does not
-        raise what reading input may cost here, nor say where data is sent."""
-        cfg = cls.from_dict(raw, origin)
+        raise what reading input may cost here, nor say where data is sent. A value outside the range this version
+        declares is not taken either (`in_range_only`): a checkpoint written before the range was still loads."""
+        cfg = cls.from_dict(in_range_only(raw, origin), origin)
         keep_local(cfg, cls())
         return cfg
 
@@ -555,6 +557,29 @@ def check_ranges(cfg: Config, origin: str = "config") -> None:
     set_option)."""
     for section, key in [*INT_RANGES, *FLOAT_RANGES]:
         check_range(section, key, getattr(getattr(cfg, section), key), origin)
+
+
+def in_range_only(raw: dict[str, Any], origin: str) -> dict[str, Any]:
+    """`raw` without its values outside INT_RANGES or FLOAT_RANGES, each named in a warning, so this version's default
+    stands in. For recorded configs: ranges were declared after checkpoints had been written with values such as
+    `momentum = 1.0` or `lookahead_alpha = 2` (lookahead off); the commands that read a checkpoint's config train
+    nothing, and a non-finite value (a received file's `val_fraction = nan`) must not reach the split either."""
+    kept: dict[str, Any] = {}
+    for section, values in raw.items():
+        if not isinstance(values, dict):
+            kept[section] = values  # from_dict names the error
+            continue
+        kept[section] = {}
+        for key, value in values.items():
+            where = (moved_section(section, key), key)
+            bound = INT_RANGES.get(where) or FLOAT_RANGES.get(where)
+            problem = outside(value, bound) if bound is not None else None
+            if problem is None:
+                kept[section][key] = value
+            else:
+                warnings.warn(f"{origin}: [{where[0]}] {key} = {problem}; this version's default is used instead",
+                              stacklevel=3)
+    return kept
 
 
 def set_option(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
