@@ -115,7 +115,6 @@ class ShardIndex(TypedDict):
     seed: NotRequired[int]
 
 
-
 # ---------------------------------------------------------------- writing
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -457,11 +456,7 @@ def _from_index(index_path: Path, source: str, chosen: list[Path] | None) -> Sha
     index = check(_read_index(index_path), ShardIndex, str(index_path),
                   hint="re-write the shards (torchcls data shard) or remove it to have the shards scanned")
     _check_counts(index, index_path)
-    try:
-        return _shardset_of(index, index_path, source, chosen)
-    except (KeyError, TypeError, ValueError) as e:
-        raise UserError(f"{index_path}: malformed shard index ({type(e).__name__}: {e}); re-write the shards "
-                        "(torchcls data shard) or remove it to have the shards scanned") from None
+    return _shardset_of(index, index_path, source, chosen)  # (every field it reads is typed by ShardIndex)
 
 
 def _check_counts(index: dict, index_path: Path) -> None:
