@@ -201,7 +201,15 @@ def test_step_onecycle_and_plateau_shapes():
     assert plateau.get_last_lr()[0] == pytest.approx(0.01)
 
 
-@pytest.mark.parametrize("sched", ("cosine", "step", "onecycle", "plateau"))
+def test_linear_warms_up_then_falls_straight_to_zero():
+    lrs, _, _ = _curve("linear")  # 5 warm-up steps of 30, then 25 steps down
+    assert lrs[:5] == pytest.approx([0.02, 0.04, 0.06, 0.08, 0.1])
+    assert lrs[5:] == pytest.approx([0.1 * (1 - k / 25) for k in range(25)])  # equal steps: a straight line
+    cosine, _, _ = _curve("cosine")
+    assert lrs[10] < cosine[10] and lrs[25] > cosine[25]  # below the cosine early, above it late
+
+
+@pytest.mark.parametrize("sched", ("cosine", "linear", "step", "onecycle", "plateau"))
 def test_schedule_state_round_trip_and_lr_change_on_resume(sched, tmp_path):
     _, scheduler, opt = _curve(sched, steps=12)
     if sched == "plateau":

@@ -137,10 +137,10 @@ class OptimConfig:
                          "no_weight_decay(), norms and biases are not decayed)",
                          choices=("adamw", "sgd", "adam", "lamb", "lion", "lars", "rmsprop", "adopt"))
     lr: float = opt(3e-3, "peak learning rate (reached after warm-up, then follows --sched)")
-    sched: str = opt("cosine", "learning-rate schedule after the warm-up: cosine to 0; step = x0.1 at 1/3 and 2/3 of "
-                     "the epochs; onecycle = one cycle (warm-up, then cosine annealing to 0, SGD momentum cycled); "
-                     "plateau = x0.1 when the validation loss stops improving", choices=("cosine", "step",
-                                                                                        "onecycle", "plateau"))
+    sched: str = opt("cosine", "learning-rate schedule after the warm-up: cosine to 0; linear = straight down to 0 "
+                     "(airbench's); step = x0.1 at 1/3 and 2/3 of the epochs; onecycle = one cycle (warm-up, then "
+                     "cosine annealing to 0, SGD momentum cycled); plateau = x0.1 when the validation loss stops "
+                     "improving", choices=("cosine", "linear", "step", "onecycle", "plateau"))
     layer_decay: float = opt(0.0, "layer-wise learning-rate decay: each block further from the head gets F times "
                              "its successor's rate (timm's layer_decay; e.g. 0.75 for fine-tuning a ViT); 0 = off")
     head_lr: float = opt(1.0, "learning rate of the classifier head as a multiple of --lr (e.g. 10 when "

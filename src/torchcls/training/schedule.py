@@ -1,9 +1,10 @@
 """The learning-rate schedule, stepped after every optimizer step: a linear warm-up over
 optim.warmup_epochs, then --sched.
 
-cosine: timm's CosineLRScheduler to 0; step: timm's MultiStepLRScheduler, x0.1 at 1/3 and 2/3 of
-the steps; onecycle: torch's OneCycleLR (its own warm-up of warmup_epochs, cosine annealing to
-lr/25e4, the momentum of SGD-style optimizers cycled between --momentum - 0.1 and --momentum);
+cosine: timm's CosineLRScheduler to 0; linear: timm's PolyLRScheduler of power 1 to 0 (airbench's);
+step: timm's MultiStepLRScheduler, x0.1 at 1/3 and 2/3 of the steps; onecycle: torch's OneCycleLR (its own
+warm-up of warmup_epochs, cosine annealing to lr/25e4, the momentum of SGD-style optimizers cycled between
+--momentum - 0.1 and --momentum);
 plateau: the warm-up, then torch's ReduceLROnPlateau (x0.1 after PLATEAU_PATIENCE epochs without a
 lower validation loss, fed by `epoch_end`). timm's own PlateauLRScheduler is deprecated and keeps
 no state across a resume; ReduceLROnPlateau's state is saved with the schedule's.
@@ -49,14 +50,17 @@ class LRSchedule:
         self._apply()
 
     def _inner(self):
-        from timm.scheduler import CosineLRScheduler, MultiStepLRScheduler
+        from timm.scheduler import CosineLRScheduler, MultiStepLRScheduler, PolyLRScheduler
 
         w, total = self.warmup_steps, self.total_steps
         common = dict(warmup_t=w, warmup_lr_init=0.0, t_in_epochs=False)
-        if self.sched == "cosine" and total - w <= 1:
+        if self.sched in ("cosine", "linear") and total - w <= 1:
             # One step after the warm-up: the cosine's only value is the peak, a constant schedule gives the
             # same rate (and timm's cosine would log that it "will have no effect" on every 1-step run).
             return MultiStepLRScheduler(self.optimizer, decay_t=[], warmup_prefix=False, **common)
+        if self.sched == "linear":  # airbench's: straight down to 0 (timm's polynomial decay of power 1)
+            return PolyLRScheduler(self.optimizer, t_initial=max(1, total - w), power=1.0, lr_min=0.0,
+                                   warmup_prefix=True, **common)
         if self.sched == "cosine":
             return CosineLRScheduler(self.optimizer, t_initial=max(1, total - w), lr_min=0.0, warmup_prefix=True,
                                      **common)
