@@ -173,9 +173,9 @@ def test_integrated_gradients_runs_its_steps_in_bounded_batches(trained_run, tmp
 def test_a_recorded_config_takes_the_default_for_a_value_outside_todays_range():
     """Ranges were declared after checkpoints had been written: a checkpoint's config with `momentum = 1.0` or
     `lookahead_alpha = 2` (lookahead off) still loads for evaluate and export, each such value named in a warning and
-    replaced by the default; a non-finite one from a received file never reaches the split."""
+    replaced by the default. The two that choose the held-out images those commands score stay refused."""
     raw = {"optim": {"momentum": 1.0, "lookahead_alpha": 2.0, "lr": 0.05, "label_smoothing": 1.0},
-           "data": {"val_fraction": float("nan"), "batch_size": 10**9, "img_size": 48},
+           "data": {"batch_size": 10**9, "img_size": 48, "mixup": 10**400},
            "train": {"dist_timeout": 0}}  # an option that has since moved to [parallel]
     with pytest.warns(UserWarning) as caught:
         cfg = Config.recorded(raw, origin="ckpt metadata")
@@ -184,14 +184,40 @@ def test_a_recorded_config_takes_the_default_for_a_value_outside_todays_range():
     assert "ckpt metadata: [optim] momentum = 1.0 is outside the allowed range [0, 1)" in said[0]
     assert all("this version's default is used instead" in s for s in said)
     assert any("[parallel] dist_timeout = 0 is outside the allowed range 1 to 604,800" in s for s in said)
+    assert any("[data] mixup = a number of 401 digits is outside the allowed range [0, 1000]" in s for s in said)
     default = Config()
-    assert (cfg.optim.momentum, cfg.optim.lookahead_alpha, cfg.data.val_fraction, cfg.data.batch_size,
+    assert (cfg.optim.momentum, cfg.optim.lookahead_alpha, cfg.data.batch_size, cfg.data.mixup,
             cfg.optim.label_smoothing, cfg.parallel.dist_timeout) == (
-        default.optim.momentum, default.optim.lookahead_alpha, default.data.val_fraction, default.data.batch_size,
+        default.optim.momentum, default.optim.lookahead_alpha, default.data.batch_size, default.data.mixup,
         default.optim.label_smoothing, default.parallel.dist_timeout)
     assert (cfg.optim.lr, cfg.data.img_size) == (0.05, 48)  # in range: taken as recorded
     with pytest.raises(UserError, match=r"\[optim\] momentum = 1.0 is outside"):  # a run's own config: refused
         Config.from_dict(raw)
+    for section, key, value in (("data", "val_fraction", float("nan")), ("data", "val_fraction", 1.5),
+                                ("train", "seed", 2**64)):
+        with pytest.raises(UserError, match=rf"ckpt metadata: \[{section}\] {key} = .* is outside the allowed range"):
+            Config.recorded({section: {key: value}}, origin="ckpt metadata")
+
+
+@pytest.mark.parametrize(("section", "key"), [("train", "seed"), ("data", "val_fraction"), ("data", "source"),
+                                              ("data", "augment"), ("optim", "lr"), ("train", "fp8_min_dim")])
+def test_null_is_refused_where_an_option_has_no_unset_state(section, key):
+    """A checkpoint's recorded config is JSON: `"seed": null` passed every check and was a RuntimeError in
+    torch.manual_seed during evaluate (`val_fraction: null` a TypeError, `source: null` another)."""
+    with pytest.raises(UserError, match=rf"ckpt: \[.*\] {key} must be \w+, got null; leave it out for the default"):
+        Config.recorded({section: {key: None}}, origin="ckpt")
+
+
+def test_null_still_means_unset_where_an_option_has_that_state():
+    cfg = Config.recorded({"data": {"img_size": None, "root": None}, "train": {"channels_last": None}}, origin="x")
+    assert (cfg.data.img_size, cfg.data.root, cfg.train.channels_last) == (None, None, None)
+
+
+@pytest.mark.parametrize("text", ["1" + "0" * 400, "-" + "9" * 320])
+def test_an_integer_too_large_for_a_float_is_a_range_error_not_an_overflow(tmp_path: Path, text: str):
+    (tmp_path / "c.toml").write_text(f"[optim]\nlr = {text}\n")
+    with pytest.raises(UserError, match=r"\[optim\] lr = a number of \d+ digits is outside the allowed range"):
+        load_toml(tmp_path / "c.toml")
 
 
 def test_evaluate_loads_a_checkpoint_recorded_before_the_ranges(trained_run, tmp_path):

@@ -450,11 +450,16 @@ def keep_local(cfg: Config, local: Config, given: frozenset[tuple[str, str]] = f
 
 def field_type(f: dataclasses.Field) -> type:
     """The concrete type of a field, with `X | None` reduced to X."""
-    hints = typing.get_type_hints(_owner_of(f))
-    t = hints[f.name]
-    if isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union:
+    t = typing.get_type_hints(_owner_of(f))[f.name]
+    if takes_none(f):
         t = next(a for a in typing.get_args(t) if a is not type(None))
     return t
+
+
+def takes_none(f: dataclasses.Field) -> bool:
+    """Whether the field is typed `X | None`, None meaning "not set" (`img_size`: the data's own size)."""
+    t = typing.get_type_hints(_owner_of(f))[f.name]
+    return (isinstance(t, types.UnionType) or typing.get_origin(t) is typing.Union) and type(None) in typing.get_args(t)
 
 
 def _owner_of(f: dataclasses.Field) -> type:
@@ -535,13 +540,16 @@ def outside(value: Any, bound: tuple) -> str | None:
     if isinstance(bound[0], str):
         interval, why = bound
         if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_interval(value, interval):
-            return f"{value!r} is outside the allowed range {interval} ({why})"
+            return f"{_shown(value)} is outside the allowed range {interval} ({why})"
         return None
     lo, hi, why = bound
     if type(value) is int and not lo <= value <= hi:
-        shown = str(value) if abs(value) < 10**30 else f"a number of {len(str(abs(value)))} digits"
-        return f"{shown} is outside the allowed range {lo:,} to {hi:,} ({why})"
+        return f"{_shown(value)} is outside the allowed range {lo:,} to {hi:,} ({why})"
     return None
+
+
+def _shown(value: int | float) -> str:
+    return f"a number of {len(str(abs(value)))} digits" if type(value) is int and abs(value) >= 10**30 else repr(value)
 
 
 def check_range(section: str, key: str, value: Any, origin: str) -> None:
@@ -559,11 +567,17 @@ def check_ranges(cfg: Config, origin: str = "config") -> None:
         check_range(section, key, getattr(getattr(cfg, section), key), origin)
 
 
+# The ranged options that the commands reading a checkpoint's config use: they choose the held-out images that
+# evaluate scores and export checks parity on. One out of range is refused even there, never replaced by a default
+# that would score other images (some of them training images) under the same split's name.
+RECORDED_AND_USED = frozenset({("data", "val_fraction"), ("train", "seed")})
+
+
 def in_range_only(raw: dict[str, Any], origin: str) -> dict[str, Any]:
     """`raw` without its values outside INT_RANGES or FLOAT_RANGES, each named in a warning, so this version's default
-    stands in. For recorded configs: ranges were declared after checkpoints had been written with values such as
-    `momentum = 1.0` or `lookahead_alpha = 2` (lookahead off); the commands that read a checkpoint's config train
-    nothing, and a non-finite value (a received file's `val_fraction = nan`) must not reach the split either."""
+    stands in (RECORDED_AND_USED excepted: left for from_dict to refuse). For recorded configs: ranges were declared
+    after checkpoints had been written with values such as `momentum = 1.0` or `lookahead_alpha = 2` (lookahead off),
+    and the commands that read a checkpoint's config train nothing, so they never use those options."""
     kept: dict[str, Any] = {}
     for section, values in raw.items():
         if not isinstance(values, dict):
@@ -574,7 +588,7 @@ def in_range_only(raw: dict[str, Any], origin: str) -> dict[str, Any]:
             where = (moved_section(section, key), key)
             bound = INT_RANGES.get(where) or FLOAT_RANGES.get(where)
             problem = outside(value, bound) if bound is not None else None
-            if problem is None:
+            if problem is None or where in RECORDED_AND_USED:
                 kept[section][key] = value
             else:
                 warnings.warn(f"{origin}: [{where[0]}] {key} = {problem}; this version's default is used instead",
@@ -590,8 +604,11 @@ def set_option(cfg: Config, section: str, key: str, value: Any, origin: str) -> 
         raise UserError(f"{origin}: unknown option '{key}' in [{section}]; known: {', '.join(fields)}")
     f = fields[key]
     t = field_type(f)
+    if value is None and not takes_none(f):  # (a checkpoint's recorded config is JSON, which has null)
+        raise UserError(f"{origin}: [{section}] {key} must be {t.__name__}, got null; leave it out for the default")
     if value is not None:
         if t is float and isinstance(value, int) and not isinstance(value, bool):
+            check_range(section, key, value, origin)  # first: float() of an int of 310 digits is an OverflowError
             value = float(value)
         if not isinstance(value, t) or (t is int and isinstance(value, bool)):
             raise UserError(f"{origin}: [{section}] {key} must be {t.__name__}, got {value!r}")
