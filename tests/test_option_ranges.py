@@ -236,3 +236,18 @@ def test_evaluate_loads_a_checkpoint_recorded_before_the_ranges(trained_run, tmp
         then = evaluate(old, out_dir=tmp_path / "old-eval")
     now = evaluate(best, out_dir=tmp_path / "eval")
     assert then["top1"] == now["top1"] and then["n"] == now["n"] > 0
+
+
+def test_bounds_copied_as_literals_equal_their_sources():
+    """options.py and serve_config.py are read before the heavy modules are imported (`torchcls --help` stays light),
+    so they write some limits as literals; each must stay the number it names."""
+    from torchcls.artifacts.targets.base import MAX_BATCH
+    from torchcls.data.preprocess import MAX_IMG_SIZE, MAX_IN_CHANS
+    from torchcls.options import ExportOptions
+    from torchcls.serve.serve_config import ServeConfig
+
+    def bound(cls, name):
+        return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["bound"]
+
+    assert bound(ExportOptions, "max_batch")[1] == bound(ServeConfig, "max_batch")[1] == MAX_BATCH
+    assert INT_RANGES[("data", "img_size")][1] == MAX_IMG_SIZE and INT_RANGES[("data", "channels")][1] == MAX_IN_CHANS

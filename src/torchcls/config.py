@@ -473,8 +473,8 @@ def _owner_of(f: dataclasses.Field) -> type:
 # line, TOML, a recorded config); check_ranges checks a Config built in Python. No real run comes near a max;
 # each keeps what the value sizes (tensors, processes, threads, images kept) within a machine's memory.
 INT_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
-    ("data", "img_size"): (1, 2048, "models/registry.MAX_IMG_SIZE: a checkpoint of a larger input is refused"),
-    ("data", "channels"): (1, 64, "models/registry.MAX_IN_CHANS: multispectral data has up to 13"),
+    ("data", "img_size"): (1, 2048, "data/preprocess.MAX_IMG_SIZE: a checkpoint of a larger input is refused"),
+    ("data", "channels"): (1, 64, "data/preprocess.MAX_IN_CHANS: multispectral data has up to 13"),
     ("data", "max_shift"): (0, 2048, "a shift past the largest image pads it into a larger one"),
     ("data", "batch_size"): (1, 65536, "images per training step; the step trial allocates one batch: 2^16 "
                                        "images of 224 px are 37 GiB"),

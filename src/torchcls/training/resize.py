@@ -22,7 +22,7 @@ from torchcls.models.registry import MAX_IMG_SIZE
 
 FLAG = "--resize-schedule"
 # Bounds of each part, checked as the option is parsed (a config file's resize_schedule too): a size is a training
-# image side like --img-size (its bound, models/registry.MAX_IMG_SIZE: 40000 px made each batch 763 GiB whatever
+# image side like --img-size (its bound, data/preprocess.MAX_IMG_SIZE: 40000 px made each batch 763 GiB whatever
 # --img-size, which is None by default and then compared with nothing), and the epochs, one part's and all parts'
 # together, a number of epochs like --epochs (config.INT_RANGES).
 MIN_SIZE = 4  # px: what a network's stem can still downsample
@@ -48,7 +48,7 @@ def parse_schedule(spec: str) -> list[tuple[int, int]]:
         if not MIN_SIZE <= stage[0] <= MAX_IMG_SIZE:
             value = f"{stage[0]:,}" if stage[0] < 10**12 else f"of {len(str(stage[0]))} digits"
             raise UserError(f"{FLAG} {shown!r}: SIZE {value} px (in {part[:60]!r}) is outside the allowed range "
-                            f"{MIN_SIZE} to {MAX_IMG_SIZE:,} px (models/registry.MAX_IMG_SIZE, as --img-size); each "
+                            f"{MIN_SIZE} to {MAX_IMG_SIZE:,} px (data/preprocess.MAX_IMG_SIZE, as --img-size); each "
                             "part is SIZE:EPOCHS, e.g. '16:4,20:2'")
         total += stage[1]
         if total > MAX_EPOCHS:
