@@ -37,7 +37,7 @@ from torchcls.checkpoint.files import (
     save_training_state,
     write_weights,
 )
-from torchcls.checkpoint.state_file import check_state, read_step
+from torchcls.checkpoint.state_file import RESUME_HINT, check_state, read_step
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import writing
@@ -242,60 +242,75 @@ class Checkpointer:
         """The single-process state's parts (state_file.check_state typed its fixed fields) have the shape of this
         run's own: what each load_state_dict sets is then of the types the run itself sets, as the sharded format
         ensures by loading into this run's state (dcp.load)."""
-        where = f"training state {path}"
-        _check_optimizer(state["optimizer"], optimizer, f"{where}: optimizer")
+        where, hint = f"training state {path}", RESUME_HINT
+        _check_optimizer(state["optimizer"], optimizer, f"{where}: optimizer", hint)
         sharded_state.like(state["scheduler"], scheduler.state_dict(), f"{where}: scheduler")
         sharded_state.number(state["scheduler"]["last_epoch"], "scheduler.last_epoch", where, 0,
                              sharded_state.MAX_COUNTER, integer=True)
-        mine = precision.state_dict() if precision is not None else {}
-        saved = state.get("precision", {})
-        sharded_state.like({k: saved[k] for k in mine if k in saved}, {k: mine[k] for k in saved if k in mine},
-                           f"{where}: precision")  # a part one of the two runs has not (fp16's scaler) is not loaded
+        # a part one of the two runs has not (fp16's scaler) is not loaded
+        _check_shared_keys(state.get("precision", {}), precision.state_dict() if precision is not None else {},
+                           f"{where}: precision")
         if self.extras:
             sharded_state.like(state.get("extras"), {k: v.state_dict() for k, v in self.extras.items()},
                                f"{where}: extras")
 
 
-def _check_optimizer(saved: dict[str, Any], optimizer, where: str) -> None:
+def _check_optimizer(saved: dict[str, Any], optimizer, where: str, hint: str) -> None:
     """An optimizer state torch's load_state_dict can take for `optimizer`: its groups like this run's, and the
     state of each parameter a step count and moments of its shape. (This run's own state cannot be compared: a
     fresh optimizer has none until its first step.)"""
     expected = optimizer.state_dict()
     if set(saved) != set(expected) or type(saved["state"]) is not dict:
-        raise UserError(f"{where}: must hold {' and '.join(expected)} as torch writes them: damaged or crafted")
-    groups = saved["param_groups"]
-    if type(groups) is not list or len(groups) != len(expected["param_groups"]) or any(type(g) is not dict
-                                                                                    for g in groups):
-        raise UserError(f"{where}: param_groups must be {len(expected['param_groups'])} dicts, as this run's: damaged "
-                        "or from another optimizer setup")
-    for i, (group, mine) in enumerate(zip(groups, expected["param_groups"])):
-        # Keys this run's groups have not: a fresh optimizer's yet (lamb's "step", set by its first step), or another
-        # torch version's options: plain values, which this optimizer does not read
-        if not all(_step_count(v) or v is None or type(v) in (bool, int, float, str) for k, v in group.items()
-                   if k not in mine):
+        raise UserError(f"{where}: must hold {' and '.join(expected)} as torch writes them: damaged or crafted; "
+                        f"{hint}")
+    _check_groups(saved["param_groups"], expected["param_groups"], where, hint)
+    _check_param_states(saved, optimizer, where, hint)
+
+
+def _check_groups(groups: Any, mine: list[dict[str, Any]], where: str, hint: str) -> None:
+    """The saved param_groups, as many dicts as this run's `mine`, each like its own on the keys both have: a key
+    one torch version adds to a group (and fills in when it loads an older state, as its optimizers' __setstate__
+    do) must not make a run saved under the other unresumable. Under a key this run's group has not, a fresh
+    optimizer's yet (lamb's "step", set by its first step) or another torch version's option: a step count or a
+    plain value, which this optimizer does not read."""
+    if type(groups) is not list or len(groups) != len(mine) or any(type(g) is not dict for g in groups):
+        raise UserError(f"{where}: param_groups must be {len(mine)} dicts, as this run's: damaged or from another "
+                        f"optimizer setup; {hint}")
+    for i, (group, own) in enumerate(zip(groups, mine)):
+        if not all(_step_count(v) or _plain(v) for k, v in group.items() if k not in own):
             raise UserError(f"{where}: param_groups[{i}] holds a value that is neither a step count nor a plain "
-                            "option under a key this run has not: damaged or crafted")
-        # The keys both have, alike: a key one torch version adds to a group (and fills in when it loads an older
-        # state, as its optimizers' __setstate__ do) must not make a run saved under the other unresumable
-        sharded_state.like({k: group[k] for k in mine if k in group}, {k: mine[k] for k in group if k in mine},
-                           f"{where}.param_groups[{i}]")
-    # Saved ids to this run's parameters, as torch's Optimizer.load_state_dict pairs them
-    params = dict(zip(itertools.chain.from_iterable(g["params"] for g in saved["param_groups"]),
-                      itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
+                            f"option under a key this run has not: damaged or crafted; {hint}")
+        _check_shared_keys(group, own, f"{where}.param_groups[{i}]")
+
+
+def _check_param_states(saved: dict[str, Any], optimizer, where: str, hint: str) -> None:
+    """Each saved parameter state belongs to a parameter of the groups (saved ids paired with this run's
+    parameters in order, as torch's Optimizer.load_state_dict pairs them) and holds a step count under "step" and
+    a moment of its parameter's shape under any other name."""
+    saved_ids = itertools.chain.from_iterable(g["params"] for g in saved["param_groups"])
+    params = dict(zip(saved_ids, itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)))
     for pid, entry in saved["state"].items():
         if pid not in params or type(entry) is not dict:
             raise UserError(f"{where}: state of {str(pid)[:40]}, which is no parameter of its groups: damaged or "
-                            "crafted")
+                            f"crafted; {hint}")
         for name, value in entry.items():
-            if not (_step_count(value) if name == "step" else _moment(value, params[pid])):
-                raise UserError(f"{where}: state {pid}.{str(name)[:40]} is not "
-                                f"{'a step count' if name == 'step' else 'a tensor of its parameter shape'}: "
-                                "damaged or crafted")
+            if name == "step":
+                ok, kind = _step_count(value), "a step count"
+            else:
+                ok, kind = _moment(value, params[pid]), "a tensor of its parameter shape"
+            if not ok:
+                raise UserError(f"{where}: state {pid}.{str(name)[:40]} is not {kind}: damaged or crafted; {hint}")
 
 
-# The state of every --optimizer and of Lookahead: "step", a count (a 0-d tensor, or a number torch converts), and
-# moments of the parameter's shape. (A factored optimizer, Adafactor's rows and columns, would need its shapes here.)
+def _check_shared_keys(saved: dict[str, Any], mine: dict[str, Any], where: str) -> None:
+    """`saved` like `mine` (sharded_state.like) on the keys both have; a key only one of them has is not compared."""
+    shared = [k for k in saved if k in mine]
+    sharded_state.like({k: saved[k] for k in shared}, {k: mine[k] for k in shared}, where)
+
+
 def _step_count(value: Any) -> bool:
+    """A step count, as every --optimizer and Lookahead keep under "step": a 0-d tensor, or a number torch
+    converts, in [0, MAX_COUNTER]."""
     if isinstance(value, torch.Tensor):
         if value.dim() != 0 or value.dtype == torch.bool or value.is_complex():
             return False
@@ -304,7 +319,14 @@ def _step_count(value: Any) -> bool:
 
 
 def _moment(value: Any, param: torch.Tensor) -> bool:
+    """A moment of `param`, as every --optimizer and Lookahead keep beside the step: a float tensor of its shape.
+    (A factored optimizer, Adafactor's rows and columns, would need its shapes here.)"""
     return isinstance(value, torch.Tensor) and value.shape == param.shape and value.is_floating_point()
+
+
+def _plain(value: Any) -> bool:
+    """A plain option value (None, a bool, a number or a string)."""
+    return value is None or type(value) in (bool, int, float, str)
 
 
 def _check_same_step(weights: Path, step: int) -> None:
