@@ -12,11 +12,10 @@ the file and the field.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from torchcls.bounded_json import JsonBounds, load_bounded
-from torchcls.data.preprocess import INTERPOLATIONS, Preprocess, check_input
+from torchcls.data.preprocess import INTERPOLATIONS, Preprocess, check_input, int_in, number_in
 from torchcls.errors import UserError
 from torchcls.models.registry import MAX_CLASSES, spec_from_dict
 from torchcls.tasks import MULTICLASS, MULTILABEL
@@ -81,7 +80,7 @@ def _config(value: Any, where: str) -> dict[str, Any]:
 
 
 def _counter(value: Any, name: str, where: str) -> int:
-    if not _int_in(value, 0, MAX_COUNTER):
+    if not int_in(value, 0, MAX_COUNTER):
         raise UserError(f"{where}: the checkpoint's {name} must be an integer in [0, {MAX_COUNTER:,}]")
     return value
 
@@ -89,16 +88,7 @@ def _counter(value: Any, name: str, where: str) -> int:
 def check_thresholds(value: Any, num_classes: int, where: str) -> list[float] | None:
     if value is None:
         return None
-    if not isinstance(value, list) or len(value) != num_classes or not all(_number_in(t, 0, 1) for t in value):
+    if not isinstance(value, list) or len(value) != num_classes or not all(number_in(t, 0, 1) for t in value):
         raise UserError(f"{where}: the thresholds must be {num_classes} numbers in [0, 1], one a label")
     return [float(t) for t in value]
-
-
-def _int_in(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _number_in(value: Any, low: float, high: float) -> bool:
-    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            and low <= value <= high)
 

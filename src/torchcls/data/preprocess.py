@@ -74,7 +74,7 @@ class PretrainedInput:
         or a folder's config.json, as anyone wrote it. `source`: the hub name or folder, for the message."""
         where = f"--pretrained {source}: its pretrained config's"
         size, interpolation = data_config.get("input_size"), data_config.get("interpolation", "bilinear")
-        if not (isinstance(size, (list, tuple)) and len(size) == 3 and _int_in(size[1], 1, MAX_IMG_SIZE)):
+        if not (isinstance(size, (list, tuple)) and len(size) == 3 and int_in(size[1], 1, MAX_IMG_SIZE)):
             raise UserError(f"{where} input_size must be [channels, height, width] with each side an integer in "
                             f"[1, {MAX_IMG_SIZE}], got {_shown(size)}: refused before anything was built")
         if not isinstance(interpolation, str):
@@ -93,31 +93,33 @@ def check_input(value: dict[str, Any], in_chans: int | None, where: str, names: 
     starts the message (the file or source); `names`: what the source calls a field, if not its own name."""
     name = {"img_size": "img_size", "channels": "channels", **(names or {})}
     size, channels, mean, std = (value.get(k) for k in ("img_size", "channels", "mean", "std"))
-    if not _int_in(size, 1, MAX_IMG_SIZE):
+    if not int_in(size, 1, MAX_IMG_SIZE):
         raise UserError(f"{where} {name['img_size']} must be an integer in [1, {MAX_IMG_SIZE}], got {_shown(size)}")
-    if not _int_in(channels, 1, MAX_IN_CHANS) or channels != (in_chans or channels):
+    if not int_in(channels, 1, MAX_IN_CHANS) or channels != (in_chans or channels):
         raise UserError(f"{where} {name['channels']} must be the model's {in_chans or f'1 to {MAX_IN_CHANS}'} input "
                         f"channels, got {_shown(channels)}")
     if not (_numbers(mean, channels) and _numbers(std, channels) and all(s > 0 for s in std)):
         raise UserError(f"{where} mean and std must hold {channels} finite number(s) each in [-{MAX_STAT:g}, "
                         f"{MAX_STAT:g}], std > 0, got {_shown(mean)} and {_shown(std)}")
-    if not _number_in(value.get("crop_pct"), *CROP_PCT):
+    if not number_in(value.get("crop_pct"), *CROP_PCT):
         raise UserError(f"{where} crop_pct must be a number in [{CROP_PCT[0]}, {CROP_PCT[1]}] (the image is resized "
                         f"to img_size / crop_pct), got {_shown(value.get('crop_pct'))}")
 
 
-def _int_in(value: Any, low: int, high: int) -> bool:
+def int_in(value: Any, low: int, high: int) -> bool:
+    """`value` is an int (not a bool) in [low, high]: a check for numbers read from a file."""
     return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
 
 
-def _number_in(value: Any, low: float, high: float) -> bool:
+def number_in(value: Any, low: float, high: float) -> bool:
+    """`value` is a finite int or float (not a bool) in [low, high]: a check for numbers read from a file."""
     return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             and low <= value <= high)
 
 
 def _numbers(value: Any, n: int) -> bool:
     return (isinstance(value, (list, tuple)) and len(value) == n
-            and all(_number_in(v, -MAX_STAT, MAX_STAT) for v in value))
+            and all(number_in(v, -MAX_STAT, MAX_STAT) for v in value))
 
 
 def _shown(value: Any) -> str:
