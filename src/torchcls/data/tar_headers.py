@@ -1,8 +1,9 @@
 """Tar header chains checked before `tarfile` parses them (shards.py opens and walks every shard through this).
 
-One pass over each member's header chain, before tarfile parses it: tarfile reads an extension header's whole declared size (a GNU long name declaring 2^40 bytes: read(2^40), a
-MemoryError), searches pax headers with regexes quadratic in their length (CVE-2024-6232 in Python < 3.11.10:
-32 KiB of digits took 1 s), and chains extension headers by recursion. Shard writers (torchcls, webdataset,
+One pass over each member's header chain, before tarfile parses it: tarfile reads an extension header's
+whole declared size (a GNU long name declaring 2^40 bytes: read(2^40), a MemoryError), searches pax headers
+with regexes quadratic in their length (CVE-2024-6232 in Python < 3.11.10: 32 KiB of digits took 1 s), and
+chains extension headers by recursion. Shard writers (torchcls, webdataset,
 tarfile, GNU tar) write at most a pax header (a long or non-ASCII name, a float mtime: tens of bytes to a few
 KiB) or a GNU long name and link name before a member, and never a sparse member.
 """
@@ -17,8 +18,8 @@ from torchcls.errors import UserError
 
 MAX_TAR_EXTENSION_BYTES = 64 << 10  # one pax or GNU long-name header's data (a path is at most 4 KiB)
 MAX_TAR_EXTENSIONS = 8  # extension headers before one member (real tars: at most 3: a first 'g', then 'x' or 'L' + 'K')
-MAX_PAX_DIGITS = 32  # the longest run of digits in a pax header (its numbers have at most 20): what makes its
-# regex quadratic
+# The longest run of digits in a pax header (its numbers have at most 20): long runs make tarfile's regex quadratic
+MAX_PAX_DIGITS = 32
 # Records in one pax header: tarfile keeps each member's records (a dict) as long as the TarFile, and applies the
 # global ones ('g', allowed only as the archive's first header, as git archive writes it) to every member after.
 # Real ones hold a path, times, ids, names and a few xattrs.
@@ -68,8 +69,8 @@ def check_member_headers(f: BinaryIO, offset: int, file_size: int, shard: Path |
             return
         if size > MAX_TAR_EXTENSION_BYTES:
             raise UserError(f"{where} is a {_EXTENSIONS[kind]} of {size:,} bytes, more than the "
-                            f"{MAX_TAR_EXTENSION_BYTES:,} read (tar_headers.MAX_TAR_EXTENSION_BYTES; real ones hold a name "
-                            "of a few KiB at most); re-write the shard (torchcls data shard)")
+                            f"{MAX_TAR_EXTENSION_BYTES:,} read (tar_headers.MAX_TAR_EXTENSION_BYTES; real ones hold a "
+                            "name of a few KiB at most); re-write the shard (torchcls data shard)")
         if kind == b"g" and offset:
             raise UserError(f"{where} is a {_EXTENSIONS[kind]} after the first member (its records would apply to "
                             "every member after it; writers put one first, if any); re-write the shard "
