@@ -103,7 +103,8 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     path = resolve_checkpoint(checkpoint)
     model, meta = load_model(path)
     train_cfg = Config.recorded(meta.config, origin=f"{path} metadata")
-    data_cfg: DataConfig = replace(train_cfg.data, on_bad_file=on_bad_file)
+    train_data: DataConfig = replace(train_cfg.data, on_bad_file=on_bad_file)  # early exits calibrate on it
+    data_cfg = train_data
     if data is not None:  # other data: the training run's --val-data does not apply to it
         data_cfg = replace(data_cfg, source=data, root=root, val_data=None)
     elif root is not None:
@@ -117,7 +118,7 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
     check_task(meta.task, images.targets, images.origin or data_cfg.source)
     dataset = _align_classes(dataset, images, meta.classes, data_cfg.source)
     loader = make_loader(dataset, batch_size, workers, shuffle=False)
-    exits = _early_exit_setup(model, meta, replace(train_cfg.data, on_bad_file=on_bad_file), train_cfg.train.seed, resolve_device(device), batch_size,
+    exits = _early_exit_setup(model, meta, train_data, train_cfg.train.seed, resolve_device(device), batch_size,
                               workers, threshold, target_accuracy, target_compute)
 
     with tempfile.TemporaryDirectory(prefix="torchcls-eval-") as tmp:  # files skipped while decoding
