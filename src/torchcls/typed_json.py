@@ -23,6 +23,21 @@ SHA256_PATTERN = r"^[0-9a-f]{64}$"
 FAIL_FAST_TYPES = frozenset({"list", "dict", "tuple", "set", "frozenset", "deque", "generator"})
 
 
+class SchemaMismatch(UserError):
+    """A value of another shape than its schema (`check`), as against a file that could not be read or parsed:
+    readers that take a record of another shape as absent catch this one only."""
+
+
+def __getattr__(name: str) -> Any:
+    # NonNegative = Annotated[int, Field(ge=0)] (counts, sizes, sequence numbers), built on first use so that
+    # importing this module leaves pydantic unloaded (~60 ms), as sha256_type does
+    if name == "NonNegative":
+        from pydantic import Field
+
+        return Annotated[int, Field(ge=0)]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def sha256_type() -> Any:
     """A lowercase hex SHA-256 digest, as a schema field type."""
     from pydantic import StringConstraints
@@ -57,8 +72,8 @@ def _fail_fast(node: Any) -> None:
 def check(value: Any, schema: Any, where: str, hint: str = "",
           cause: str = "so it was not written by torchcls or was damaged") -> Any:
     """`value` itself when it matches `schema` (a TypedDict, or any type pydantic can validate), else a
-    UserError: "`where`: field a.b: what it should be (got T), `cause`", then `hint` (the fix), when given.
-    `cause`: what a mismatch says of the file (another for files torchcls does not write)."""
+    SchemaMismatch (a UserError): "`where`: field a.b: what it should be (got T), `cause`", then `hint` (the
+    fix), when given. `cause`: what a mismatch says of the file (another for files torchcls does not write)."""
     from pydantic_core import ValidationError
 
     try:
@@ -67,6 +82,6 @@ def check(value: Any, schema: Any, where: str, hint: str = "",
         first = e.errors(include_url=False)[0]
         field = ".".join(str(p) for p in first["loc"]) or "the top level"
         got = type(first.get("input")).__name__ if first["type"] != "missing" else "nothing"
-        raise UserError(f"{where}: {field}: {first['msg'].lower()} (got {got}), {cause}"
+        raise SchemaMismatch(f"{where}: {field}: {first['msg'].lower()} (got {got}), {cause}"
                         f"{'; ' + hint if hint else ''}") from None
     return value

@@ -33,7 +33,7 @@ from torchcls.data.tar_headers import check_member_headers
 from torchcls.errors import UserError
 from torchcls.io_files import check_regular, open_regular, read_bytes
 from torchcls.made_dirs import make_dir, remove_made
-from torchcls.typed_json import check, sha256_type
+from torchcls.typed_json import NonNegative, check, sha256_type
 
 if TYPE_CHECKING:
     from torchcls.data.sources import ImageSet
@@ -87,7 +87,6 @@ class ShardSet:
 # index.json, typed as write_shards writes it and checked right after its bounded parse: class_counts sizes the
 # --class-weights tensor, samples len(loader) and the schedule, channels and image_size the model's input, and each
 # name is joined to the index's folder (a plain .tar name: no '/', no '..', not absolute, so it names a file there).
-Count = Annotated[int, Field(ge=0)]
 ShardName = Annotated[str, StringConstraints(pattern=r"^[^/\\\x00]+\.tar$", max_length=255)]
 Channels = Annotated[int, Field(ge=INT_RANGES[("data", "channels")][0], le=INT_RANGES[("data", "channels")][1])]
 Side = Annotated[int, Field(ge=INT_RANGES[("data", "img_size")][0], le=INT_RANGES[("data", "img_size")][1])]
@@ -104,13 +103,13 @@ class ShardIndex(TypedDict):
     format: str
     shards: Annotated[list[IndexedShard], Field(min_length=1, max_length=MAX_SHARD_FILES)]
     classes: list[str]
-    class_counts: NotRequired[list[Count]]  # of len(classes), summing to the samples (_check_counts)
+    class_counts: NotRequired[list[NonNegative]]  # of len(classes), summing to the samples (_check_counts)
     channels: NotRequired[Channels | None]  # None: 3
     image_size: NotRequired[Side | None]  # None: images of any size
     source: NotRequired[str | None]
     skipped: NotRequired[list[Annotated[list[str], Field(min_length=2, max_length=2)]]]  # [file, why]
     version: NotRequired[int]
-    num_samples: NotRequired[Count]
+    num_samples: NotRequired[NonNegative]
     shuffled: NotRequired[bool]
     seed: NotRequired[int]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, Field
+from pydantic import AfterValidator
 from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, load_bounded
@@ -28,7 +28,7 @@ from torchcls.governance.vocab import CONFORMS_TO, CONTEXT, check_tags, legal_ba
 from torchcls.io_files import read_bytes
 from torchcls.provenance.digest import canonical_json, merkle_root, sha256_bytes, sha256_json
 from torchcls.suggest import data_names, did_you_mean
-from torchcls.typed_json import check, sha256_type
+from torchcls.typed_json import NonNegative, check, sha256_type
 
 MAX_MANIFEST_BYTES = 512 << 20  # a record is ~300 bytes: over a million files; parsed whole, so bounded first
 # A record is ~6 values in ~300 bytes (indent 1): 512 MiB of records is ~11M values. The bound keeps the
@@ -47,23 +47,22 @@ def _date(text: str) -> str:
 
 
 IsoDate = Annotated[str, AfterValidator(_date)]
-Size = Annotated[int, Field(ge=0)]
 # A manifest's types, declared once: the user's --data-manifest (load_manifest) and the store beside the audit log
 # (verify, lineage --file, a run reusing a stored manifest) are all parsed through parse_manifest_json, which
 # checks them; the policy, verify's re-hash and isolation then index fields of the types stated here. Keys a
 # schema does not name pass through (Croissant's @context, conformsTo, ...).
 ManifestRecord = TypedDict("ManifestRecord", {
-    "@id": str, "sha256": sha256_type(), "contentSize": Size,
+    "@id": str, "sha256": sha256_type(), "contentSize": NonNegative,
     "contentUrl": NotRequired[str],  # (a built-in set's samples have none: they are named by content)
     "label": NotRequired[str | None], "tags": NotRequired[list[str]], "dpv:hasJurisdiction": NotRequired[str | None],
     "split": NotRequired[str]})
 Distribution = TypedDict("Distribution", {  # a FileObject (hashed, with contentUrl) or a FileSet
     "@type": NotRequired[str], "@id": NotRequired[str], "name": NotRequired[str], "contentUrl": NotRequired[str],
-    "sha256": NotRequired[sha256_type()], "contentSize": NotRequired[Size], "encodingFormat": NotRequired[str],
+    "sha256": NotRequired[sha256_type()], "contentSize": NotRequired[NonNegative], "encodingFormat": NotRequired[str],
     "includes": NotRequired[str], "tc:shardIndex": NotRequired[dict[str, Any]]})
 Manifest = TypedDict("Manifest", {
     "tc:records": list[ManifestRecord], "tc:merkleRoot": sha256_type(), "tc:source": str, "tc:root": str,
-    "tc:recordCount": NotRequired[Size], "tc:packed": NotRequired[bool],
+    "tc:recordCount": NotRequired[NonNegative], "tc:packed": NotRequired[bool],
     "distribution": NotRequired[list[Distribution]], "@type": NotRequired[str], "name": NotRequired[str | None],
     "description": NotRequired[str | None], "license": NotRequired[str | None],
     "url": NotRequired[str | None], "dateCreated": NotRequired[IsoDate], "expires": NotRequired[IsoDate | None],

@@ -5,18 +5,14 @@ hook redacted are withheld (and counted), never written."""
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from torchcls import run_files
-from torchcls.bounded_json import load_bounded
 from torchcls.governance.hooks import Hook, OutputItem, SampleInfo, run_output_hooks
-from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.run_files import replace_file, write_text_atomic
-from torchcls.training.rundir import RUN_RECORD, SkippedFiles
-from torchcls.typed_json import check
+from torchcls.training.rundir import read_skipped
 
 
 def sample_grid(load: Callable[[int], Any], info: Callable[[int], SampleInfo], label: Callable[[int], str],
@@ -83,11 +79,7 @@ def redact_skipped(path: Path, lookup: Callable[[str], SampleInfo | None], hooks
                    extra: list[tuple[SampleInfo, str]]) -> int:
     """Rewrite skipped_files.json so restricted samples' file names pass the output hooks; returns
     how many names were redacted or withheld."""
-    data = {"skipped_files": []}
-    if os.path.lexists(path):
-        data = check(load_bounded(run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="skipped_files.json"),
-                                  RUN_RECORD, str(path)), SkippedFiles, str(path))  # (the resume checked it too)
-    entries: list[dict[str, Any]] = data.get("skipped_files", [])
+    entries = read_skipped(path)  # (the resume checked it too)
     entries += [{"file": s.id, "reason": reason, "_info": s} for s, reason in extra]
     out, changed = [], 0
     for e in entries:

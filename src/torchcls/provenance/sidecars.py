@@ -13,9 +13,8 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, NotJson, load_bounded
@@ -25,20 +24,19 @@ from torchcls.errors import UserError
 from torchcls.io_files import read_bytes, regular_path
 from torchcls.provenance.digest import looks_like_sha256, sha256_file
 from torchcls.provenance.lineage import AuditLog, record_hash
-from torchcls.typed_json import check, sha256_type
+from torchcls.typed_json import NonNegative, check, sha256_type
 
 LINEAGE_KEY = "torchcls.lineage"
 SIDECAR_BYTES = 1 << 20  # a sidecar is a JSON object of a few hundred bytes
 # A lineage (sidecar, lineage.json, or a checkpoint's torchcls.lineage metadata value): run id, audit log, policy,
 # outputs, chain head, artifact id: a few dozen values. Paths are strings of at most 4,096 characters.
 LINEAGE_BOUNDS = JsonBounds(max_bytes=SIDECAR_BYTES, max_values=10_000, max_depth=8, max_str=4096)
-Seq = Annotated[int, Field(ge=0)]  # an audit record's sequence number
 
 
 class Pin(TypedDict):
     """An audit record's hash kept outside the log (governance/anchors.py)."""
 
-    seq: Seq
+    seq: NonNegative
     hash: sha256_type()
 
 
@@ -62,7 +60,7 @@ class Lineage(TypedDict):
     policy: NotRequired[PolicyRef]
     signer: NotRequired[str]
     key_id: NotRequired[str]
-    record_seq: NotRequired[Seq]  # lineage.json: the run record it pins
+    record_seq: NotRequired[NonNegative]  # lineage.json: the run record it pins
     record_hash: NotRequired[sha256_type()]
 
 

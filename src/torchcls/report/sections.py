@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from torchcls import run_files
+from torchcls.bounded_json import NotJson
 from torchcls.errors import UserError
 from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.report import plots
 from torchcls.report.htmlkit import esc, fmt, img, kpis, table
-from torchcls.training.rundir import SkippedFiles, parse_record, read_metrics
-from torchcls.typed_json import check
+from torchcls.training.rundir import parse_record, read_metrics, read_skipped
 
 Render = Callable[[Path], "str | None"]
 
@@ -127,9 +127,10 @@ def class_count(run_dir: Path) -> int | None:
 
 
 def _skipped(path: Path, title: str) -> str:
-    data = read_json(path)
-    skipped = check(data, SkippedFiles, str(path), hint="take the run dir again, or remove the file to make the "
-                    "report without it").get("skipped_files", []) if data else []
+    try:
+        skipped = read_skipped(path, hint="take the run dir again, or remove the file to make the report without it")
+    except (OSError, NotJson):  # as read_json: a record that cannot be read or was cut short shows nothing
+        return ""
     if not skipped:
         return ""
     return f"<h3>{title} ({len(skipped)})</h3>" + table(["file", "reason"], [[s["file"], s["reason"]] for s in skipped])

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from typing_extensions import TypedDict
 
-from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds
 from torchcls.checkpoint.files import atomic_write
 from torchcls.config import Config
 from torchcls.data.device_decode import decode_on_device, device_loader, why_not
@@ -30,12 +30,12 @@ from torchcls.data.loaders import Transformed, build_transform, needed_side, res
 from torchcls.data.sampling import balanced_weights, epoch_seed
 from torchcls.data.shard_data import ShardBundle
 from torchcls.errors import UserError
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.training import sharding
 from torchcls.training.distributed import Session
-from torchcls.typed_json import check
+from torchcls.training.rundir import read_checked
 
-# checkpoints/loader-state-<rank>.json of a shards run: the step and the loader's position, plus the
+# checkpoints/loader.rank{N}.json of a shards run: the step and the loader's position, plus the
 # (file, reason) pairs it skipped this epoch; compact JSON (>= 2 bytes a value), read back on --resume.
 LOADER_STATE = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=SMALL_JSON_BYTES // 2, max_depth=8, max_str=1 << 16)
 
@@ -102,8 +102,8 @@ class Feed:
         path = _state_file(checkpoints, rank)
         if self.kind != "shards" or not path.is_file():
             return
-        saved = load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="loader state"), LOADER_STATE, str(path))
-        check(saved, SavedLoader, str(path), f"delete {path} to resume without it, or start the run over")
+        saved = read_checked(path, LOADER_STATE, SavedLoader, "loader state",
+                             hint=f"delete {path} to resume without it, or start the run over")
         if saved["step"] == step:  # else the checkpoint is newer than the state: replay instead
             self.train.load_state_dict(saved["loader"], where=str(path))  # (its fields checked there, streaming.py)
             self._restored = True

@@ -8,9 +8,8 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, NotJson, load_bounded
@@ -20,10 +19,10 @@ from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.io_errors import WRITE_ERRNOS, WriteError, os_error_of
-from torchcls.io_files import SMALL_JSON_BYTES, open_regular, read_text
+from torchcls.io_files import SMALL_JSON_BYTES, open_regular, read_bytes, read_text
 from torchcls.made_dirs import MadeDir, make_dir, move_aside, remove_made
-from torchcls.run_files import append_text, read_bytes, refuse_link, sub_dir, write_text_atomic
-from torchcls.typed_json import check
+from torchcls.run_files import append_text, refuse_link, sub_dir, write_text_atomic
+from torchcls.typed_json import NonNegative, check
 
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}  # errors only a write can meet
 
@@ -163,15 +162,14 @@ MAX_METRICS_BYTES = 1 << 30
 RUN_RECORD = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=4_000_000, max_depth=32, max_str=1 << 20,
                         allow_nonfinite=True)
 MAX_METRICS_VALUES = 10_000_000  # in all lines together, counted before each is parsed
-Count = Annotated[int, Field(ge=0)]
 
 
 class MetricsRecord(TypedDict, total=False):
     """The fields of a metrics.jsonl record that torchcls reads back (resume, early stop, the report, governance,
     tracking): compared, summed or formatted as numbers. Other fields pass unchecked (only shown)."""
     kind: str
-    step: Count
-    epoch: Count
+    step: NonNegative
+    epoch: NonNegative
     loss: float  # (NaN where the loss diverged)
     lr: float
     train_loss: float
@@ -185,7 +183,7 @@ class MetricsRecord(TypedDict, total=False):
     epoch_s: float
     best: str
     best_top1: float
-    patience: Count
+    patience: NonNegative
 
 
 def parse_record(data: bytes, where: str, bounds: JsonBounds = RUN_RECORD) -> Any | None:
@@ -201,7 +199,7 @@ class SkippedFile(TypedDict):
     file: str
     reason: str
     stage: NotRequired[str]
-    times: NotRequired[Count]
+    times: NotRequired[NonNegative]
 
 
 class SkippedFiles(TypedDict, total=False):
@@ -210,16 +208,31 @@ class SkippedFiles(TypedDict, total=False):
     skipped_files: list[SkippedFile]
 
 
+def read_checked(path: Path, bounds: JsonBounds, schema: Any, what: str, hint: str = "", *,
+                 follow_symlinks: bool = False) -> Any:
+    """The small JSON file `path` (`what`: at most SMALL_JSON_BYTES), parsed under `bounds` and checked against
+    `schema`, its errors naming `path` (`hint`: the fix). Raises OSError where it cannot be opened (absent),
+    NotJson where it is not JSON, SchemaMismatch where a field is of another type, and a UserError past a bound
+    or for a link (followed only with `follow_symlinks`: a file outside a run dir). Each caller says which of
+    these it takes as a miss."""
+    data = read_bytes(path, max_bytes=SMALL_JSON_BYTES, what=what, follow_symlinks=follow_symlinks)
+    return check(load_bounded(data, bounds, str(path)), schema, str(path), hint=hint)
+
+
+def read_skipped(path: Path, hint: str = "remove it: the files a run leaves out are listed in it again when the "
+                 "run ends") -> list[dict[str, Any]]:
+    """The entries of skipped_files.json (or of eval.json's list), [] where there is no such file; a UserError
+    where it is not JSON of `SkippedFiles`' shape. The resume, governance and the report read it here."""
+    if not os.path.lexists(path):
+        return []
+    return read_checked(path, RUN_RECORD, SkippedFiles, path.name, hint).get("skipped_files", [])
+
+
 def check_skipped_files(run_dir: Path) -> None:
     """On resume, before any work: the run's skipped_files.json (where it has one) is JSON of `SkippedFiles`' shape,
     else a UserError. Where the resumed run skips no file, the file it came with is the one governance rewrites
     after the last epoch: of another shape, that failed there, and the run's governance record was lost."""
-    path = run_dir / "skipped_files.json"
-    if os.path.lexists(path):
-        where = str(path)
-        check(load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="skipped_files.json"), RUN_RECORD, where),
-              SkippedFiles, where,
-              hint="remove it: the files a run leaves out are listed in it again when the run ends")
+    read_skipped(run_dir / "skipped_files.json")
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

@@ -36,13 +36,14 @@ import torch
 from torch import nn
 from typing_extensions import NotRequired, TypedDict
 
-from torchcls.bounded_json import JsonBounds, load_bounded
+from torchcls.bounded_json import JsonBounds
 from torchcls.errors import UserError
-from torchcls.io_files import SMALL_JSON_BYTES, read_bytes
+from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.machine import CpuActivity
 from torchcls.models.parts import is_convnet
 from torchcls.precision.hardware import PrecisionChoice
 from torchcls.precision.training import PRECISIONS
+from torchcls.training.rundir import read_checked
 from torchcls.typed_json import check
 
 TRIAL_ROUNDS = (3, 9)  # timed steps per candidate (fewest, most), interleaved (A B A B ...), after one warm-up
@@ -151,11 +152,10 @@ def cache_path() -> Path:
 def cached(key: str) -> dict | None:
     """The cache's entry for `key`; None where there is none, or the cache (or the entry) is damaged: the step is
     then timed again, as with no cache."""
-    try:
-        entry = load_bounded(read_bytes(cache_path(), max_bytes=SMALL_JSON_BYTES, what="step-choice cache"), CACHE,
-                             str(cache_path())).get(key)
+    try:  # (the cache may be reached through a link: it is the user's own, not a received run dir's)
+        entry = read_checked(cache_path(), CACHE, dict, "step-choice cache", follow_symlinks=True).get(key)
         return None if entry is None else check(entry, StepRecord, f"{cache_path()}: {key}")
-    except (OSError, ValueError, AttributeError, UserError):
+    except (OSError, ValueError, UserError):
         return None
 
 
@@ -167,8 +167,8 @@ def remember(key: str, entry: dict) -> None:
         with open(path.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             try:
-                table = load_bounded(read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="step-choice cache"), CACHE,
-                                     str(path)) if path.exists() else {}
+                table = read_checked(path, CACHE, dict, "step-choice cache", follow_symlinks=True) \
+                    if path.exists() else {}
             except (ValueError, UserError):  # a damaged cache (or no regular file) is started again
                 table = {}
             table[key] = entry
@@ -185,9 +185,8 @@ def cache_key(**parts) -> str:
 
 def read_state(state: Path) -> dict[str, Any]:
     """A resumed run's step_choice.json, or a UserError naming the field that is not what torchcls writes."""
-    record = load_bounded(read_bytes(state, max_bytes=SMALL_JSON_BYTES, what="step choice record"), RECORD, str(state))
-    return check(record, StepRecord, str(state), hint="remove it to choose the training step again (the run then "
-                 "trains in the precision and layout chosen now)")
+    return read_checked(state, RECORD, StepRecord, "step choice record", hint="remove it to choose the training "
+                        "step again (the run then trains in the precision and layout chosen now)")
 
 
 def from_record(record: dict, how: str) -> StepChoice:

@@ -106,6 +106,7 @@ def read_record(path: Path) -> dict[str, Any]:
     resume acts on (`MachineRecord`) is of another type or past its range."""
     if not path.is_file() and not path.is_symlink():
         return {}
+    # (not rundir.read_checked: JSON it cannot parse, within bounds or not, is named as no machine record)
     data = run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="machine.json")
     try:
         record = load_bounded(data, MACHINE_RECORD, str(path))

@@ -31,16 +31,15 @@ from urllib.parse import urlparse
 from typing_extensions import TypedDict
 
 from torchcls import run_files
-from torchcls.bounded_json import JsonBounds
+from torchcls.bounded_json import JsonBounds, NotJson
 from torchcls.config import Config
 from torchcls.console import console
 from torchcls.errors import UserError
 from torchcls.extras import missing_extra
-from torchcls.io_files import SMALL_JSON_BYTES
 from torchcls.made_dirs import MadeDir, make_dirs, remove_made
 from torchcls.run_files import write_text_atomic
-from torchcls.training.rundir import parse_record
-from torchcls.typed_json import check
+from torchcls.training.rundir import read_checked
+from torchcls.typed_json import SchemaMismatch
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
 TRACKING_RECORD = JsonBounds(max_bytes=64 << 10, max_values=64, max_depth=2, max_str=8192)  # {uri, experiment_id, run_id}
@@ -173,16 +172,11 @@ def _read_tracking_file(run_dir: Path) -> dict[str, Any]:
     """tracking.json, or {} where it is absent, unreadable, not JSON or not of `TrackingRecord`'s shape: it only
     names the MLflow run to continue, and a resume without it logs to a new MLflow run (said in one line)."""
     path = run_dir / TRACKING_FILE
-    try:
-        data = run_files.read_bytes(path, max_bytes=SMALL_JSON_BYTES, what="tracking record")
-    except OSError:
+    try:  # (past its bounds or a link: a UserError, as for every record of a run dir)
+        return read_checked(path, TRACKING_RECORD, TrackingRecord, "tracking record")
+    except (OSError, NotJson):
         return {}
-    record = parse_record(data, str(path), TRACKING_RECORD)  # (past its bounds: a UserError, as before)
-    if record is None:
-        return {}
-    try:
-        return check(record, TrackingRecord, str(path))
-    except UserError as e:
+    except SchemaMismatch as e:
         console.print(f"[yellow]tracking: {e}; logging the resumed run as a new MLflow run[/]", highlight=False)
         return {}
 
