@@ -38,9 +38,10 @@ def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: s
 @dataclass
 class DataConfig:
     source: str = opt("mnist-5k", "built-in data set (mnist-5k, fashion-mnist), an ImageFolder directory (one "
-                      "folder per class, or train/ val/ test/ folders), a CSV manifest with columns path,label[,split], "
-                      "WebDataset shards (a folder from `torchcls data shard`, or a brace pattern such as "
-                      "'shards/train-{000000..000009}.tar'), or hf:PATH (a local Hugging Face dataset)", flag="data")
+                      "folder per class, or train/ val/ test/ folders), a CSV manifest with columns "
+                      "path,label[,split], WebDataset shards (a folder from `torchcls data shard`, or a brace "
+                      "pattern such as 'shards/train-{000000..000009}.tar'), or hf:PATH (a local Hugging Face "
+                      "dataset)", flag="data")
     root: str | None = opt(None, "directory of the fashion-mnist IDX files (default: the Debian package's "
                            "/usr/share/datasets/fashion-mnist); for a CSV, the base of relative paths "
                            "(default: the CSV's folder)")

@@ -83,5 +83,5 @@ def check(value: Any, schema: Any, where: str, hint: str = "",
         field = ".".join(str(p) for p in first["loc"]) or "the top level"
         got = type(first.get("input")).__name__ if first["type"] != "missing" else "nothing"
         raise SchemaMismatch(f"{where}: {field}: {first['msg'].lower()} (got {got}), {cause}"
-                        f"{'; ' + hint if hint else ''}") from None
+                             f"{'; ' + hint if hint else ''}") from None
     return value

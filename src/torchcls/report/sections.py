@@ -106,7 +106,8 @@ def configuration(run_dir: Path) -> str | None:
     config_file = run_dir / "config.toml"
     if not os.path.lexists(config_file):
         return None
-    return f"<pre>{esc(run_files.read_text(config_file, max_bytes=SMALL_JSON_BYTES, what='config file', errors='replace'))}</pre>"
+    text = run_files.read_text(config_file, max_bytes=SMALL_JSON_BYTES, what="config file", errors="replace")
+    return f"<pre>{esc(text)}</pre>"
 
 
 def class_count(run_dir: Path) -> int | None:

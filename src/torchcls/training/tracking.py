@@ -42,7 +42,8 @@ from torchcls.training.rundir import read_checked
 from torchcls.typed_json import SchemaMismatch
 
 TRACKING_FILE = "tracking.json"  # in the run dir: the store and MLflow run id that --resume continues
-TRACKING_RECORD = JsonBounds(max_bytes=64 << 10, max_values=64, max_depth=2, max_str=8192)  # {uri, experiment_id, run_id}
+# tracking.json: {uri, experiment_id, run_id}
+TRACKING_RECORD = JsonBounds(max_bytes=64 << 10, max_values=64, max_depth=2, max_str=8192)
 ARTIFACTS = ("report.html", "metrics.jsonl", "config.toml", "pretrained.json", "skipped_files.json")
 OPEN_TIMEOUT_S = "5"  # per request while the store is checked; retries off, so a dead server fails in seconds
 _LIVE: dict[str, Tracker] = {}  # run id -> its tracker in this process (an interrupted run resumed in-process)
@@ -227,7 +228,8 @@ class Tracker:
         params = flatten(cfg)
         old = self.client.get_run(self.run_id).data.params if self.resumed else {}
         new = [Param(k, v) for k, v in params.items() if k not in old]
-        tags = [RunTag(f"resume.changed.{k}", f"{old[k]} -> {v}") for k, v in params.items() if k in old and old[k] != v]
+        tags = [RunTag(f"resume.changed.{k}", f"{old[k]} -> {v}")
+                for k, v in params.items() if k in old and old[k] != v]
         self._call(lambda: [self.client.log_batch(self.run_id, params=new[i:i + 100]) for i in range(0, len(new), 100)])
         if tags:
             self._call(lambda: self.client.log_batch(self.run_id, tags=tags))
