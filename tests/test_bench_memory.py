@@ -69,7 +69,7 @@ def test_unknown_model_and_bad_sizes_are_clear_errors(tmp_path):
     assert proc.returncode == 2 and "unknown model 'vit_bse_patch16_224'" in proc.stderr
     assert "vit_base_patch16_224" in proc.stderr and "Traceback" not in proc.stderr
     proc = _torchcls("bench", "memory", "--model", "smallnet", "--device-memory", "80 gigs", cwd=tmp_path)
-    assert proc.returncode == 2 and "--device-memory: cannot read '80 gigs'" in proc.stderr
+    assert proc.returncode == 2 and "--device-memory '80 gigs': cannot read it as a size" in proc.stderr
     assert mf.parse_size("80GiB", "x") == 80 * GiB and mf.parse_size("1.5 GB", "x") == 1_500_000_000
 
 

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Annotated, BinaryIO
 from pydantic import Field, StringConstraints
 from typing_extensions import NotRequired, TypedDict
 
+from torchcls import sizes
 from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.config import INT_RANGES
 from torchcls.data.label_bounds import check_class_count, check_label_index
@@ -116,24 +117,10 @@ class ShardIndex(TypedDict):
 
 # ---------------------------------------------------------------- writing
 
-_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-# At most 18 digits either side of the point: float() of 310 digits is inf, and int(inf) an OverflowError.
-_SIZE = re.compile(r"\s*(\d{1,18}(?:\.\d{1,18})?)\s*([A-Za-z]*)\s*")
-
-
 def parse_size(text: str) -> int:
-    """'1GB' -> 1_000_000_000, '512MiB' -> 536_870_912 (for --shard-size, at most MAX_SHARD_BYTES); UserError
-    otherwise."""
-    m = _SIZE.fullmatch(text)
-    size = float(m.group(1)) * _UNITS[m.group(2).lower()] if m and m.group(2).lower() in _UNITS else 0.0
-    if not 0 < size <= MAX_SHARD_BYTES:
-        shown = text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
-        raise UserError(f"--shard-size {shown!r}: give a positive size up to 1TiB (shards.MAX_SHARD_BYTES) "
-                        "such as 500MB, 1GB or 2GiB")
-    return int(size)
+    """--shard-size: '1GB' -> 1_000_000_000, '512MiB' -> 536_870_912, at most MAX_SHARD_BYTES."""
+    return sizes.parse_size(text, "--shard-size", MAX_SHARD_BYTES, "1TiB (shards.MAX_SHARD_BYTES)",
+                            "500MB, 1GB or 2GiB")
 
 
 class _HashingFile:

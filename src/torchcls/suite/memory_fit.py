@@ -16,34 +16,19 @@ batches, so the rank with the least room sets the per-rank batch for every rank.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from torchcls.errors import UserError
+from torchcls import sizes
 
 HEADROOM = 0.10
-UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
-         "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-
-
 MAX_SIZE = 2**50  # 1 PiB: more than any device's memory (or an --overhead on one)
-# At most 18 digits either side of the point: float() of 310 digits is inf, and int(inf) an OverflowError.
-_SIZE = re.compile(r"\s*([0-9]{0,18}\.?[0-9]{1,18})\s*([a-zA-Z]*)\s*")
 
 
 def parse_size(text: str, option: str) -> int:
-    """'80GiB', '40 GB', '512MiB', '1.5g' → bytes, at most MAX_SIZE."""
-    m = _SIZE.fullmatch(text)
-    shown = text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
-    if not m or m.group(2).lower() not in UNITS:
-        raise UserError(f"{option}: cannot read {shown!r} as a memory size of at most 18 digits; write e.g. 80GiB, "
-                        "40GB or 512MiB")
-    size = float(m.group(1)) * UNITS[m.group(2).lower()]
-    if size > MAX_SIZE:
-        raise UserError(f"{option}: {shown!r} is more than 1PiB (memory_fit.MAX_SIZE); give a device's memory "
-                        "such as 80GiB")
-    return int(size)
+    """A memory size ('80GiB', '40 GB', '512MiB', '1.5g') in bytes, 0 to MAX_SIZE."""
+    return sizes.parse_size(text, option, MAX_SIZE, "1PiB (memory_fit.MAX_SIZE)", "80GiB, 40GB or 512MiB",
+                            zero=True)
 
 
 def gib(n: float) -> str:

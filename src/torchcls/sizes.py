@@ -1,0 +1,30 @@
+"""Sizes written as text ('1GB', '512MiB', '1.5 g'): the one parser of every option that takes one
+(`data shard --shard-size`, `bench-memory --device-memory` and `--overhead`)."""
+
+from __future__ import annotations
+
+import re
+
+from torchcls.errors import UserError
+
+# Decimal units (kB, MB, ...) are powers of 1000; binary ones (KiB, MiB, ...) and the bare letters (k, m, g, t, as
+# free and nvidia-smi write them) powers of 1024.
+UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
+         "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
+# At most 18 digits either side of the point: float() of 310 digits is inf, and int(inf) an OverflowError.
+_SIZE = re.compile(r"\s*([0-9]{0,18}\.?[0-9]{1,18})\s*([a-zA-Z]*)\s*")
+
+
+def parse_size(text: str, option: str, max_bytes: int, max_name: str, examples: str, zero: bool = False) -> int:
+    """`text` in bytes, at most `max_bytes` (named `max_name` in the message) and above 0 unless `zero`; else a
+    UserError naming `option`, the text (cut to 40 characters) and `examples` of what it takes."""
+    m = _SIZE.fullmatch(text)
+    size = float(m.group(1)) * UNITS[m.group(2).lower()] if m and m.group(2).lower() in UNITS else None
+    shown = text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
+    if size is None:
+        raise UserError(f"{option} {shown!r}: cannot read it as a size (a number of at most 18 digits and a unit); "
+                        f"write e.g. {examples}")
+    if not (0 <= size if zero else 0 < size) or size > max_bytes:
+        raise UserError(f"{option} {shown!r}: give a size from {'0' if zero else 'above 0'} up to {max_name}, "
+                        f"such as {examples}")
+    return int(size)
