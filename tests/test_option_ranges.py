@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from torchcls.cli import build_parser, config_from_args
-from torchcls.config import INT_RANGES, Config, check_ranges, field_type, load_toml
+from torchcls.config import INT_RANGES, Config, FloatRange, IntRange, check_ranges, field_type, load_toml
 from torchcls.errors import UserError
 
 
@@ -87,13 +87,14 @@ def _bounded():
                 assert concrete_type(cls, f) not in (int, float), f"{cls.__name__}.{f.name} has no range"
                 continue
             flag = "--" + (f.metadata.get("flag") or f.name).replace("_", "-")
-            if isinstance(bound[0], str):
-                yield pytest.param([*base, f"{flag}=nan"], flag, f"nan is outside the allowed range {bound[0]}",
+            if isinstance(bound, FloatRange):
+                yield pytest.param([*base, f"{flag}=nan"], flag, f"nan is outside the allowed range {bound.interval}",
                                    id=f"{prefix[-1]}{flag}=nan")
             else:
-                for value in (bound[0] - 1, bound[1] + 1):
+                assert isinstance(bound, IntRange), f"{cls.__name__}.{f.name}: a bound is an IntRange or a FloatRange"
+                for value in (bound.lo - 1, bound.hi + 1):
                     yield pytest.param([*base, f"{flag}={value}"], flag,
-                                       f"{value} is outside the allowed range {bound[0]:,} to {bound[1]:,}",
+                                       f"{value} is outside the allowed range {bound.lo:,} to {bound.hi:,}",
                                        id=f"{prefix[-1]}{flag}={value}")
 
 
@@ -249,5 +250,5 @@ def test_bounds_copied_as_literals_equal_their_sources():
     def bound(cls, name):
         return next(f for f in dataclasses.fields(cls) if f.name == name).metadata["bound"]
 
-    assert bound(ExportOptions, "max_batch")[1] == bound(ServeConfig, "max_batch")[1] == MAX_BATCH
-    assert INT_RANGES[("data", "img_size")][1] == MAX_IMG_SIZE and INT_RANGES[("data", "channels")][1] == MAX_IN_CHANS
+    assert bound(ExportOptions, "max_batch").hi == bound(ServeConfig, "max_batch").hi == MAX_BATCH
+    assert INT_RANGES[("data", "img_size")].hi == MAX_IMG_SIZE and INT_RANGES[("data", "channels")].hi == MAX_IN_CHANS

@@ -17,7 +17,7 @@ import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import tomli_w
 
@@ -27,10 +27,11 @@ from torchcls.toml_files import read_toml  # bounded before parsed: a run dir's 
 
 
 def opt(default: Any, help: str, choices: tuple[str, ...] | None = None, flag: str | None = None,
-        const: Any = None, bound: tuple | None = None) -> Any:
+        const: Any = None, bound: Range | None = None) -> Any:
     """A config field with its CLI help (and optional choices / flag name). `const`: the value of the flag
     given without one (`--pretrained` alone). `bound`: the range of a number option of a command (as INT_RANGES
-    or FLOAT_RANGES declare it; the training config's own options are in those tables), see `outside`."""
+    or FLOAT_RANGES declare it: an IntRange or a FloatRange; the training config's own options are in those
+    tables)."""
     return field(default=default, metadata={"help": help, "choices": choices, "flag": flag, "const": const,
                                             "bound": bound})
 
@@ -470,32 +471,62 @@ def _owner_of(f: dataclasses.Field) -> type:
     raise KeyError(f.name)
 
 
+class IntRange(NamedTuple):
+    """The integers from `lo` to `hi`, both allowed; `why` says what the bound keeps within a machine."""
+    lo: int
+    hi: int
+    why: str
+
+    def problem(self, value: Any) -> str | None:
+        """'VALUE is outside the allowed range LO to HI (why)' for an int outside, else None (a value of another
+        type is left to the type check)."""
+        if type(value) is int and not self.lo <= value <= self.hi:
+            return f"{_shown(value)} is outside the allowed range {self.lo:,} to {self.hi:,} ({self.why})"
+        return None
+
+
+class FloatRange(NamedTuple):
+    """An interval of numbers as a reader writes it ("[0, 1)": 0 allowed, 1 not), always finite, and why."""
+    interval: str
+    why: str
+
+    def problem(self, value: Any) -> str | None:
+        """'VALUE is outside the allowed range [0, 1) (why)' for a number outside (NaN and the infinities are), else
+        None (a value of another type is left to the type check)."""
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_interval(value, self.interval):
+            return f"{_shown(value)} is outside the allowed range {self.interval} ({self.why})"
+        return None
+
+
+Range = IntRange | FloatRange
+
+
 # The range of every integer option: (min, max, why). set_option checks it wherever an option is set (command
 # line, TOML, a recorded config); check_ranges checks a Config built in Python. No real run comes near a max;
 # each keeps what the value sizes (tensors, processes, threads, images kept) within a machine's memory.
-INT_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
-    ("data", "img_size"): (1, 2048, "data/preprocess.MAX_IMG_SIZE: a checkpoint of a larger input is refused"),
-    ("data", "channels"): (1, 64, "data/preprocess.MAX_IN_CHANS: multispectral data has up to 13"),
-    ("data", "max_shift"): (0, 2048, "a shift past the largest image pads it into a larger one"),
-    ("data", "batch_size"): (1, 65536, "images per training step; the step trial allocates one batch: 2^16 "
+INT_RANGES: dict[tuple[str, str], IntRange] = {
+    ("data", "img_size"): IntRange(1, 2048, "data/preprocess.MAX_IMG_SIZE: a checkpoint of a larger input is refused"),
+    ("data", "channels"): IntRange(1, 64, "data/preprocess.MAX_IN_CHANS: multispectral data has up to 13"),
+    ("data", "max_shift"): IntRange(0, 2048, "a shift past the largest image pads it into a larger one"),
+    ("data", "batch_size"): IntRange(1, 65536, "images per training step; the step trial allocates one batch: 2^16 "
                                        "images of 224 px are 37 GiB"),
-    ("data", "workers"): (0, 256, "one DataLoader process each"),
-    ("data", "max_pixels"): (0, 1 << 48, "a bound itself (0 = none), never taken from a recorded config"),
-    ("data", "memory_limit_mb"): (0, 1 << 40, "a bound itself, never taken from a recorded config"),
-    ("model", "exits"): (0, 16, "models/registry.MAX_EXITS"),
-    ("optim", "accum_steps"): (1, 4096, "micro-batches per optimizer step"),
-    ("optim", "freeze_first_bias_after_epochs"): (0, 1_000_000, "a number of epochs"),
-    ("optim", "lookahead"): (0, 1_000_000, "steps between Lookahead syncs"),
-    ("optim", "selective_backprop_after_epochs"): (0, 1_000_000, "a number of epochs"),
-    ("train", "epochs"): (0, 1_000_000, "a number of epochs"),
-    ("train", "seed"): (-(1 << 63), (1 << 64) - 1, "what torch.manual_seed takes"),
-    ("train", "threads"): (0, 4096, "torch.set_num_threads: one OS thread each"),
-    ("train", "log_every"): (0, 1_000_000_000, "a number of steps"),
-    ("train", "early_stop"): (0, 1_000_000, "a number of epochs"),
-    ("precision", "fp8_min_dim"): (0, 1 << 20, "a Linear's features"),
-    ("parallel", "dist_timeout"): (1, 7 * 86400, "seconds: a week"),
-    ("checkpoint", "save_every"): (0, 1_000_000_000, "a number of steps"),
-    ("governance", "sample_grid"): (0, 256, "each sample is kept decoded at full resolution for the grid"),
+    ("data", "workers"): IntRange(0, 256, "one DataLoader process each"),
+    ("data", "max_pixels"): IntRange(0, 1 << 48, "a bound itself (0 = none), never taken from a recorded config"),
+    ("data", "memory_limit_mb"): IntRange(0, 1 << 40, "a bound itself, never taken from a recorded config"),
+    ("model", "exits"): IntRange(0, 16, "models/registry.MAX_EXITS"),
+    ("optim", "accum_steps"): IntRange(1, 4096, "micro-batches per optimizer step"),
+    ("optim", "freeze_first_bias_after_epochs"): IntRange(0, 1_000_000, "a number of epochs"),
+    ("optim", "lookahead"): IntRange(0, 1_000_000, "steps between Lookahead syncs"),
+    ("optim", "selective_backprop_after_epochs"): IntRange(0, 1_000_000, "a number of epochs"),
+    ("train", "epochs"): IntRange(0, 1_000_000, "a number of epochs"),
+    ("train", "seed"): IntRange(-(1 << 63), (1 << 64) - 1, "what torch.manual_seed takes"),
+    ("train", "threads"): IntRange(0, 4096, "torch.set_num_threads: one OS thread each"),
+    ("train", "log_every"): IntRange(0, 1_000_000_000, "a number of steps"),
+    ("train", "early_stop"): IntRange(0, 1_000_000, "a number of epochs"),
+    ("precision", "fp8_min_dim"): IntRange(0, 1 << 20, "a Linear's features"),
+    ("parallel", "dist_timeout"): IntRange(1, 7 * 86400, "seconds: a week"),
+    ("checkpoint", "save_every"): IntRange(0, 1_000_000_000, "a number of steps"),
+    ("governance", "sample_grid"): IntRange(0, 256, "each sample is kept decoded at full resolution for the grid"),
 }
 
 
@@ -503,27 +534,29 @@ INT_RANGES: dict[tuple[str, str], tuple[int, int, str]] = {
 # value must also be finite: TOML and argparse both read inf and nan, and one of them in an option that sizes a
 # schedule or a split is a traceback (int(inf)), in a bound a bound switched off (nan fails every comparison).
 # Every upper end is finite, so inf is outside each interval, and in_interval's comparisons all fail on NaN.
-FLOAT_RANGES: dict[tuple[str, str], tuple[str, str]] = {
-    ("data", "val_fraction"): ("[0, 1)", "a fraction of the training data; at 1 none would be left to train on"),
-    ("data", "random_erasing"): ("[0, 1]", "a probability"),
-    ("data", "mixup"): ("[0, 1000]", "the alpha of a Beta(alpha, alpha); timm's recipes use 0.8"),
-    ("data", "cutmix"): ("[0, 1000]", "the alpha of a Beta(alpha, alpha); timm's recipes use 1.0"),
-    ("model", "drop_rate"): ("[0, 1]", "a dropout probability"),
-    ("model", "drop_path"): ("[0, 1)", "a drop probability; at 1 every residual branch would be dropped"),
-    ("model", "exit_threshold"): ("[0, 1]", "a softmax probability"),
-    ("model", "whiten_eps"): ("(0, 1e6]", "added to eigenvalues before a square root is divided by"),
-    ("optim", "lr"): ("[0, 1e30]", "a learning rate; one this large is how the non-finite step checks are tested"),
-    ("optim", "layer_decay"): ("[0, 1]", "a factor per block from the head; 0 = off"),
-    ("optim", "head_lr"): ("(0, 1e6]", "a multiple of --lr"),
-    ("optim", "ema"): ("[0, 1)", "a decay; 0 = off"),
-    ("optim", "weight_decay"): ("[0, 1e6]", "a decay coefficient"),
-    ("optim", "momentum"): ("[0, 1)", "a momentum; at 1 or more the updates would never fade"),
-    ("optim", "warmup_epochs"): ("[0, 1e6]", "a number of epochs, as --epochs"),
-    ("optim", "label_smoothing"): ("[0, 1)", "the share of the target spread over all classes"),
-    ("optim", "grad_clip"): ("[0, 1e12]", "a gradient norm; 0 = off"),
-    ("optim", "bn_bias_lr_scale"): ("(0, 1e6]", "a multiple of --lr (airbench: 64)"),
-    ("optim", "lookahead_alpha"): ("(0, 1]", "the share of the way the slow weights move"),
-    ("optim", "selective_backprop"): ("[0, 1)", "a fraction of each batch; 0 = all of it"),
+FLOAT_RANGES: dict[tuple[str, str], FloatRange] = {
+    ("data", "val_fraction"): FloatRange("[0, 1)", "a fraction of the training data; at 1 none would be left to "
+                                                   "train on"),
+    ("data", "random_erasing"): FloatRange("[0, 1]", "a probability"),
+    ("data", "mixup"): FloatRange("[0, 1000]", "the alpha of a Beta(alpha, alpha); timm's recipes use 0.8"),
+    ("data", "cutmix"): FloatRange("[0, 1000]", "the alpha of a Beta(alpha, alpha); timm's recipes use 1.0"),
+    ("model", "drop_rate"): FloatRange("[0, 1]", "a dropout probability"),
+    ("model", "drop_path"): FloatRange("[0, 1)", "a drop probability; at 1 every residual branch would be dropped"),
+    ("model", "exit_threshold"): FloatRange("[0, 1]", "a softmax probability"),
+    ("model", "whiten_eps"): FloatRange("(0, 1e6]", "added to eigenvalues before a square root is divided by"),
+    ("optim", "lr"): FloatRange("[0, 1e30]", "a learning rate; one this large is how the non-finite step checks "
+                                             "are tested"),
+    ("optim", "layer_decay"): FloatRange("[0, 1]", "a factor per block from the head; 0 = off"),
+    ("optim", "head_lr"): FloatRange("(0, 1e6]", "a multiple of --lr"),
+    ("optim", "ema"): FloatRange("[0, 1)", "a decay; 0 = off"),
+    ("optim", "weight_decay"): FloatRange("[0, 1e6]", "a decay coefficient"),
+    ("optim", "momentum"): FloatRange("[0, 1)", "a momentum; at 1 or more the updates would never fade"),
+    ("optim", "warmup_epochs"): FloatRange("[0, 1e6]", "a number of epochs, as --epochs"),
+    ("optim", "label_smoothing"): FloatRange("[0, 1)", "the share of the target spread over all classes"),
+    ("optim", "grad_clip"): FloatRange("[0, 1e12]", "a gradient norm; 0 = off"),
+    ("optim", "bn_bias_lr_scale"): FloatRange("(0, 1e6]", "a multiple of --lr (airbench: 64)"),
+    ("optim", "lookahead_alpha"): FloatRange("(0, 1]", "the share of the way the slow weights move"),
+    ("optim", "selective_backprop"): FloatRange("[0, 1)", "a fraction of each batch; 0 = all of it"),
 }
 
 
@@ -535,20 +568,6 @@ def in_interval(value: int | float, interval: str) -> bool:
     return above and below and (not isinstance(value, float) or math.isfinite(value))
 
 
-def outside(value: Any, bound: tuple) -> str | None:
-    """'VALUE is outside the allowed range ... (why)' when `value` breaks `bound` (INT_RANGES' (min, max, why)
-    or FLOAT_RANGES' (interval, why)), else None. A value of another type is left to the type check."""
-    if isinstance(bound[0], str):
-        interval, why = bound
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and not in_interval(value, interval):
-            return f"{_shown(value)} is outside the allowed range {interval} ({why})"
-        return None
-    lo, hi, why = bound
-    if type(value) is int and not lo <= value <= hi:
-        return f"{_shown(value)} is outside the allowed range {lo:,} to {hi:,} ({why})"
-    return None
-
-
 def _shown(value: int | float) -> str:
     return f"a number of {len(str(abs(value)))} digits" if type(value) is int and abs(value) >= 10**30 else repr(value)
 
@@ -556,7 +575,7 @@ def _shown(value: int | float) -> str:
 def check_range(section: str, key: str, value: Any, origin: str) -> None:
     """A UserError naming the option, the value and its range when `value` is outside INT_RANGES or FLOAT_RANGES."""
     bound = INT_RANGES.get((section, key)) or FLOAT_RANGES.get((section, key))
-    problem = outside(value, bound) if bound is not None else None
+    problem = bound.problem(value) if bound is not None else None
     if problem is not None:
         raise UserError(f"{origin}: [{section}] {key} = {problem}")
 
@@ -588,7 +607,7 @@ def in_range_only(raw: dict[str, Any], origin: str) -> dict[str, Any]:
         for key, value in values.items():
             where = (moved_section(section, key), key)
             bound = INT_RANGES.get(where) or FLOAT_RANGES.get(where)
-            problem = outside(value, bound) if bound is not None else None
+            problem = bound.problem(value) if bound is not None else None
             if problem is None or where in RECORDED_AND_USED:
                 kept[section][key] = value
             else:

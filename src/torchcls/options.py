@@ -20,23 +20,24 @@ from torchcls.config import (
     INT_RANGES,
     SECTIONS,
     Config,
+    FloatRange,
+    IntRange,
     is_recorded_config,
     keep_local,
     load_toml,
     opt,
-    outside,
     set_option,
 )
 from torchcls.errors import UserError
 
 BAD_FILE_CHOICES = ("error", "skip")
 # Ranges shared by several commands (as INT_RANGES / FLOAT_RANGES declare them: (min, max, why), (interval, why)).
-BATCH = (1, 65536, "images per forward pass: 2^16 images of 224 px are 37 GiB")
+BATCH = IntRange(1, 65536, "images per forward pass: 2^16 images of 224 px are 37 GiB")
 WORKERS = INT_RANGES[("data", "workers")]
 THREADS = INT_RANGES[("train", "threads")]
 IMG_SIZE = INT_RANGES[("data", "img_size")]
-FRACTION = ("[0, 1]", "a fraction")
-JOB_TIMEOUT = (1, 7 * 86400, "seconds: a week")
+FRACTION = FloatRange("[0, 1]", "a fraction")
+JOB_TIMEOUT = IntRange(1, 7 * 86400, "seconds: a week")
 
 
 def positional(help: str, nargs: str | None = None) -> Any:
@@ -71,13 +72,14 @@ class EvaluateOptions(RuntimeOptions):
     out: str | None = opt(None, "write eval.json here (default: the checkpoint's run dir)")
     json: bool = opt(False, "print the full result as JSON")
     threshold: float | None = opt(None, "early-exit models: exit confidence threshold in [0, 1] (default: the one "
-                                  "it was trained with)", bound=("[0, 1]", "a softmax probability"))
+                                  "it was trained with)", bound=FloatRange("[0, 1]", "a softmax probability"))
     target_accuracy: float | None = opt(None, "early-exit models: calibrate the threshold on the validation "
                                         "split: the cheapest one reaching this accuracy (e.g. 0.9)", bound=FRACTION)
     target_compute: float | None = opt(None, "early-exit models: calibrate the threshold on the validation split: "
                                        "the most accurate one whose mean FLOPs stay within this fraction of the "
                                        "backbone's (e.g. 0.7)",
-                                       bound=("(0, 1.5]", "a fraction of the backbone's compute; exits add some"))
+                                       bound=FloatRange("(0, 1.5]", "a fraction of the backbone's compute; exits "
+                                                                    "add some"))
     batch_size: int = opt(256, "images per forward pass", bound=BATCH)
     workers: int = opt(2, "DataLoader workers", bound=WORKERS)
     tta: str = opt("none", "test-time augmentation: flip = average the softmax of each image and its horizontal "
@@ -86,10 +88,10 @@ class EvaluateOptions(RuntimeOptions):
                    "each translated); recorded in eval.json", choices=("none", "flip", "multicrop"))
 
 
-TOPK = (1, 1_000_000, "labels per image; more than the model's classes lists them all")
+TOPK = IntRange(1, 1_000_000, "labels per image; more than the model's classes lists them all")
 # Integrated gradients runs --steps forwards and backwards of the model per image, EXPLAIN_BATCH of them at once
 # (captum's internal_batch_size, so memory does not grow with --steps); past the max an image takes hours.
-EXPLAIN_STEPS = (1, 10_000, "forward and backward passes per image; captum's examples use 50")
+EXPLAIN_STEPS = IntRange(1, 10_000, "forward and backward passes per image; captum's examples use 50")
 
 
 @dataclass
@@ -153,13 +155,14 @@ class ExportOptions:
                          "(aoti), calibrated on training images (7-bit activations where its int8 kernels lack "
                          "VNNI)", choices=("auto", "fp32", "bf16", "int8"))
     max_batch: int = opt(64, "largest batch the artifact accepts",
-                         bound=(1, 4096, "artifacts/targets/base.MAX_BATCH"))
+                         bound=IntRange(1, 4096, "artifacts/targets/base.MAX_BATCH"))
     out: str | None = opt(None, "artifact path (.pt2/.onnx/.pte) or folder (default: "
                           "<run dir>/export/<target>-<precision>/model.<ext>); parity.json goes beside it")
     min_agreement: float | None = opt(None, "least top-1 agreement with eager for the export to succeed "
                                       "(default: 0.999 for fp32, 0.99 for bf16 and aoti int8, 0.95 for "
                                       "executorch int8)", bound=FRACTION)
-    parity_images: int = opt(500, "held-out images for parity", bound=(1, 1_000_000, "images decoded and run twice"))
+    parity_images: int = opt(500, "held-out images for parity",
+                             bound=IntRange(1, 1_000_000, "images decoded and run twice"))
     data: str | None = opt(None, "take parity images from this data (same classes) instead of the checkpoint's "
                            "held-out split")
     root: str | None = opt(None, "fashion-mnist directory, or base for relative CSV paths")
@@ -170,7 +173,8 @@ class ExportOptions:
                               choices=("xnnpack", "portable"))
     calibration_images: int | None = opt(None, "int8 (executorch --quantize int8, aoti --precision int8): training "
                                          "images used to calibrate activation ranges (default: up to 256, at "
-                                         "least 16)", bound=(1, 1_000_000, "images decoded and run to calibrate"))
+                                         "least 16)",
+                                         bound=IntRange(1, 1_000_000, "images decoded and run to calibrate"))
     device: str = opt("cpu", "where the artifact will run: cpu, cuda, cuda:N, or auto (cuda when a GPU is visible). "
                       "The model is captured, compiled and checked there; a CUDA .pt2 runs only on GPUs of the "
                       "build GPU's compute capability (recorded in its metadata)")
@@ -237,7 +241,7 @@ class BenchCompileOptions:
     modes: str = opt("default", "comma-separated torch.compile modes")
     device: str = opt("cpu", "cpu or cuda")
     img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)", bound=IMG_SIZE)
-    repeats: int = opt(10, "interleaved timed calls per side", bound=(1, 1_000_000, "timed calls"))
+    repeats: int = opt(10, "interleaved timed calls per side", bound=IntRange(1, 1_000_000, "timed calls"))
     timeout: int = opt(1800, "seconds per configuration before it is recorded as failed", bound=JOB_TIMEOUT)
     out: str = opt("bench-compile", "output folder; a run dir puts the results in its report")
 
@@ -258,7 +262,7 @@ class BenchMemoryOptions:
                                     "or its RAM / ranks)")
     batch: int = opt(2, "images per rank in the measured steps", bound=BATCH)
     img_size: int | None = opt(None, "input size (default: 224; 28 for smallnet)", bound=IMG_SIZE)
-    steps: int = opt(2, "training steps per job", bound=(1, 1_000_000, "measured training steps"))
+    steps: int = opt(2, "training steps per job", bound=IntRange(1, 1_000_000, "measured training steps"))
     overhead: str = opt("1GiB", "allowance per rank for the runtime, CUDA context and workspaces in the fit")
     timeout: int = opt(1800, "seconds per job before it is recorded as failed", bound=JOB_TIMEOUT)
     out: str = opt("bench-memory", "output folder; a run dir puts the results in its report")
@@ -378,11 +382,11 @@ def check_values(cls: type, origin: str, **values: Any) -> None:
         if bound is None or value is None:  # (None: an optional option left unset)
             continue
         flag = "--" + (f.metadata.get("flag") or name).replace("_", "-")
-        if isinstance(bound[0], str) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-            raise UserError(f"{origin}: {flag} must be a number in {bound[0]}, got {value!r}")  # (from Python)
-        if not isinstance(bound[0], str) and type(value) is not int:  # (from Python: 2.5, True or "3")
-            raise UserError(f"{origin}: {flag} must be an integer from {bound[0]:,} to {bound[1]:,}, got {value!r}")
-        problem = outside(value, bound)
+        if isinstance(bound, FloatRange) and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+            raise UserError(f"{origin}: {flag} must be a number in {bound.interval}, got {value!r}")  # (from Python)
+        if isinstance(bound, IntRange) and type(value) is not int:  # (from Python: 2.5, True or "3")
+            raise UserError(f"{origin}: {flag} must be an integer from {bound.lo:,} to {bound.hi:,}, got {value!r}")
+        problem = bound.problem(value)
         if problem is not None:
             raise UserError(f"{origin}: {flag} = {problem}")
 

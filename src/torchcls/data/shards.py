@@ -89,8 +89,8 @@ class ShardSet:
 # --class-weights tensor, samples len(loader) and the schedule, channels and image_size the model's input, and each
 # name is joined to the index's folder (a plain .tar name: no '/', no '..', not absolute, so it names a file there).
 ShardName = Annotated[str, StringConstraints(pattern=r"^[^/\\\x00]+\.tar$", max_length=255)]
-Channels = Annotated[int, Field(ge=INT_RANGES[("data", "channels")][0], le=INT_RANGES[("data", "channels")][1])]
-Side = Annotated[int, Field(ge=INT_RANGES[("data", "img_size")][0], le=INT_RANGES[("data", "img_size")][1])]
+Channels = Annotated[int, Field(ge=INT_RANGES[("data", "channels")].lo, le=INT_RANGES[("data", "channels")].hi)]
+Side = Annotated[int, Field(ge=INT_RANGES[("data", "img_size")].lo, le=INT_RANGES[("data", "img_size")].hi)]
 
 
 class IndexedShard(TypedDict):

@@ -8,14 +8,14 @@ import types
 import typing
 from dataclasses import dataclass
 
-from torchcls.config import INT_RANGES, opt
+from torchcls.config import INT_RANGES, FloatRange, IntRange, opt
 
 TOKEN_ENV = "TORCHCLS_SERVE_TOKEN"
 # Ranges as config's INT_RANGES / FLOAT_RANGES declare them. Each bound is finite and excludes NaN: a NaN rate or
 # timeout fails every comparison, so `nan <= 0` let it through and the limit it set was silently off.
-TCP_PORT = (0, 65535, "a TCP port; 0 = a free one")
-SECONDS = ("(0, 86400]", "seconds: up to a day")
-MIB = ("(0, 65536]", "MiB: up to 64 GiB")
+TCP_PORT = IntRange(0, 65535, "a TCP port; 0 = a free one")
+SECONDS = FloatRange("(0, 86400]", "seconds: up to a day")
+MIB = FloatRange("(0, 65536]", "MiB: up to 64 GiB")
 
 
 @dataclass
@@ -30,23 +30,23 @@ class ServeConfig:
                             f"probes (default: the {TOKEN_ENV} environment variable; unset = no auth)")
     name: str | None = opt(None, "model name in /v2/models/NAME (default: the artifact's name)")
     max_batch: int = opt(0, "largest batch the dynamic batcher forms (0 = the artifact's max batch)",
-                         bound=(0, 4096, "no artifact takes more: artifacts/targets/base.MAX_BATCH"))
+                         bound=IntRange(0, 4096, "no artifact takes more: artifacts/targets/base.MAX_BATCH"))
     max_wait_ms: float = opt(5.0, "how long the batcher waits for more requests after the first one",
-                             bound=("[0, 60000]", "milliseconds: up to a minute"))
+                             bound=FloatRange("[0, 60000]", "milliseconds: up to a minute"))
     max_queue: int = opt(256, "images accepted but not yet running; requests beyond it get 503",
-                         bound=(1, 1 << 20, "images held decoded"))
+                         bound=IntRange(1, 1 << 20, "images held decoded"))
     max_body_mb: float = opt(32.0, "largest request body in MiB; bigger ones get 413", bound=MIB)
     max_connections: int = opt(1024, "requests in progress at once; at the cap a new request cuts the body "
                                "furthest behind --min-body-rate-kb (408), else it gets 503 at once instead of "
                                "queueing without bound (health probes and /metrics are always answered). Open "
                                "connections themselves are not capped: put a proxy in front for that",
-                               bound=(1, 1 << 20, "requests in progress, a buffer each"))
+                               bound=IntRange(1, 1 << 20, "requests in progress, a buffer each"))
     max_inflight_mb: float = opt(256.0, "request body bytes held at once by all requests together (counted as "
                                  "they arrive); a body that does not fit gets 503 with Retry-After, refused before "
                                  "it is read when its Content-Length says so", bound=MIB)
     max_header_kb: float = opt(16.0, "largest request line + headers in KiB (and at most 100 header lines); "
                                "beyond it 431 and the connection closes",
-                               bound=("[1, 1024]", "KiB read per connection before a request is known"))
+                               bound=FloatRange("[1, 1024]", "KiB read per connection before a request is known"))
     header_timeout: float = opt(10.0, "seconds a client has to send a request's headers, counted from its "
                                 "connection or its previous answer; then the connection is closed", bound=SECONDS)
     body_timeout: float = opt(60.0, "seconds a client has to send a request's whole body once its headers are "
@@ -55,12 +55,12 @@ class ServeConfig:
                                   "the server was not waiting for it does not count): after a 2 s grace, a body "
                                   "that fell behind it gets 408; at --max-connections, the body furthest below it "
                                   "is cut (408) to make room for a new request. 0 = no minimum",
-                                  bound=("[0, 1e6]", "KiB/s: 0 = no minimum, up to about 1 GiB/s"))
+                                  bound=FloatRange("[0, 1e6]", "KiB/s: 0 = no minimum, up to about 1 GiB/s"))
     send_timeout: float = opt(30.0, "seconds one send of an answer may wait for its client to read (the write "
                               "buffer full all along); then the request ends and its slot is given back",
                               bound=SECONDS)
     graceful_timeout: float = opt(30.0, "seconds allowed on shutdown to answer the requests already accepted",
-                                  bound=("[0, 86400]", "seconds: up to a day"))
+                                  bound=FloatRange("[0, 86400]", "seconds: up to a day"))
     device: str = opt("auto", "where the model runs: auto (a .pt2 where it was built; otherwise cuda when a GPU is "
                       "visible), cpu, cuda or cuda:N. On a GPU, batches reach it through pinned host memory")
     threads: int = opt(0, "intra-op CPU threads for the model (0 = torch default)",

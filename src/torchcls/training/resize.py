@@ -26,7 +26,7 @@ FLAG = "--resize-schedule"
 # --img-size, which is None by default and then compared with nothing), and the epochs, one part's and all parts'
 # together, a number of epochs like --epochs (config.INT_RANGES).
 MIN_SIZE = 4  # px: what a network's stem can still downsample
-MAX_EPOCHS = INT_RANGES[("train", "epochs")][1]
+MAX_EPOCHS = INT_RANGES[("train", "epochs")].hi
 
 
 def parse_schedule(spec: str) -> list[tuple[int, int]]:

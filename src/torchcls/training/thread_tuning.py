@@ -47,7 +47,7 @@ MACHINE_RECORD = JsonBounds(max_bytes=SMALL_JSON_BYTES, max_values=10_000, max_d
 IDLE_CPUS = 0.1
 # A recorded count is applied with torch.set_num_threads (OpenMP starts that many threads): at most what --threads
 # may ask for, so a received machine.json cannot ask for a million threads (or overflow the call, past 2^63).
-MAX_THREADS = INT_RANGES[("train", "threads")][1]
+MAX_THREADS = INT_RANGES[("train", "threads")].hi
 
 
 class MachineRecord(TypedDict, total=False):
