@@ -77,14 +77,10 @@ class UnbackedLineage(UserError):
     """A checkpoint's lineage names a run whose record does not list that checkpoint."""
 
 
-def _named(value: Any) -> bool:
-    return isinstance(value, str) and bool(value)
-
-
 def _check_registrable(parent: dict[str, Any], checkpoint: Path) -> None:
     """A lineage names both its run and its log, else nothing can back it. The schema (Lineage) leaves both
     optional, and a missing run id must never match a run record that lacks one too (None == None)."""
-    missing = [k for k in ("run_id", "audit_log") if not _named(parent.get(k))]
+    missing = [k for k in ("run_id", "audit_log") if not parent.get(k)]  # (a str where present: Lineage)
     if missing:
         raise UnbackedLineage(f"{checkpoint}: its lineage names no {' and no '.join(missing)}, so no run of an audit "
                               "log can back it: it was not written by a torchcls run (export a checkpoint of your "
@@ -102,7 +98,7 @@ def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, che
     chain, backing = ChainCheck(), None
     for e in log.entries():  # one pass: the chain's links and the record that backs the checkpoint
         chain.feed(e)
-        if (e.record and e.record["kind"] == "run" and _named(e.record.get("run_id"))
+        if (e.record and e.record["kind"] == "run" and e.record.get("run_id")  # (a str: records.RunRecord)
                 and e.record["run_id"] == parent.get("run_id")
                 and any(a["sha256"] == parent_sha256 for a in artifacts_of(e.record))):
             backing = e
@@ -125,10 +121,8 @@ def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, che
 
 
 def _manifests(run_record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The data manifests a run record lists (well-formed ones only)."""
-    found = run_record.get("manifests")
-    return [m for m in found if isinstance(m, dict) and isinstance(m.get("manifest_sha256"), str)] \
-        if isinstance(found, list) else []
+    """The data manifests a run record lists by digest (typed by records.RunManifest where the log was read)."""
+    return [m for m in run_record.get("manifests", []) if "manifest_sha256" in m]
 
 
 def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha256: str | None = None) -> str | None:

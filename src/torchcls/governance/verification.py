@@ -50,7 +50,7 @@ from torchcls.governance.manifest import (
 from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
 from torchcls.io_files import read_bytes
 from torchcls.provenance.attestation import attestation_path, verify_attestation
-from torchcls.provenance.digest import looks_like_sha256, sha256_file
+from torchcls.provenance.digest import sha256_file
 from torchcls.provenance.lineage import STORE_DIR, AuditLog, manifest_store
 from torchcls.provenance.sidecars import read_lineage
 from torchcls.provenance.signatures import Trusted, trusted_from
@@ -85,8 +85,7 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     given = load_policy(policy) if policy else None
     res = VerifyResult(str(artifact))
     digest = sha256_file(artifact)
-    lineage = read_lineage(artifact)
-    lineage = lineage if isinstance(lineage, dict) else None
+    lineage = read_lineage(artifact)  # (a dict of Lineage's shape, or None)
     log = AuditLog(find_audit_log(artifact, lineage, audit_log))
     trusted = trusted_from(key_file, public_keys, given, near=[log.path.parent])
     search = ArtifactSearch(artifact, digest, lineage)
@@ -164,15 +163,11 @@ def _artifact_and_run(res: VerifyResult, log: AuditLog, search: ArtifactSearch, 
     return True
 
 
-def _manifests_of(run: dict[str, Any]) -> list[dict[str, Any]]:
-    """The run's manifest summaries that name a manifest by its digest (never by a path)."""
-    found = run.get("manifests") if isinstance(run.get("manifests"), list) else []
-    return [m for m in found if isinstance(m, dict) and looks_like_sha256(str(m.get("manifest_sha256", "")))
-            and len(str(m["manifest_sha256"])) == 64 and isinstance(m.get("merkle_root"), str)]
-
-
 def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cache: HashCache) -> None:
-    for m in _manifests_of(run):
+    # (typed by records.RunRecord where the log was read: a manifest is named by a hex digest, never by a path)
+    for m in run.get("manifests", []):
+        if "manifest_sha256" not in m or "merkle_root" not in m:
+            continue  # (a summary of no manifest: nothing to look up)
         name = f"manifest {m.get('name')}"
         path = manifest_store(log.path) / f"{m['manifest_sha256']}.json"
         if not path.is_file():
@@ -207,7 +202,7 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
 def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, policy_file: str | None) -> None:
     if given is not None:
         policy, origin = given, policy_file
-    elif isinstance(run.get("policy"), dict):
+    elif run.get("policy") is not None:
         try:  # (the log may have come with the artifact: a policy of another shape fails this check, not verify)
             policy, origin = policy_from_dict(_as_toml_dict(run["policy"]), "recorded"), "the run's recorded policy"
         except UserError as e:
@@ -221,13 +216,7 @@ def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, 
     if facts is None:
         res.add("policy", False, "the data's manifest could not be read, so the policy cannot be checked")
         return
-    hooks = run.get("hooks") if isinstance(run.get("hooks"), list) else []
-    region = run.get("region")
-    if region is not None and not isinstance(region, str):  # (matched against the policy's patterns)
-        res.add("policy", False, f"the run record's region is {type(region).__name__}, not a name: it was not "
-                                 "written by torchcls")
-        return
-    reasons = violations(policy, facts, region, {str(h) for h in hooks})
+    reasons = violations(policy, facts, run.get("region"), set(run.get("hooks", [])))
     res.add(f"policy ({origin})", not reasons, "; ".join(reasons) if reasons else
             f"'{policy.name}': region, license, jurisdictions, retention and hooks all allowed")
 

@@ -27,11 +27,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO, Any
 
+from typing_extensions import NotRequired, TypedDict
+
 from torchcls.bounded_json import JsonBounds, load_bounded
 from torchcls.errors import UserError
 from torchcls.provenance import dsse
 from torchcls.provenance.digest import sha256_json
 from torchcls.provenance.signing import looks_like_key_id
+from torchcls.typed_json import SchemaMismatch, check, sha256_type
 
 MAX_LINE_BYTES = 1 << 20  # a record is a few KB (a run record with its config and package versions)
 MAX_RECORDS = 1_000_000
@@ -42,6 +45,43 @@ MAX_PROBLEMS_KEPT = 1000  # a log of a million junk lines lists the first thousa
 GENESIS = "0" * 64
 _HEX = frozenset("0123456789abcdef")
 NOT_JSON = "not a JSON record (the file was edited)"
+
+
+class RunManifest(TypedDict):
+    """One data manifest a run record lists (governance/run.py `_manifest_summary`): verify looks it up in the
+    manifest store by its digest and compares its Merkle root; export's attestation names both. A summary
+    without them (a run of no manifest) names nothing to check: verify and the attestation pass it over."""
+
+    manifest_sha256: NotRequired[sha256_type()]
+    merkle_root: NotRequired[str]
+    name: NotRequired[str | None]
+    records: NotRequired[int]
+    manifest_hash_version: NotRequired[int]  # absent: recorded before dateCreated was hashed (version 1)
+
+
+class RunArtifact(TypedDict):
+    """A file a run wrote, as its run record lists it: verify, export's registration and `lineage --file` match
+    files by it."""
+
+    path: str
+    sha256: sha256_type()
+    artifact_kind: NotRequired[str]
+
+
+class RunRecord(TypedDict, total=False):
+    """The fields of a `run` record (governance/run.py) that torchcls reads back: verify (the run, its manifests,
+    its policy, region and hooks), export's registration (`artifacts.backed_parent`) and `lineage --file`. Every
+    field is optional, as consumers ask for them with .get; the record's other fields (config, environment,
+    metrics: a newer torchcls's too) pass unread."""
+
+    run_id: str
+    run_dir: str
+    code_version: str
+    manifests: list[RunManifest]
+    artifacts: list[RunArtifact]
+    policy: dict[str, Any] | None  # Policy.to_dict(); policy_from_dict checks its fields when verify reads it
+    region: str | None
+    hooks: list[str]
 
 
 def record_hash(record: dict[str, Any]) -> str:
@@ -196,8 +236,8 @@ def _signed(n: int, obj: dict[str, Any]) -> Entry:
 
 def record_problem(rec: Any) -> str | None:
     """None when `rec` has a record's shape; else what is wrong. The fields every record has, typed,
-    the legacy HMAC pair complete, and an artifact record's digest (export writes one; predict, serve and
-    verify compare it with the file's)."""
+    the legacy HMAC pair complete, an artifact record's digest (export writes one; predict, serve and
+    verify compare it with the file's) and a run record's fields (`RunRecord`)."""
     if not isinstance(rec, dict):
         return NOT_JSON
     seq = rec.get("seq")
@@ -212,6 +252,11 @@ def record_problem(rec: Any) -> str | None:
         return f"record seq {seq}: an incomplete HMAC signature (key_id and hmac go together)"
     if rec["kind"] == "artifact" and not _is_hex64(rec.get("sha256")):  # what load_artifact and verify compare
         return f"record seq {seq}: an artifact record whose 'sha256' is not a SHA-256 hex digest"
+    if rec["kind"] == "run":
+        try:
+            check(rec, RunRecord, f"record seq {seq}: a run record", cause="so it was not written by torchcls")
+        except SchemaMismatch as e:
+            return str(e)
     return None
 
 
