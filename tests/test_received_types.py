@@ -432,8 +432,9 @@ def test_every_field_of_a_manifest_substituted(tmp_path, path, new, refused):
             pass  # a same-typed value may still be refused (a digest "x", a date "x", {} for a record)
 
 
-def test_verify_of_a_run_record_whose_region_is_not_a_name_fails_the_policy_check(tmp_path):
-    """The region of a received run record went to fnmatch against the policy's allowed_regions: TypeError."""
+def test_verify_of_a_run_record_whose_region_is_not_a_name_fails_its_check(tmp_path):
+    """The region of a received run record went to fnmatch against the policy's allowed_regions: TypeError. The run
+    record is typed where the log is read (records.RunRecord), so the log's check names the field."""
     from torchcls.governance.verification import verify
     from torchcls.provenance.records import record_hash
 
@@ -445,5 +446,6 @@ def test_verify_of_a_run_record_whose_region_is_not_a_name_fails_the_policy_chec
     log.write_text(json.dumps(rec) + "\n")
     (tmp_path / "p.toml").write_text('[processing]\nallowed_regions = ["eu-*"]\n')
     res = verify(artifact, audit_log=str(log), policy=str(tmp_path / "p.toml"))
-    check = [c for c in res.checks if c.name == "policy"][0]
-    assert check.status == "fail" and "region is int, not a name" in check.detail
+    check = [c for c in res.checks if c.name == "audit log chain"][0]
+    assert check.status == "fail" and "a run record: region: input should be a valid string (got int)" in check.detail
+    assert res.status == "failed"

@@ -148,3 +148,14 @@ def test_lineage_of_a_file_reports_a_run_record_of_another_shape(governed_run, t
     found = file_lineage(str(image), log)
     assert not found["runs"] and any(f"a run record: {'.'.join(map(str, path))}" in p
                                      for p in found["audit_log_problems"])
+
+
+def test_lineage_of_a_file_lists_a_run_record_without_a_run_id(governed_run, tmp_path):
+    """run_id is optional in RunRecord (records of older versions): `rec["run_id"]` was a KeyError in lineage --file."""
+    from torchcls.governance.query import file_lineage
+
+    image = next((governed_run["base"] / "shapes").rglob("*.png"))
+    _, log = _forged(governed_run, tmp_path, ("newer_field",), 1)
+    _rewrite(log, lambda rec: rec.pop("run_id"))
+    found = file_lineage(str(image), log)
+    assert [r["run_id"] for r in found["runs"]] == [None] and not found["audit_log_problems"]

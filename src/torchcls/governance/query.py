@@ -31,10 +31,10 @@ def file_lineage(path_or_hash: str, audit_log: str | Path) -> dict[str, Any]:
         if not rec:
             continue
         if rec.get("kind") == "run" and any(m.get("manifest_sha256") in manifests for m in rec.get("manifests", [])):
-            run_ids.add(rec["run_id"])
-            runs.append({"run_id": rec["run_id"], "run_dir": rec.get("run_dir"), "time": rec.get("time"),
-                         "seq": rec["seq"]})
-            artifacts += [{**a, "run_id": rec["run_id"]} for a in rec.get("artifacts", [])]
+            run_id = rec.get("run_id")  # (optional in RunRecord: a record without one is listed, run_id null)
+            run_ids.add(run_id)
+            runs.append({"run_id": run_id, "run_dir": rec.get("run_dir"), "time": rec.get("time"), "seq": rec["seq"]})
+            artifacts += [{**a, "run_id": run_id} for a in rec.get("artifacts", [])]
         elif rec.get("kind") == "artifact" and rec.get("parent_run_id") in run_ids:
             artifacts.append({"path": rec["path"], "sha256": rec["sha256"], "artifact_kind": rec.get("artifact_kind"),
                               "run_id": rec["parent_run_id"], "artifact_id": rec.get("artifact_id")})
