@@ -242,8 +242,8 @@ class Checkpointer:
         """The single-process state's parts (state_file.check_state typed its fixed fields) have the shape of this
         run's own: what each load_state_dict sets is then of the types the run itself sets, as the sharded format
         ensures by loading into this run's state (dcp.load)."""
-        where, hint = f"training state {path}", RESUME_HINT
-        _check_optimizer(state["optimizer"], optimizer, f"{where}: optimizer", hint)
+        where = f"training state {path}"
+        _check_optimizer(state["optimizer"], optimizer, f"{where}: optimizer", RESUME_HINT)
         sharded_state.like(state["scheduler"], scheduler.state_dict(), f"{where}: scheduler")
         sharded_state.number(state["scheduler"]["last_epoch"], "scheduler.last_epoch", where, 0,
                              sharded_state.MAX_COUNTER, integer=True)

@@ -67,7 +67,7 @@ def check_state(state: Any, path: Path) -> dict[str, Any]:
     """`state` read from `path` (read_state, or an older run's pickle), its fixed fields checked as the sharded
     format's state.json's are (sharded_state): the progress counters typed and ranged, the RNG state a generator
     state, the epoch sums four float64 numbers, each part a dict and the weights tensors. Else a UserError."""
-    where, hint = f"training state {path}", RESUME_HINT
+    where = f"training state {path}"
     if not isinstance(state, dict):
         raise UserError(f"{where} is not a dict of training state: the file is damaged or was not written by torchcls")
     sharded_state.progress(state, where)
@@ -75,13 +75,13 @@ def check_state(state: Any, path: Path) -> dict[str, Any]:
     for part in PARTS + tuple(p for p in OPTIONAL_PARTS if p in state):
         if type(state.get(part)) is not dict:
             raise UserError(f"{where}: {part} must be a dict (got {type(state.get(part)).__name__}): damaged or "
-                            f"crafted; {hint}")
+                            f"crafted; {RESUME_HINT}")
     if not all(type(k) is str and isinstance(v, torch.Tensor) for k, v in state.get("model", {}).items()):
-        raise UserError(f"{where}: model must map parameter names to tensors: damaged or crafted; {hint}")
+        raise UserError(f"{where}: model must map parameter names to tensors: damaged or crafted; {RESUME_HINT}")
     sums = state.get("epoch_sums")
     if sums is not None and not (isinstance(sums, torch.Tensor) and sums.dtype == torch.float64
                                  and tuple(sums.shape) == (4,)):
-        raise UserError(f"{where}: epoch_sums must be a float64 tensor of 4 numbers: damaged or crafted; {hint}")
+        raise UserError(f"{where}: epoch_sums must be a float64 tensor of 4 numbers: damaged or crafted; {RESUME_HINT}")
     return state
 
 
