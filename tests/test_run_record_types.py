@@ -106,7 +106,8 @@ def test_the_run_as_written_verifies(governed_run, tmp_path):
         ["pass"] * 4
 
 
-@pytest.mark.parametrize(("path", "new"), VARIANTS, ids=[f"{'.'.join(map(str, p))}={json.dumps(n)}" for p, n in VARIANTS])
+@pytest.mark.parametrize(("path", "new"), VARIANTS,
+                         ids=[f"{'.'.join(map(str, p))}={json.dumps(n)}" for p, n in VARIANTS])
 def test_every_run_record_field_substituted(governed_run, tmp_path, path, new):
     ckpt, log = _forged(governed_run, tmp_path, path, new)
     try:
