@@ -160,3 +160,22 @@ def test_lineage_of_a_file_lists_a_run_record_without_a_run_id(governed_run, tmp
     _rewrite(log, lambda rec: rec.pop("run_id"))
     found = file_lineage(str(image), log)
     assert [r["run_id"] for r in found["runs"]] == [None] and not found["audit_log_problems"]
+
+
+def test_lineage_of_a_file_lists_no_artifact_of_no_run_under_a_run_without_id(governed_run, tmp_path):
+    """An artifact record naming no parent run (parent_run_id null) was listed as built from the file when a run
+    record without run_id read it: None == None (review 7)."""
+    from torchcls.governance.query import file_lineage
+
+    image = next((governed_run["base"] / "shapes").rglob("*.png"))
+    _, log = _forged(governed_run, tmp_path, ("newer_field",), 1)
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    orphan = {**recs[-1], "kind": "artifact", "seq": recs[-1]["seq"] + 1, "path": "/elsewhere/unrelated.onnx",
+              "sha256": "ab" * 32, "parent_run_id": None}
+    for key in ("run_id", "manifests", "artifacts", "policy", "region", "hooks", "run_dir", "code_version"):
+        orphan.pop(key, None)
+    log.write_text(log.read_text() + json.dumps(orphan) + "\n")
+    _rewrite(log, lambda rec: rec.pop("run_id"))
+    found = file_lineage(str(image), log)
+    assert [r["run_id"] for r in found["runs"]] == [None]
+    assert "/elsewhere/unrelated.onnx" not in [a["path"] for a in found["artifacts"]]

@@ -31,8 +31,9 @@ def file_lineage(path_or_hash: str, audit_log: str | Path) -> dict[str, Any]:
         if not rec:
             continue
         if rec.get("kind") == "run" and any(m.get("manifest_sha256") in manifests for m in rec.get("manifests", [])):
-            run_id = rec.get("run_id")  # (optional in RunRecord: a record without one is listed, run_id null)
-            run_ids.add(run_id)
+            run_id = rec.get("run_id")  # (optional in RunRecord: a record without one is listed, run_id null,
+            if run_id is not None:  # but never an id that artifacts recording no parent would match: None == None)
+                run_ids.add(run_id)
             runs.append({"run_id": run_id, "run_dir": rec.get("run_dir"), "time": rec.get("time"), "seq": rec["seq"]})
             artifacts += [{**a, "run_id": run_id} for a in rec.get("artifacts", [])]
         elif rec.get("kind") == "artifact" and rec.get("parent_run_id") in run_ids:
