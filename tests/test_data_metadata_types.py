@@ -144,6 +144,19 @@ def test_sizes_in_range_are_read_as_before():
     assert memory_fit.parse_size("80GiB", "x") == 80 * 2**30 and memory_fit.parse_size(".5g", "x") == 2**29
 
 
+def test_a_size_is_checked_as_the_whole_bytes_it_returns_and_read_exactly():
+    # review 7, F5: '0.9' passed "above 0" as a float and returned 0 bytes; 18 digits went through float() and came
+    # back rounded (123456789012345678 -> ...680).
+    for text in ("0.9", "0.4b", ".000001k"):
+        with pytest.raises(UserError, match=rf"--shard-size '{text}' is 0 bytes: give a size from 1 byte up to 1TiB"):
+            parse_size(text)
+    assert memory_fit.parse_size("123456789012345", "x") == 123456789012345
+    assert memory_fit.parse_size("999999999999.999999k", "x") == 1023999999999999  # exact: float() gave ...000
+    assert parse_size("1.5 g") == 3 * 2**29 and parse_size("2\tkb") == 2000
+    with pytest.raises(UserError, match="cannot read it as a size"):
+        parse_size("\xa01GB")  # a Unicode space is no separator here
+
+
 # ---------------------------------------------------------------- Hugging Face features
 
 def saved_dataset(tmp_path: Path) -> Path:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 
 from torchcls.errors import UserError
 
@@ -11,20 +12,22 @@ from torchcls.errors import UserError
 # free and nvidia-smi write them) powers of 1024.
 UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 10**3, "kib": 2**10, "m": 2**20, "mb": 10**6, "mib": 2**20,
          "g": 2**30, "gb": 10**9, "gib": 2**30, "t": 2**40, "tb": 10**12, "tib": 2**40}
-# At most 18 digits either side of the point: float() of 310 digits is inf, and int(inf) an OverflowError.
-_SIZE = re.compile(r"\s*([0-9]{0,18}\.?[0-9]{1,18})\s*([a-zA-Z]*)\s*")
+# At most 18 digits either side of the point, spaces and tabs around: the number is read exactly (Decimal), so no
+# size is rounded through a float, and none of 310 digits becomes inf.
+_SIZE = re.compile(r"[ \t]*([0-9]{0,18}\.?[0-9]{1,18})[ \t]*([a-zA-Z]*)[ \t]*")
 
 
 def parse_size(text: str, option: str, max_bytes: int, max_name: str, examples: str, zero: bool = False) -> int:
     """`text` in bytes, at most `max_bytes` (named `max_name` in the message) and above 0 unless `zero`; else a
     UserError naming `option`, the text (cut to 40 characters) and `examples` of what it takes."""
     m = _SIZE.fullmatch(text)
-    size = float(m.group(1)) * UNITS[m.group(2).lower()] if m and m.group(2).lower() in UNITS else None
+    unit = m.group(2).lower() if m else None
+    size = int(Decimal(m.group(1)) * UNITS[unit]) if unit in UNITS else None  # whole bytes, checked as returned
     shown = text if len(text) <= 40 else f"{text[:30]}... ({len(text):,} characters)"
     if size is None:
         raise UserError(f"{option} {shown!r}: cannot read it as a size (a number of at most 18 digits and a unit); "
                         f"write e.g. {examples}")
     if not (0 <= size if zero else 0 < size) or size > max_bytes:
-        raise UserError(f"{option} {shown!r}: give a size from {'0' if zero else 'above 0'} up to {max_name}, "
-                        f"such as {examples}")
-    return int(size)
+        raise UserError(f"{option} {shown!r} is {size:,} bytes: give a size from {'0' if zero else '1 byte'} up to "
+                        f"{max_name}, such as {examples}")
+    return size
