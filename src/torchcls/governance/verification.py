@@ -47,7 +47,7 @@ from torchcls.governance.manifest import (
     parse_manifest_json,
     records_root,
 )
-from torchcls.governance.policy import Policy, facts_of, load_policy, policy_from_dict, violations
+from torchcls.governance.policy import DataFacts, Policy, facts_of, load_policy, policy_from_dict, violations
 from torchcls.io_files import read_bytes
 from torchcls.provenance.attestation import attestation_path, verify_attestation
 from torchcls.provenance.digest import sha256_file
@@ -105,8 +105,8 @@ def verify(artifact: str | Path, policy: str | None = None, audit_log: str | Non
     _check_attestation(res, artifact, digest, trusted)
     if not _artifact_and_run(res, log, search, run, parent_listed):
         return res
-    _check_manifests(res, log, run, cache)
-    _check_policy(res, run, given, policy)
+    facts = _check_manifests(res, log, run, cache)
+    _check_policy(res, run, facts, given, policy)
     return res
 
 
@@ -163,43 +163,60 @@ def _artifact_and_run(res: VerifyResult, log: AuditLog, search: ArtifactSearch, 
     return True
 
 
-def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cache: HashCache) -> None:
+def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cache: HashCache) -> list[DataFacts] | None:
+    """Each manifest the run record lists, looked up in the store and re-hashed, then its data files; returns the
+    facts of every one for the policy, or None when any listed manifest's could not be read (a policy judged on
+    some of a run's data would pass the rest unseen)."""
     # (typed by records.RunRecord where the log was read: a manifest is named by a hex digest, never by a path)
+    facts: list[DataFacts] | None = []
     for m in run.get("manifests", []):
         if "manifest_sha256" not in m or "merkle_root" not in m:
             continue  # (a summary of no manifest: nothing to look up)
-        name = f"manifest {m.get('name')}"
-        path = manifest_store(log.path) / f"{m['manifest_sha256']}.json"
-        if not path.is_file():
-            res.add(name, False, f"{path} is missing from the manifest store")
+        manifest = _stored_manifest(res, log, m)
+        if manifest is None:
+            facts = None
             continue
-        try:  # (typed where parsed: a field of another type is this manifest's failure, not verify's traceback)
-            manifest = parse_manifest_json(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"),
-                                           str(path))
-        except UserError as e:
-            res.add(name, False, str(e))
-            continue
-        try:
-            legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
-            digest = content_key(manifest) if legacy else manifest_hash(manifest)
-            same = digest == m["manifest_sha256"] and records_root(manifest["tc:records"]) == m["merkle_root"]
-        except (ValueError, KeyError, TypeError, AttributeError):
-            same = False
-        if not same:
-            res.add(name, False, f"{path} was modified: it no longer hashes to the recorded "
-                                 f"{m['manifest_sha256'][:16]}… / Merkle root {m['merkle_root'][:16]}…")
-            continue
-        res.add(name, True, f"{m.get('records')} records, Merkle root {m['merkle_root'][:16]}…"
-                + (" (recorded by an older torchcls: its dateCreated is not covered by the hash)" if legacy else ""))
+        if facts is not None:  # (before the data: the facts are the manifest's, whether or not its files are here)
+            facts.append(facts_of(manifest))
         if not Path(manifest["tc:root"]).exists():
             res.add(f"data {m.get('name')}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue
         problems = check_data(manifest, cache=cache)
         res.add(f"data {m.get('name')}", not problems, "all files match the manifest" if not problems else listed(problems))
-        run["_facts"] = facts_of(manifest)
+    return facts
 
 
-def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, policy_file: str | None) -> None:
+def _stored_manifest(res: VerifyResult, log: AuditLog, m: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored manifest `m` (a run record's summary) names, when it still hashes as recorded; else None, the
+    failure added."""
+    name = f"manifest {m.get('name')}"
+    path = manifest_store(log.path) / f"{m['manifest_sha256']}.json"
+    if not path.is_file():
+        res.add(name, False, f"{path} is missing from the manifest store")
+        return None
+    try:  # (typed where parsed: a field of another type is this manifest's failure, not verify's traceback)
+        manifest = parse_manifest_json(read_bytes(path, max_bytes=MAX_MANIFEST_BYTES, what="stored manifest"),
+                                       str(path))
+    except UserError as e:
+        res.add(name, False, str(e))
+        return None
+    try:
+        legacy = m.get("manifest_hash_version", 1) < 2  # recorded before dateCreated was hashed
+        digest = content_key(manifest) if legacy else manifest_hash(manifest)
+        same = digest == m["manifest_sha256"] and records_root(manifest["tc:records"]) == m["merkle_root"]
+    except (ValueError, KeyError, TypeError, AttributeError):
+        same = False
+    if not same:
+        res.add(name, False, f"{path} was modified: it no longer hashes to the recorded "
+                             f"{m['manifest_sha256'][:16]}… / Merkle root {m['merkle_root'][:16]}…")
+        return None
+    res.add(name, True, f"{m.get('records')} records, Merkle root {m['merkle_root'][:16]}…"
+            + (" (recorded by an older torchcls: its dateCreated is not covered by the hash)" if legacy else ""))
+    return manifest
+
+
+def _check_policy(res: VerifyResult, run: dict[str, Any], facts: list[DataFacts] | None, given: Policy | None,
+                  policy_file: str | None) -> None:
     if given is not None:
         policy, origin = given, policy_file
     elif run.get("policy") is not None:
@@ -212,11 +229,15 @@ def _check_policy(res: VerifyResult, run: dict[str, Any], given: Policy | None, 
     else:
         res.add("policy", None, "the run had no policy and none was given (--policy FILE)")
         return
-    facts = run.get("_facts")
-    if facts is None:
-        res.add("policy", False, "the data's manifest could not be read, so the policy cannot be checked")
+    if not facts:
+        res.add("policy", False, "a data manifest the run record lists could not be read, so the policy cannot be "
+                                 "checked" if facts is None else "the run record lists no data manifest, so the "
+                                 "policy cannot be checked")
         return
-    reasons = violations(policy, facts, run.get("region"), set(run.get("hooks", [])))
+    # Each manifest judged on its own, as training judges its data and a built-in val set (run.py _check_policy):
+    # every reason names its manifest (DataFacts.name); a host-wide one (region) is said once.
+    region, hooks = run.get("region"), set(run.get("hooks", []))
+    reasons = list(dict.fromkeys(r for f in facts for r in violations(policy, f, region, hooks)))
     res.add(f"policy ({origin})", not reasons, "; ".join(reasons) if reasons else
             f"'{policy.name}': region, license, jurisdictions, retention and hooks all allowed")
 
