@@ -96,3 +96,19 @@ def test_confusion_plot_names_classes_only_when_few(monkeypatch, tmp_path):
     assert not any(t.startswith("class") for t in many) and len(figures[1].axes[0].get_xticks()) < 20
     for fig in figures:
         plots.plt.close(fig)
+
+
+def test_eval_json_names_the_val_data_it_scored(tmp_path):
+    """A run trained with --val-data is scored on that folder (the recorded config chooses it): eval.json says so,
+    beside `data` (review 7, F6: only the training source was named)."""
+    from conftest import make_image_folder, tiny_config
+    from torchcls.training import train
+
+    val = make_image_folder(tmp_path / "val", per_class=3)
+    cfg = tiny_config(make_image_folder(tmp_path / "train", per_class=6), tmp_path / "runs", "v", epochs=1)
+    cfg.data.val_data = str(val)
+    run = train(cfg).run_dir
+    result = evaluate(run, workers=0)
+    assert (result["data"], result["val_data"], result["split"], result["n"]) == (cfg.data.source, str(val), "val", 6)
+    assert json.loads((run / "eval.json").read_text())["val_data"] == str(val)
+    assert "val_data" not in evaluate(run, workers=0, data=str(val), out_dir=tmp_path / "other")

@@ -129,6 +129,8 @@ def evaluate(checkpoint: str | Path, data: str | None = None, root: str | None =
         else classification_metrics(logits, targets, meta.classes)
     result = {"checkpoint": str(path), "data": data_cfg.source, "split": split, "tta": tta, "task": meta.task,
               **metrics}
+    if split in ("val", "train") and data_cfg.val_data:  # the recorded --val-data chose these images: say which
+        result["val_data"] = data_cfg.val_data
     if skipped:
         result["skipped_files"] = [{"file": f, "reason": r} for f, r in skipped]
 
