@@ -17,7 +17,7 @@ import pytest
 from conftest import make_image_folder
 from torchcls.governance.manifest import MANIFEST_HASH_VERSION, DatasetMeta, build_manifest, manifest_hash
 from torchcls.governance.verification import verify
-from torchcls.provenance.lineage import AuditLog, manifest_store
+from torchcls.provenance.lineage import AuditLog, manifest_store, record_hash
 
 POLICY = '[policy]\nname = "eu"\n[data]\nallowed_licenses = ["CC-BY-4.0"]\nallowed_jurisdictions = ["EU"]\n'
 
@@ -89,3 +89,83 @@ def test_allowed_data_passes_the_policy(data):
     artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"])])
     res = verify(artifact, audit_log=str(log), policy=data["policy"])
     assert [s for s, _ in _check(res, "policy")] == ["pass"] and res.status == "unverified", res.checks
+
+
+def _forged(log: Path, change) -> None:
+    """The log's run record changed by `change` and the chain recomputed, as anyone who can write the log can."""
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    change(next(r for r in recs if r["kind"] == "run"))
+    prev = "0" * 64
+    for rec in recs:
+        rec["prev"] = prev
+        rec["hash"] = prev = record_hash(rec)
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+@pytest.fixture
+def counted(monkeypatch) -> dict[str, int]:
+    """How many times verify parses a stored manifest and re-checks data files."""
+    from torchcls.governance import verification
+
+    calls = {"parse": 0, "check_data": 0}
+    parse, check = verification.parse_manifest_json, verification.check_data
+
+    def counted_parse(*a, **k):
+        calls["parse"] += 1
+        return parse(*a, **k)
+
+    def counted_check(*a, **k):
+        calls["check_data"] += 1
+        return check(*a, **k)
+
+    monkeypatch.setattr(verification, "parse_manifest_json", counted_parse)
+    monkeypatch.setattr(verification, "check_data", counted_check)
+    return calls
+
+
+def test_a_run_record_of_thousands_of_manifests_is_refused(data, counted):
+    """F2: one 480 KB line repeating a summary 2,400 times made verify parse the stored manifest and re-hash the
+    data 2,400 times. RunRecord.manifests is bounded (MAX_RUN_MANIFESTS): the writer refuses such a record, and a
+    forged one is a problem line of the log, read no further."""
+    from torchcls.errors import UserError
+    from torchcls.provenance.records import MAX_RUN_MANIFESTS
+
+    small = {k: _summary(data["val"])[k] for k in ("manifest_sha256", "merkle_root", "manifest_hash_version")}
+    many = [small] * 2400  # (4 JSON values each: the line stays within the log's bound of 10,000)
+    with pytest.raises(UserError, match=rf"manifests: .*at most {MAX_RUN_MANIFESTS}"):
+        AuditLog(data["base"] / "new.jsonl").append("run", {"run_id": "r1", "manifests": many})
+    artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"])])
+    _forged(log, lambda rec: rec.update(manifests=many))
+    res = verify(artifact, audit_log=str(log))
+    assert res.status == "failed" and "a run record: manifests" in _check(res, "audit log chain")[0][1]
+    assert counted == {"parse": 0, "check_data": 0}
+
+
+@pytest.mark.parametrize(("field", "item"), [("artifacts", {"path": "x", "sha256": "0" * 64}), ("hooks", "strip-exif")])
+def test_a_run_records_other_lists_are_bounded(field, item):
+    from torchcls.provenance.records import MAX_RUN_ARTIFACTS, MAX_RUN_HOOKS, record_hash, record_problem
+
+    bound = {"artifacts": MAX_RUN_ARTIFACTS, "hooks": MAX_RUN_HOOKS}[field]
+    for n, ok in ((bound, True), (bound + 1, False)):
+        rec = {"seq": 0, "prev": "0" * 64, "kind": "run", "time": "t", field: [item] * n}
+        rec["hash"] = record_hash(rec)
+        assert (record_problem(rec) is None) == ok, record_problem(rec)
+
+
+def test_a_manifest_listed_again_is_read_once(data, counted):
+    """F2: verify de-duplicates the summaries by digest before it parses anything."""
+    from torchcls.provenance.records import MAX_RUN_MANIFESTS
+
+    artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"])] * MAX_RUN_MANIFESTS)
+    res = verify(artifact, audit_log=str(log), policy=data["policy"])
+    assert counted == {"parse": 1, "check_data": 1}
+    assert [s for s, _ in _check(res, "manifest")] == ["pass"] and res.status == "unverified", res.checks
+
+
+def test_a_manifest_listed_again_with_another_root_fails(data):
+    other = {**_summary(data["val"]), "merkle_root": "0" * 64}
+    artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"]), other])
+    res = verify(artifact, audit_log=str(log), policy=data["policy"])
+    assert [s for s, _ in _check(res, "manifest")] == ["fail", "pass"] and res.status == "failed"
+    assert "listed more than once with different Merkle roots" in _check(res, "manifest")[0][1]
+    assert _check(res, "policy")[0][0] == "fail"

@@ -168,10 +168,10 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
     facts of every one for the policy, or None when any listed manifest's could not be read (a policy judged on
     some of a run's data would pass the rest unseen)."""
     # (typed by records.RunRecord where the log was read: a manifest is named by a hex digest, never by a path)
-    facts: list[DataFacts] | None = []
-    for m in run.get("manifests", []):
-        if "manifest_sha256" not in m or "merkle_root" not in m:
-            continue  # (a summary of no manifest: nothing to look up)
+    summaries = [m for m in run.get("manifests", []) if "manifest_sha256" in m and "merkle_root" in m]
+    distinct, agree = _distinct(res, summaries)  # (a summary of no manifest: nothing to look up)
+    facts: list[DataFacts] | None = [] if agree else None
+    for m in distinct:
         manifest = _stored_manifest(res, log, m)
         if manifest is None:
             facts = None
@@ -184,6 +184,23 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
         problems = check_data(manifest, cache=cache)
         res.add(f"data {m.get('name')}", not problems, "all files match the manifest" if not problems else listed(problems))
     return facts
+
+
+def _distinct(res: VerifyResult, summaries: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+    """One summary per manifest digest, before any is parsed: a record repeating one summary would otherwise have
+    the stored manifest parsed and its data re-hashed once per copy. And whether each repeat agrees with the first
+    (Merkle root, hash version): one that does not is a failed check, as a manifest that does not hash would be."""
+    first: dict[str, dict[str, Any]] = {}
+    agree = True
+    for m in summaries:
+        seen = first.setdefault(m["manifest_sha256"], m)
+        if (seen["merkle_root"], seen.get("manifest_hash_version", 1)) != (m["merkle_root"],
+                                                                          m.get("manifest_hash_version", 1)):
+            res.add(f"manifest {m.get('name')}", False, f"manifest {m['manifest_sha256'][:16]}… is listed more than "
+                                                        "once with different Merkle roots or hash versions: the run "
+                                                        "record was not written by torchcls")
+            agree = False
+    return list(first.values()), agree
 
 
 def _stored_manifest(res: VerifyResult, log: AuditLog, m: dict[str, Any]) -> dict[str, Any] | None:

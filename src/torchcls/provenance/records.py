@@ -25,8 +25,9 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import IO, Any
+from typing import IO, Annotated, Any
 
+from pydantic import Field
 from typing_extensions import NotRequired, TypedDict
 
 from torchcls.bounded_json import JsonBounds, load_bounded
@@ -45,6 +46,14 @@ MAX_PROBLEMS_KEPT = 1000  # a log of a million junk lines lists the first thousa
 GENESIS = "0" * 64
 _HEX = frozenset("0123456789abcdef")
 NOT_JSON = "not a JSON record (the file was edited)"
+# A run record's lists, each bounded: verify parses and re-hashes per manifest, so a line repeating one summary
+# thousands of times (the line bounds allow 10,000 values) would multiply that work.
+MAX_RUN_MANIFESTS = 16  # torchcls lists at most 2: the data's and --val-data's (governance/run.py _record_run)
+# torchcls lists only the checkpoint files its trainer wrote, at most 3 (checkpointer.py: last.safetensors,
+# last.state.safetensors, best.safetensors; a sharded run's last.dcp is a folder, not listed); the rest is room
+# for a newer torchcls's files
+MAX_RUN_ARTIFACTS = 64
+MAX_RUN_HOOKS = 256  # the --hooks names, each a registered hook or an installed package's: a handful
 
 
 class RunManifest(TypedDict):
@@ -77,11 +86,11 @@ class RunRecord(TypedDict, total=False):
     run_id: str
     run_dir: str
     code_version: str
-    manifests: list[RunManifest]
-    artifacts: list[RunArtifact]
+    manifests: Annotated[list[RunManifest], Field(max_length=MAX_RUN_MANIFESTS)]
+    artifacts: Annotated[list[RunArtifact], Field(max_length=MAX_RUN_ARTIFACTS)]
     policy: dict[str, Any] | None  # Policy.to_dict(); policy_from_dict checks its fields when verify reads it
     region: str | None
-    hooks: list[str]
+    hooks: Annotated[list[str], Field(max_length=MAX_RUN_HOOKS)]
 
 
 def record_hash(record: dict[str, Any]) -> str:
