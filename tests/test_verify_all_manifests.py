@@ -169,3 +169,63 @@ def test_a_manifest_listed_again_with_another_root_fails(data):
     assert [s for s, _ in _check(res, "manifest")] == ["fail", "pass"] and res.status == "failed"
     assert "listed more than once with different Merkle roots" in _check(res, "manifest")[0][1]
     assert _check(res, "policy")[0][0] == "fail"
+
+
+# --- artifact records (F3): typed where the log is read, as run records are ----------------------------------
+
+SUBSTITUTES = ([], {}, 1, "x", True, None, ["r1"])
+HEX = "ab" * 32
+# Every field ArtifactRecord declares, a value of its type, and whether a record may leave it out.
+ARTIFACT_FIELDS = {"path": ("/runs/x/m.onnx", False), "sha256": (HEX, False), "artifact_id": ("a" * 32, True),
+                   "parent_run_id": ("r1", True), "parent_sha256": (HEX, True), "artifact_kind": ("onnx", True)}
+
+
+def _lineage_log(data) -> tuple[Path, Path]:
+    """(an image of the val set, a log whose run r1 read it and whose export of r1 is registered)."""
+    _, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"])])
+    AuditLog(log).append("artifact", {name: value for name, (value, _) in ARTIFACT_FIELDS.items()})
+    return next(Path(data["val"]["tc:root"]).rglob("*.png")), log
+
+
+def _forged_artifact(log: Path, field: str, new: Any) -> None:
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    art = next(r for r in recs if r["kind"] == "artifact")
+    if new == "missing":
+        art.pop(field)
+    else:
+        art[field] = new
+    prev = "0" * 64
+    for rec in recs:
+        rec["prev"] = prev
+        rec["hash"] = prev = record_hash(rec)
+    log.write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+@pytest.mark.parametrize(("field", "new"), [(f, n) for f in ARTIFACT_FIELDS for n in (*SUBSTITUTES, "missing")],
+                         ids=[f"{f}={n if n == 'missing' else json.dumps(n)}" for f in ARTIFACT_FIELDS
+                              for n in (*SUBSTITUTES, "missing")])
+def test_every_artifact_record_field_substituted(data, field, new):
+    """F3: only an artifact record's sha256 was typed. `lineage --file` indexed rec["path"] and rec["parent_run_id"]
+    and put parent_run_id in a set: no path was a KeyError traceback, `path: ["x"]` or `parent_run_id: ["r1"]` a
+    TypeError. A record of another shape is now a problem line of the log (and refused by the writer); lineage
+    --file lists it among the log's problems, and never the artifact."""
+    from torchcls.errors import UserError
+    from torchcls.governance.query import file_lineage
+
+    image, log = _lineage_log(data)
+    good, optional = ARTIFACT_FIELDS[field]
+    export = ARTIFACT_FIELDS["path"][0]
+    assert export in [a["path"] for a in file_lineage(str(image), log)["artifacts"]]
+    right = optional if new == "missing" else type(new) is str and (new == good or field not in ("sha256",
+                                                                                             "parent_sha256"))
+    _forged_artifact(log, field, new)
+    found = file_lineage(str(image), log)
+    if right:
+        assert not found["audit_log_problems"], found["audit_log_problems"]
+        return
+    assert export not in [a["path"] for a in found["artifacts"]] and found["runs"]
+    assert any(f"an artifact record{': ' + field if field != 'sha256' else ''}" in p
+               for p in found["audit_log_problems"]), found["audit_log_problems"]
+    record = {name: value for name, (value, _) in ARTIFACT_FIELDS.items() if name != field}
+    with pytest.raises(UserError, match="is not one the log's reader takes"):  # and none is written so
+        AuditLog(data["base"] / "new.jsonl").append("artifact", record if new == "missing" else {**record, field: new})

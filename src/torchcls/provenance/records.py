@@ -93,6 +93,20 @@ class RunRecord(TypedDict, total=False):
     hooks: Annotated[list[str], Field(max_length=MAX_RUN_HOOKS)]
 
 
+class ArtifactRecord(TypedDict):
+    """The fields of an `artifact` record (governance/artifacts.py `register_artifact`, which every export's
+    registration goes through) that torchcls reads back: verify (the file's digest, its parent run and checkpoint),
+    predict's and serve's pinned-digest check and trust (by artifact id), `lineage --file` (path, kind, parent run,
+    which it keeps in a set). The record's other fields (details: a newer torchcls's too) pass unread."""
+
+    path: str
+    sha256: sha256_type()
+    artifact_id: NotRequired[str]
+    parent_run_id: NotRequired[str]
+    parent_sha256: NotRequired[sha256_type()]  # the checkpoint it was built from: verify holds it against the run
+    artifact_kind: NotRequired[str]
+
+
 def record_hash(record: dict[str, Any]) -> str:
     """SHA-256 of everything but the hash and a legacy HMAC (which signs this hash)."""
     return sha256_json({k: v for k, v in record.items() if k not in ("hash", "hmac")})
@@ -246,7 +260,7 @@ def _signed(n: int, obj: dict[str, Any]) -> Entry:
 def record_problem(rec: Any) -> str | None:
     """None when `rec` has a record's shape; else what is wrong. The fields every record has, typed,
     the legacy HMAC pair complete, an artifact record's digest (export writes one; predict, serve and
-    verify compare it with the file's) and a run record's fields (`RunRecord`)."""
+    verify compare it with the file's) and fields (`ArtifactRecord`), and a run record's fields (`RunRecord`)."""
     if not isinstance(rec, dict):
         return NOT_JSON
     seq = rec.get("seq")
@@ -261,9 +275,10 @@ def record_problem(rec: Any) -> str | None:
         return f"record seq {seq}: an incomplete HMAC signature (key_id and hmac go together)"
     if rec["kind"] == "artifact" and not _is_hex64(rec.get("sha256")):  # what load_artifact and verify compare
         return f"record seq {seq}: an artifact record whose 'sha256' is not a SHA-256 hex digest"
-    if rec["kind"] == "run":
+    schema = {"run": (RunRecord, "a run record"), "artifact": (ArtifactRecord, "an artifact record")}.get(rec["kind"])
+    if schema is not None:
         try:
-            check(rec, RunRecord, f"record seq {seq}: a run record", cause="so it was not written by torchcls")
+            check(rec, schema[0], f"record seq {seq}: {schema[1]}", cause="so it was not written by torchcls")
         except SchemaMismatch as e:
             return str(e)
     return None
