@@ -41,12 +41,13 @@ def data(tmp_path) -> dict[str, Any]:
     return {"train": train, "val": val, "policy": str(policy), "base": tmp_path}
 
 
-def _shipped(base: Path, stored: list[dict[str, Any]], **run: Any) -> tuple[Path, Path]:
-    """(the artifact, the log): `stored` manifests in the log's store, a run record (`run`) listing the artifact."""
+def _shipped(base: Path, stored: list[dict[str, Any]], signer=None, **run: Any) -> tuple[Path, Path]:
+    """(the artifact, the log): `stored` manifests in the log's store, a run record (`run`) listing the artifact,
+    signed by `signer` when given."""
     artifact = base / "ship" / "model.bin"
     artifact.parent.mkdir(parents=True)
     artifact.write_bytes(b"weights")
-    log = AuditLog(base / "ship" / "_governance" / "audit.jsonl")
+    log = AuditLog(base / "ship" / "_governance" / "audit.jsonl", signer=signer)
     store = manifest_store(log.path)
     store.mkdir(parents=True)
     for m in stored:
@@ -229,3 +230,40 @@ def test_every_artifact_record_field_substituted(data, field, new):
     record = {name: value for name, (value, _) in ARTIFACT_FIELDS.items() if name != field}
     with pytest.raises(UserError, match="is not one the log's reader takes"):  # and none is written so
         AuditLog(data["base"] / "new.jsonl").append("artifact", record if new == "missing" else {**record, field: new})
+
+
+# --- a run record that lists no manifest (F4) ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("listed", ["valid", "absent", "empty"])
+def test_a_signed_run_record_without_a_manifest_is_not_verified(data, listed):
+    """F4: a summary without manifest_sha256 or merkle_root was passed over in silence, so a run record whose
+    `manifests` was absent or [] got no data check at all, and on a log signed by a trusted key verify said
+    "verified" with nothing about the data checked. A record that lists no manifest now fails verify's "data"
+    check (every torchcls listed one)."""
+    from torchcls.provenance.signing import keygen, load_signer
+
+    private, public, _ = keygen(data["base"] / "keys")
+    run = {"valid": {"manifests": [_summary(data["val"])]}, "absent": {}, "empty": {"manifests": []}}[listed]
+    artifact, log = _shipped(data["base"], [data["val"]], signer=load_signer(private), **run)
+    res = verify(artifact, audit_log=str(log), public_keys=[str(public)])
+    if listed == "valid":
+        assert res.status == "verified", [c for c in res.checks if c.status != "pass"]
+        return
+    assert res.status == "failed"
+    assert _check(res, "data") == [("fail", "the run record lists no data manifest, so nothing binds the artifact to "
+                                            "its data: it was not written by torchcls")]
+
+
+@pytest.mark.parametrize("summary", [{}, {"name": "x", "records": 1}, {"manifest_sha256": HEX}, {"merkle_root": HEX}])
+def test_a_manifest_summary_without_its_digest_or_root_fails(data, summary):
+    """F4: `manifests: [{}]` was a run record verify read and checked nothing of, passing the policy check on no
+    data; now such a summary is a failed manifest check, and the policy is not judged without its data."""
+    artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"]), summary])
+    res = verify(artifact, audit_log=str(log), policy=data["policy"])
+    assert res.status == "failed"
+    checks = _check(res, "manifest")
+    assert sorted(s for s, _ in checks) == ["fail", "pass"]
+    assert ("fail", "a summary that names no manifest digest or Merkle root, so nothing to check: it was not written "
+                    "by torchcls") in checks
+    assert _check(res, "policy")[0][0] == "fail"
