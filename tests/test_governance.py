@@ -447,7 +447,8 @@ def test_a_runs_record_lists_only_the_checkpoints_its_trainer_wrote(tmp_path):
     lineage = {"run_id": "r" * 32, "audit_log": str(log.path), "outputs": {}, "chain_head": log.head()}
     governed = types.SimpleNamespace(run_path=run, cfg=cfg, run_id="r" * 32, lineage=lineage, audit=log, policy=None)
     result = types.SimpleNamespace(steps=1, val_top1=0.5, written=(written,))
-    record = Governance._record_run(governed, result, {"manifest": {}, "hooks": []})
+    summary = {"manifest_sha256": "ab" * 32, "merkle_root": "cd" * 32, "name": "data", "records": 0}
+    record = Governance._record_run(governed, result, {"manifest": summary, "hooks": []})
     assert [Path(a["path"]).name for a in record["artifacts"]] == ["last.safetensors"]
     assert planted.read_bytes() == planted_bytes  # not stamped as this run's either
     backed_parent(log, {"run_id": "r" * 32}, sha256_file(written), written)

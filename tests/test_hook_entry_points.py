@@ -138,3 +138,13 @@ def test_an_entry_point_that_fails_to_import_names_its_package(site):
     install(root, "broken", {mod("broken"): "raise RuntimeError('no GPU here')\n"}, {"broken": f"{mod('broken')}:h"})
     with pytest.raises(UserError, match=r"'broken' \(.*broken 0.1\) failed to load: RuntimeError: no GPU here"):
         resolve_hooks("broken")
+
+
+def test_more_hooks_than_a_run_record_holds_are_refused_before_training():
+    """RunRecord holds at most MAX_RUN_HOOKS names: a run given more would train and then lose its audit record (the
+    writer refuses it), so --hooks refuses them first."""
+    from torchcls.provenance.records import MAX_RUN_HOOKS
+
+    with pytest.raises(UserError, match=rf"--hooks .*: {MAX_RUN_HOOKS + 1} hooks; a run records at most {MAX_RUN_HOOKS}"):
+        hooks_mod.resolve_hooks(",".join(["strip-exif"] * (MAX_RUN_HOOKS + 1)))
+    assert len(hooks_mod.resolve_hooks(",".join(["strip-exif"] * MAX_RUN_HOOKS))) == MAX_RUN_HOOKS

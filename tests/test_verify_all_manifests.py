@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from conftest import make_image_folder
+from torchcls.errors import UserError
 from torchcls.governance.manifest import MANIFEST_HASH_VERSION, DatasetMeta, build_manifest, manifest_hash
 from torchcls.governance.verification import verify
 from torchcls.provenance.lineage import AuditLog, manifest_store, record_hash
@@ -258,12 +259,13 @@ def test_a_signed_run_record_without_a_manifest_is_not_verified(data, listed):
 @pytest.mark.parametrize("summary", [{}, {"name": "x", "records": 1}, {"manifest_sha256": HEX}, {"merkle_root": HEX}])
 def test_a_manifest_summary_without_its_digest_or_root_fails(data, summary):
     """F4: `manifests: [{}]` was a run record verify read and checked nothing of, passing the policy check on no
-    data; now such a summary is a failed manifest check, and the policy is not judged without its data."""
-    artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"]), summary])
+    data. RunManifest requires both (every torchcls wrote both): the writer refuses such a record, and one forged
+    into a received log is a problem line of it, so verify fails."""
+    with pytest.raises(UserError, match=r"a run record: manifests\.1\.(manifest_sha256|merkle_root): field required"):
+        _shipped(data["base"] / "written", [data["val"]], manifests=[_summary(data["val"]), summary])
+    artifact, log = _shipped(data["base"], [data["val"]], manifests=[_summary(data["val"])])
+    _forged(log, lambda rec: rec["manifests"].append(summary))
     res = verify(artifact, audit_log=str(log), policy=data["policy"])
     assert res.status == "failed"
-    checks = _check(res, "manifest")
-    assert sorted(s for s, _ in checks) == ["fail", "pass"]
-    assert ("fail", "a summary that names no manifest digest or Merkle root, so nothing to check: it was not written "
-                    "by torchcls") in checks
-    assert _check(res, "policy")[0][0] == "fail"
+    [(status, detail)] = _check(res, "audit log chain")
+    assert status == "fail" and "a run record: manifests.1." in detail and "field required" in detail

@@ -122,7 +122,7 @@ def backed_parent(log: AuditLog, parent: dict[str, Any], parent_sha256: str, che
 
 def _manifests(run_record: dict[str, Any]) -> list[dict[str, Any]]:
     """The data manifests a run record lists by digest (typed by records.RunManifest where the log was read)."""
-    return [m for m in run_record.get("manifests", []) if "manifest_sha256" in m]
+    return run_record.get("manifests", [])
 
 
 def register_export(path: Path, checkpoint: Path, details: dict[str, Any], sha256: str | None = None) -> str | None:

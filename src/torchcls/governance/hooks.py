@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from torchcls.errors import UserError
+from torchcls.provenance.records import MAX_RUN_HOOKS
 
 if TYPE_CHECKING:
     from importlib.metadata import EntryPoint
@@ -115,6 +116,9 @@ def resolve_hooks(spec: str | None) -> list[Hook]:
     declared by an installed package's entry point (metadata only); only then are the entry
     points of the names asked for loaded, each checked to be the hook registered under its name."""
     names = [e.strip() for e in (spec or "").split(",") if e.strip()]
+    if len(names) > MAX_RUN_HOOKS:  # (before training: the run's audit record, which lists them, would be refused)
+        raise UserError(f"{_OPTION}: {len(names):,} hooks; a run records at most {MAX_RUN_HOOKS} "
+                        "(provenance/records.MAX_RUN_HOOKS)")
     for name in names:
         _check_form(name)
     found = {name: _entry_point(name) for name in names if name not in REGISTRY}

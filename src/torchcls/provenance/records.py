@@ -59,11 +59,10 @@ MAX_RUN_HOOKS = 256  # the --hooks names, each a registered hook or an installed
 class RunManifest(TypedDict):
     """One data manifest a run record lists (governance/run.py `_manifest_summary`): verify looks it up in the
     manifest store by its digest and compares its Merkle root; export's attestation names both. Every torchcls
-    wrote both (since the first run record, 4af7ec7); a summary without them names nothing to check, which verify
-    fails. (Left optional here only while tests/test_governance.py records a run with a summary of `{}`.)"""
+    wrote both (since the first run record, 4af7ec7): a summary without them names nothing to check."""
 
-    manifest_sha256: NotRequired[sha256_type()]
-    merkle_root: NotRequired[str]
+    manifest_sha256: sha256_type()
+    merkle_root: str
     name: NotRequired[str | None]
     records: NotRequired[int]
     manifest_hash_version: NotRequired[int]  # absent: recorded before dateCreated was hashed (version 1)
