@@ -145,6 +145,7 @@ def test_more_hooks_than_a_run_record_holds_are_refused_before_training():
     writer refuses it), so --hooks refuses them first."""
     from torchcls.provenance.records import MAX_RUN_HOOKS
 
-    with pytest.raises(UserError, match=rf"--hooks .*: {MAX_RUN_HOOKS + 1} hooks; a run records at most {MAX_RUN_HOOKS}"):
+    too_many = rf"--hooks .*: {MAX_RUN_HOOKS + 1} hooks; a run records at most {MAX_RUN_HOOKS}"
+    with pytest.raises(UserError, match=too_many):
         hooks_mod.resolve_hooks(",".join(["strip-exif"] * (MAX_RUN_HOOKS + 1)))
     assert len(hooks_mod.resolve_hooks(",".join(["strip-exif"] * MAX_RUN_HOOKS))) == MAX_RUN_HOOKS

@@ -188,7 +188,8 @@ def _check_manifests(res: VerifyResult, log: AuditLog, run: dict[str, Any], cach
             res.add(f"data {m.get('name')}", None, f"{manifest['tc:root']} is not present here: files not re-checked")
             continue
         problems = check_data(manifest, cache=cache)
-        res.add(f"data {m.get('name')}", not problems, "all files match the manifest" if not problems else listed(problems))
+        res.add(f"data {m.get('name')}", not problems,
+                "all files match the manifest" if not problems else listed(problems))
     return facts
 
 
